@@ -1,0 +1,149 @@
+"""Configuration: frozen dataclasses built from TOML, environment and CLI flags.
+
+Precedence, lowest first: dataclass defaults, the role's TOML table, environment
+variables ``SAFL_<ROLE>_<KEY>``, then explicit overrides (CLI flags).  Unknown
+keys and wrong types are refused with a :class:`ConfigError` naming the key;
+range checks live in each config's ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (JetPack 6)
+    import tomli as tomllib
+
+from .errors import ConfigError
+
+__all__ = ["load_config", "from_mapping", "check_range", "check_id", "DeviceConfig"]
+
+C = TypeVar("C")
+
+
+def check_range(key: str, value: float, low: float | None = None, high: float | None = None,
+                *, low_open: bool = False) -> None:
+    """Raise a ConfigError naming ``key`` unless ``low <= value <= high``."""
+    if low is not None and (value <= low if low_open else value < low):
+        raise ConfigError(key, f"must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ConfigError(key, f"must be <= {high}, got {value!r}")
+
+
+def check_id(key: str, value: str) -> None:
+    """Ids become MQTT topic levels: refuse empty ones and wildcard characters."""
+    if not isinstance(value, str) or not value or any(c in value for c in "/+#"):
+        raise ConfigError(key, f"must be a non-empty id without '/', '+' or '#', got {value!r}")
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+            return value.lower() in ("1", "true", "yes")
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, (list, tuple)):
+            inner = typing.get_args(hint)[0]
+            return tuple(_coerce(key, v.strip() if isinstance(v, str) else v, inner)
+                         for v in items if v != "")
+    raise ConfigError(key, f"expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def from_mapping(cls: type[C], values: Mapping[str, Any]) -> C:
+    """Build config ``cls`` from a flat mapping, refusing unknown keys."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise ConfigError(key, f"unknown key for {cls.__name__}; known: {sorted(names)}")
+    return cls(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
+
+
+def load_config(cls: type[C], role: str, path: str | Path | None = None,
+                overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> C:
+    """Load the ``[role]`` table of a TOML file, then environment, then overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", f"{path} is not valid TOML: {exc}") from exc
+        table = doc.get(role, {})
+        if not isinstance(table, dict):
+            raise ConfigError(role, f"must be a table in {path}")
+        values.update(table)
+    prefix = f"SAFL_{role.upper()}_"
+    env = os.environ if environ is None else environ
+    values.update({k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)})
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return from_mapping(cls, values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceConfig:
+    """Settings of one device (SPEC §2-3)."""
+
+    device_id: str
+    station: str
+    fleet: str = "default"
+    batch_size: int = 32
+    local_steps: int = 1
+    lr: float = 0.05
+    temperature: float = 50.0  # SAFL's maximum temperature L, in iterations
+    mix: float = 0.5  # SAFL's eps: 1 recovers FedAvg/FedGS exactly
+    granularity: str = "element"
+    nu: float = 0.0  # upload-gate regulariser; 0 always uploads
+    prox_mu: float = 0.0  # FedProx proximal weight; 0 disables
+    buffer_capacity: int = 1024
+    holdout_every: int = 10
+    holdout_capacity: int = 256
+
+    def __post_init__(self) -> None:
+        from .safl import GRANULARITIES
+        for key in ("device_id", "station", "fleet"):
+            check_id(key, getattr(self, key))
+        check_range("batch_size", self.batch_size, 1)
+        check_range("local_steps", self.local_steps, 1)
+        check_range("lr", self.lr, 0, low_open=True)
+        check_range("temperature", self.temperature, 0, low_open=True)
+        check_range("mix", self.mix, 0, 1)
+        check_range("nu", self.nu, 0)
+        check_range("prox_mu", self.prox_mu, 0)
+        check_range("buffer_capacity", self.buffer_capacity, 1)
+        check_range("holdout_every", self.holdout_every, 0)
+        check_range("holdout_capacity", self.holdout_capacity, 1)
+        if self.granularity not in GRANULARITIES:
+            raise ConfigError("granularity", f"must be one of {GRANULARITIES}")
