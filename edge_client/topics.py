@@ -1,0 +1,80 @@
+"""The MQTT topic tree, and the one mapping from a message to its topic.
+
+Each device writes only below ``safl/<fleet>/dev/<device_id>/`` so a broker ACL
+can confine it; the in-process bus uses the same names.
+"""
+
+from __future__ import annotations
+
+from . import messages as m
+
+__all__ = [
+    "topic_for",
+    "matches",
+    "device_topics",
+    "station_topics",
+    "cloud_topics",
+    "station_model_topic",
+    "global_model_topic",
+]
+
+
+def _root(fleet: str) -> str:
+    return f"safl/{fleet}"
+
+
+def topic_for(message: m.Message) -> str:
+    """Topic a message is published on."""
+    root = _root(message.fleet)
+    if isinstance(message, m.DeviceStats):
+        return f"{root}/dev/{message.sender}/stats"
+    if isinstance(message, (m.DeviceUpdate, m.SkipNotice)):
+        return f"{root}/dev/{message.sender}/update"
+    if isinstance(message, m.StationModel):
+        return station_model_topic(message.fleet, message.sender)
+    if isinstance(message, m.Selection):
+        return f"{root}/station/{message.sender}/select"
+    if isinstance(message, m.StationStats):
+        return f"{root}/station/{message.sender}/stats"
+    if isinstance(message, m.StationUpdate):
+        return f"{root}/station/{message.sender}/update"
+    if isinstance(message, m.GlobalModel):
+        return global_model_topic(message.fleet)
+    raise TypeError(f"no topic for {type(message).__name__}")
+
+
+def station_model_topic(fleet: str, station: str) -> str:
+    """Where ``station`` publishes ``w^m`` (``+`` for every station)."""
+    return f"{_root(fleet)}/station/{station}/model"
+
+
+def global_model_topic(fleet: str) -> str:
+    """Where the cloud publishes the global model."""
+    return f"{_root(fleet)}/cloud/model"
+
+
+def device_topics(fleet: str, station: str) -> list[str]:
+    """What a device of ``station`` subscribes to."""
+    return [station_model_topic(fleet, station), f"{_root(fleet)}/station/{station}/select"]
+
+
+def station_topics(fleet: str) -> list[str]:
+    """What a base station subscribes to (it filters devices by its roster)."""
+    root = _root(fleet)
+    return [f"{root}/dev/+/stats", f"{root}/dev/+/update", global_model_topic(fleet)]
+
+
+def cloud_topics(fleet: str) -> list[str]:
+    """What the cloud subscribes to."""
+    return [f"{_root(fleet)}/station/+/stats", f"{_root(fleet)}/station/+/update"]
+
+
+def matches(topic_filter: str, topic: str) -> bool:
+    """MQTT topic-filter matching with ``+`` and ``#`` wildcards."""
+    fparts, tparts = topic_filter.split("/"), topic.split("/")
+    for i, part in enumerate(fparts):
+        if part == "#":
+            return True
+        if i >= len(tparts) or (part != "+" and part != tparts[i]):
+            return False
+    return len(fparts) == len(tparts)

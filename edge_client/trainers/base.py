@@ -1,0 +1,58 @@
+"""The trainer interface every backend implements, and FedProx's device-side term."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import ConfigError, ShapeError
+
+__all__ = ["Trainer", "check_flat", "proximal_step"]
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """A model trained through flat float32 parameter vectors.
+
+    ``layout`` lists ``(name, shape)`` per tensor in flat order; ``lr`` is the
+    SGD learning rate and may be changed between steps.
+    """
+
+    layout: tuple[tuple[str, tuple[int, ...]], ...]
+    lr: float
+
+    @property
+    def num_params(self) -> int: ...
+
+    def get_flat(self) -> np.ndarray: ...
+
+    def set_flat(self, flat: np.ndarray) -> None: ...
+
+    def train_step(self, x: np.ndarray, y: np.ndarray) -> float: ...
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]: ...
+
+
+def check_flat(flat: np.ndarray, size: int) -> np.ndarray:
+    """Validate a flat parameter vector before it replaces a model's weights."""
+    flat = np.asarray(flat)
+    if flat.shape != (size,):
+        raise ShapeError(f"flat vector has shape {flat.shape}, model needs ({size},)")
+    if not np.isfinite(flat).all():
+        raise ShapeError("flat vector contains NaN or Inf")
+    return flat.astype(np.float32, copy=False)
+
+
+def proximal_step(before: np.ndarray, after: np.ndarray, anchor: np.ndarray, *,
+                  lr: float, mu: float) -> np.ndarray:
+    """Add FedProx's proximal term to one SGD step taken from ``before``.
+
+    The gradient of ``mu/2 ||w - anchor||^2`` at ``before`` is
+    ``mu (before - anchor)``, so the proximal SGD step is the plain step minus
+    ``lr * mu * (before - anchor)`` (Li et al., "Federated Optimization in
+    Heterogeneous Networks", MLSys 2020).
+    """
+    if mu < 0:
+        raise ConfigError("prox_mu", f"must be >= 0, got {mu!r}")
+    return (after - np.float32(lr * mu) * (before - anchor)).astype(np.float32)

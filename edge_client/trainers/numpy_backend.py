@@ -1,0 +1,110 @@
+"""Numpy trainers with hand-written gradients, so a device runs on numpy alone.
+
+Softmax regression and a one-hidden-layer MLP.  Parameters live in one flat
+float32 vector; tensors are views into it, laid out as torch's ``nn.Linear``
+would be (``weight`` (out, in) then ``bias``), so vectors cross backends.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import ConfigError, ShapeError
+from .base import check_flat
+
+__all__ = ["NumpyTrainer", "build"]
+
+
+def _softmax_xent(logits: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    expd = np.exp(shifted)
+    probs = expd / expd.sum(axis=1, keepdims=True)
+    n = len(y)
+    loss = float(-np.log(probs[np.arange(n), y] + 1e-12).mean())
+    probs[np.arange(n), y] -= 1.0
+    return loss, probs / n
+
+
+class NumpyTrainer:
+    """A stack of dense layers (ReLU between them) trained with plain SGD."""
+
+    def __init__(self, sizes: list[int], *, lr: float, seed: int, names: list[str]) -> None:
+        self.lr = lr
+        self._dims = list(zip(sizes[:-1], sizes[1:], strict=True))
+        layout = []
+        for name, (fan_in, fan_out) in zip(names, self._dims, strict=True):
+            layout += [(f"{name}.weight", (fan_out, fan_in)), (f"{name}.bias", (fan_out,))]
+        self.layout = tuple(layout)
+        self._flat = np.empty(sum(math.prod(s) for _, s in layout), dtype=np.float32)
+        self._params = []
+        offset = 0
+        for _, shape in layout:
+            size = math.prod(shape)
+            self._params.append(self._flat[offset:offset + size].reshape(shape))
+            offset += size
+        rng = np.random.default_rng(seed)
+        for i, (fan_in, _) in enumerate(self._dims):
+            bound = 1.0 / math.sqrt(fan_in)  # torch.nn.Linear's default init
+            for p in self._params[2 * i:2 * i + 2]:
+                p[...] = rng.uniform(-bound, bound, p.shape)
+
+    @property
+    def num_params(self) -> int:
+        return self._flat.size
+
+    def get_flat(self) -> np.ndarray:
+        return self._flat.copy()
+
+    def set_flat(self, flat: np.ndarray) -> None:
+        self._flat[...] = check_flat(flat, self._flat.size)
+
+    def _inputs(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32).reshape(len(x), -1)
+        if x.shape[1] != self._dims[0][0]:
+            raise ShapeError(f"input has {x.shape[1]} features, model expects {self._dims[0][0]}")
+        return x
+
+    def _forward(self, x: np.ndarray) -> list[np.ndarray]:
+        acts = [x]
+        for i in range(len(self._dims)):
+            z = acts[-1] @ self._params[2 * i].T + self._params[2 * i + 1]
+            acts.append(np.maximum(z, 0.0) if i < len(self._dims) - 1 else z)
+        return acts
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        return self._forward(self._inputs(x))[-1]
+
+    def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
+        """One SGD step on a batch; returns the batch loss before the step."""
+        acts = self._forward(self._inputs(x))
+        loss, grad = _softmax_xent(acts[-1], np.asarray(y))
+        for i in reversed(range(len(self._dims))):
+            w = self._params[2 * i]
+            gw, gb = grad.T @ acts[i], grad.sum(axis=0)
+            if i:
+                grad = (grad @ w) * (acts[i] > 0)
+            w -= np.float32(self.lr) * gw
+            self._params[2 * i + 1] -= np.float32(self.lr) * gb
+        return loss
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """Mean cross-entropy and accuracy on ``(x, y)``."""
+        y = np.asarray(y)
+        if len(y) == 0:
+            return float("nan"), float("nan")
+        logits = self.logits(x)
+        loss, _ = _softmax_xent(logits, y)
+        return loss, float((logits.argmax(axis=1) == y).mean())
+
+
+def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: float,
+          seed: int, hidden: int = 128) -> NumpyTrainer:
+    """``softmax`` (regression) or ``mlp`` (one hidden layer, ReLU)."""
+    d = math.prod(input_shape)
+    if model == "softmax":
+        return NumpyTrainer([d, num_classes], lr=lr, seed=seed, names=["fc"])
+    if model == "mlp":
+        return NumpyTrainer([d, hidden, num_classes], lr=lr, seed=seed, names=["fc1", "fc2"])
+    raise ConfigError("model", f"numpy backend offers 'softmax' and 'mlp', not {model!r}")

@@ -1,0 +1,1 @@
+"""The model zoo.  Importing this package loads no torch; ``models.zoo`` does."""

@@ -1,0 +1,65 @@
+"""Messages are validated and frozen; topics map one-to-one from message types."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from edge_client import messages as m
+from edge_client.errors import MessageError
+from edge_client.topics import matches, topic_for
+
+
+def _update(**kw):
+    base = dict(fleet="f", sender="d1", round=0, iteration=3, station="s1",
+                weights=np.ones(4), num_samples=32)
+    return m.DeviceUpdate(**{**base, **kw})
+
+
+def test_messages_are_frozen_and_arrays_read_only():
+    msg = _update()
+    assert msg.weights.dtype == np.float32
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        msg.iteration = 4
+    with pytest.raises(ValueError):
+        msg.weights[0] = 5.0
+
+
+def test_source_array_changes_do_not_leak_into_a_message():
+    w = np.ones(4, np.float32)
+    msg = _update(weights=w)
+    w[0] = 9
+    assert msg.weights[0] == 1.0
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(weights=np.array([1.0, np.nan])), "non_finite"),
+    (dict(weights=np.array([1.0, np.inf])), "non_finite"),
+    (dict(weights=np.ones((2, 2))), "wrong_shape"),
+    (dict(fleet=""), "header"),
+    (dict(iteration=-1), "header"),
+    (dict(version=99), "version"),
+])
+def test_malformed_messages_are_refused_with_a_reason(kw, reason):
+    with pytest.raises(MessageError) as err:
+        _update(**kw)
+    assert err.value.reason == reason
+
+
+def test_negative_counts_are_refused():
+    with pytest.raises(MessageError, match="negative"):
+        m.DeviceStats(fleet="f", sender="d", round=0, iteration=0, station="s",
+                      seen_counts=[1, -1], next_batch_counts=[0, 0])
+
+
+def test_topics():
+    assert topic_for(_update()) == "safl/f/dev/d1/update"
+    sel = m.Selection(fleet="f", sender="s1", round=0, iteration=0, members=("d1",), deadline=1)
+    assert topic_for(sel) == "safl/f/station/s1/select"
+    assert matches("safl/f/dev/+/update", "safl/f/dev/d1/update")
+    assert not matches("safl/f/dev/+/update", "safl/f/dev/d1/stats")
+    assert matches("safl/#", "safl/f/cloud/model")
+    assert not matches("safl/f/cloud", "safl/f/cloud/model")
+    assert m.payload_nbytes(_update()) == 16

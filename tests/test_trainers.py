@@ -1,0 +1,90 @@
+"""Trainers on flat vectors: numpy gradients, the shared layout with torch, FedProx."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_client.errors import ConfigError, ShapeError
+from edge_client.trainers import build_trainer, proximal_step
+
+
+def _mlp(backend="numpy", seed=0, lr=0.1):
+    return build_trainer("mlp", backend=backend, input_shape=(8, 8), num_classes=10, lr=lr,
+                         seed=seed)
+
+
+def test_numpy_mlp_gradient_matches_finite_differences(rng):
+    tr = build_trainer("mlp", input_shape=(5,), num_classes=3, lr=1.0, seed=3)
+    x, y = rng.normal(size=(7, 5)).astype(np.float32), rng.integers(0, 3, 7)
+    w0 = tr.get_flat().astype(np.float64)
+    tr.train_step(x, y)
+    grad = w0 - tr.get_flat()  # lr = 1
+    for i in rng.choice(w0.size, 12, replace=False):
+        h = 1e-3
+        losses = []
+        for s in (h, -h):
+            w = w0.copy()
+            w[i] += s
+            tr.set_flat(w.astype(np.float32))
+            losses.append(tr.evaluate(x, y)[0])
+        assert grad[i] == pytest.approx((losses[0] - losses[1]) / (2 * h), abs=2e-3)
+
+
+def test_training_lowers_the_loss_on_real_digits(digits):
+    tr = _mlp()
+    before = tr.evaluate(digits.x_test, digits.y_test)
+    for i in range(0, 1200, 32):
+        tr.train_step(digits.x_train[i:i + 32], digits.y_train[i:i + 32])
+    after = tr.evaluate(digits.x_test, digits.y_test)
+    assert after[0] < before[0] and after[1] > 0.8
+
+
+def test_numpy_and_torch_share_the_flat_layout(digits):
+    pytest.importorskip("torch")
+    a, b = _mlp("numpy", seed=1), _mlp("torch", seed=2)
+    assert a.layout == b.layout
+    b.set_flat(a.get_flat())
+    x = digits.x_test[:64]
+    assert np.abs(a.logits(x) - b.logits(x)).max() <= 1e-4
+    a.train_step(digits.x_train[:32], digits.y_train[:32])
+    b.train_step(digits.x_train[:32], digits.y_train[:32])
+    assert np.abs(a.get_flat() - b.get_flat()).max() <= 1e-5
+
+
+def test_torch_cnn_trains_through_flat_vectors(digits):
+    pytest.importorskip("torch")
+    tr = build_trainer("small_cnn", backend="torch", input_shape=(8, 8), num_classes=10, lr=0.1)
+    flat = tr.get_flat()
+    assert flat.dtype == np.float32 and flat.size == tr.num_params
+    loss0 = tr.train_step(digits.x_train[:32], digits.y_train[:32])
+    assert not np.array_equal(flat, tr.get_flat()) and np.isfinite(loss0)
+    tr.set_flat(flat)
+    assert np.array_equal(tr.get_flat(), flat)
+
+
+def test_set_flat_refuses_wrong_length_and_nan():
+    tr = _mlp()
+    before = tr.get_flat()
+    with pytest.raises(ShapeError):
+        tr.set_flat(np.zeros(before.size + 1, np.float32))
+    bad = before.copy()
+    bad[3] = np.nan
+    with pytest.raises(ShapeError):
+        tr.set_flat(bad)
+    assert np.array_equal(tr.get_flat(), before)
+    with pytest.raises(ShapeError):
+        tr.train_step(np.zeros((2, 7), np.float32), np.array([0, 1]))
+
+
+def test_unknown_model_or_backend_names_the_key():
+    with pytest.raises(ConfigError, match="model"):
+        build_trainer("resnet", input_shape=(4,), num_classes=2, lr=0.1)
+    with pytest.raises(ConfigError, match="backend"):
+        build_trainer("mlp", backend="jax", input_shape=(4,), num_classes=2, lr=0.1)
+
+
+def test_proximal_step_pulls_towards_the_anchor():
+    before, after, anchor = np.array([2.0]), np.array([1.5]), np.array([0.0])
+    assert proximal_step(before, after, anchor, lr=0.1, mu=1.0)[0] == pytest.approx(1.3)
+    assert proximal_step(before, after, anchor, lr=0.1, mu=0.0)[0] == pytest.approx(1.5)
