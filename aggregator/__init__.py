@@ -1,0 +1,1 @@
+"""Base station and cloud: FedGS super-node selection, internal and external sync."""

@@ -1,0 +1,124 @@
+"""Fusion rules and server optimisers: pure numpy, validated, never mutating inputs.
+
+Fusion rules turn a set of model vectors into one (SAFL eq. 3, FedGS internal
+and external sync); server optimisers turn the fused pseudo-gradient into the
+next global model (Reddi et al., "Adaptive Federated Optimization", ICLR 2021).
+Both are registered by name.  FedProx's proximal term is device-side:
+:func:`edge_client.trainers.proximal_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_client.config import check_range
+from edge_client.errors import ConfigError, ShapeError
+
+__all__ = ["FUSION_RULES", "SERVER_OPTIMIZERS", "fedavg", "ida", "ServerOptimizer",
+           "build_server_optimizer"]
+
+# Keeps IDA's inverse distance finite for an update equal to the mean.
+IDA_GUARD = 1e-8
+
+
+def _stack(models: Sequence[np.ndarray], weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    if not len(models):
+        raise ShapeError("nothing to fuse: no models")
+    if len(weights) != len(models):
+        raise ShapeError(f"{len(models)} models but {len(weights)} weights")
+    vectors = [np.asarray(v, dtype=np.float32) for v in models]
+    if len({v.shape for v in vectors}) != 1 or vectors[0].ndim != 1:
+        raise ShapeError(f"models must be equal-length 1-D vectors, got "
+                         f"{sorted({v.shape for v in vectors})}")
+    stack = np.stack(vectors)
+    if not np.isfinite(stack).all():
+        raise ShapeError("a model contains NaN or Inf")
+    w = np.asarray(weights, dtype=np.float64)
+    if not (np.isfinite(w).all() and (w >= 0).all() and w.sum() > 0):
+        raise ShapeError(f"weights must be non-negative with a positive sum, got {w}")
+    return stack, w
+
+
+def fedavg(models: Sequence[np.ndarray], num_samples: Sequence[float]) -> np.ndarray:
+    """Sample-weighted average ``sum_k (n_k / n) z_k`` (McMahan et al., 2017)."""
+    stack, w = _stack(models, num_samples)
+    return ((w / w.sum()) @ stack).astype(np.float32)
+
+
+def ida(models: Sequence[np.ndarray], num_samples: Sequence[float]) -> np.ndarray:
+    """Inverse-distance aggregation (Yeganeh et al., "Inverse Distance Aggregation", 2020).
+
+    ``eta_k ∝ n_k / (||z_k - mean(z)|| + guard)``: outlying updates count less.
+    """
+    stack, w = _stack(models, num_samples)
+    dist = np.linalg.norm(stack - stack.mean(axis=0), axis=1)
+    eta = w / (dist + IDA_GUARD)
+    return ((eta / eta.sum()) @ stack).astype(np.float32)
+
+
+FUSION_RULES: dict[str, Callable[[Sequence[np.ndarray], Sequence[float]], np.ndarray]] = {
+    "fedavg": fedavg,
+    "ida": ida,
+}
+
+
+@dataclass
+class ServerOptimizer:
+    """Applies the fused model as a pseudo-gradient ``Delta = fused - current``.
+
+    ``kind`` is one of :data:`SERVER_OPTIMIZERS`.  ``none`` adopts the fused
+    model; ``fedavgm`` keeps momentum ``v = beta1 v + Delta``; the adaptive
+    ones keep ``m = beta1 m + (1-beta1) Delta`` and a second moment ``v``
+    (Adagrad: ``v + Delta^2``; Adam: ``beta2 v + (1-beta2) Delta^2``; Yogi:
+    ``v - (1-beta2) Delta^2 sign(v - Delta^2)``) and step ``lr m / (sqrt v + tau)``.
+    """
+
+    kind: str = "none"
+    lr: float = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.kind not in SERVER_OPTIMIZERS:
+            raise ConfigError("server_optimizer", f"must be one of {SERVER_OPTIMIZERS}")
+        check_range("server_lr", self.lr, 0, low_open=True)
+        check_range("beta1", self.beta1, 0, 1)
+        check_range("beta2", self.beta2, 0, 1)
+        check_range("tau", self.tau, 0, low_open=True)
+        self._m: np.ndarray | None = None
+        self._v: np.ndarray | None = None
+
+    def step(self, current: np.ndarray, fused: np.ndarray) -> np.ndarray:
+        """Return the next global model; ``current`` and ``fused`` are left untouched."""
+        current = np.asarray(current, dtype=np.float64)
+        delta = np.asarray(fused, dtype=np.float64) - current
+        if self.kind == "none":
+            return np.asarray(fused, dtype=np.float32).copy()
+        if self._m is None:
+            self._m = np.zeros_like(delta)
+            # Reddi et al. initialise v to tau^2 so the first steps are bounded.
+            self._v = np.full_like(delta, self.tau**2)
+        if self.kind == "fedavgm":
+            self._m = self.beta1 * self._m + delta
+            return (current + self.lr * self._m).astype(np.float32)
+        self._m = self.beta1 * self._m + (1 - self.beta1) * delta
+        sq = delta**2
+        if self.kind == "fedadagrad":
+            self._v = self._v + sq
+        elif self.kind == "fedadam":
+            self._v = self.beta2 * self._v + (1 - self.beta2) * sq
+        else:  # fedyogi
+            self._v = self._v - (1 - self.beta2) * sq * np.sign(self._v - sq)
+        return (current + self.lr * self._m / (np.sqrt(self._v) + self.tau)).astype(np.float32)
+
+
+SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadagrad", "fedadam", "fedyogi")
+
+
+def build_server_optimizer(kind: str, **params: float) -> ServerOptimizer:
+    """Build a registered server optimiser by name."""
+    return ServerOptimizer(kind=kind, **params)
