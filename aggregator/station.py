@@ -1,0 +1,200 @@
+"""The base-station role: FedGS inside one factory, as a transport-free state machine.
+
+Each iteration ``t`` it forms a super node of ``L`` devices (``rand_per_group``
+at random, the rest by the configured selector, GBP-CS by default, against
+``P_real``), publishes ``w^m`` and the selection, and on the replies sets
+``w^m = sum_k (n_k / n) z_k`` (internal synchronisation).  Every ``T``
+iterations it uploads ``w^m`` to the cloud and waits for the global model
+(external synchronisation).  Replies past the deadline are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import numpy as np
+
+from edge_client import messages as m
+from edge_client.errors import SaflError
+from edge_client.topics import station_topics
+
+from .config import StationConfig
+from .fusion import FUSION_RULES
+from .selection import SELECTORS
+
+__all__ = ["Station"]
+
+log = logging.getLogger(__name__)
+
+
+class Station:
+    """Base station ``m`` (one factory).
+
+    States: ``joining`` (waiting for every device's first stats), ``waiting``
+    (for the global model), ``collecting`` (replies of a super node), ``done``.
+    """
+
+    def __init__(self, config: StationConfig, *, num_params: int, num_classes: int,
+                 rng: np.random.Generator) -> None:
+        self.config = config
+        self.num_params = num_params
+        self.num_classes = num_classes
+        self.rng = rng
+        self.state = "joining"
+        self.counters: Counter[str] = Counter()
+        self.stats: dict[str, m.DeviceStats] = {}
+        self.weights: np.ndarray | None = None
+        self.p_real: np.ndarray | None = None
+        self.round = 0
+        self.iteration = 0
+        self.members: tuple[str, ...] = ()
+        self.deadline = 0.0
+        self._replies: dict[str, m.DeviceUpdate | m.SkipNotice] = {}
+        self._consumed = 0
+
+    @property
+    def id(self) -> str:
+        return self.config.station_id
+
+    def subscriptions(self) -> list[str]:
+        return station_topics(self.config.fleet)
+
+    def start(self, now: float) -> list[m.Message]:
+        return []
+
+    def handle(self, message: m.Message, now: float) -> list[m.Message]:
+        """React to a device or cloud message; bad input is counted and dropped."""
+        try:
+            return self._handle(message, now)
+        except SaflError as exc:
+            return self._reject(type(exc).__name__, str(exc))
+
+    def tick(self, now: float) -> list[m.Message]:
+        """Close the iteration at its deadline with whatever arrived."""
+        if self.state == "collecting" and now >= self.deadline:
+            missing = len(self.members) - len(self._replies)
+            self.counters["replies_missed"] += missing
+            log.info("station %s: iteration %d deadline passed, %d of %d replies missing",
+                     self.id, self.iteration, missing, len(self.members))
+            return self._close_iteration(now)
+        return []
+
+    def _reject(self, reason: str, detail: str) -> list[m.Message]:
+        self.counters[f"rejected.{reason}"] += 1
+        log.warning("station %s dropped a message (%s): %s", self.id, reason, detail)
+        return []
+
+    def _handle(self, message: m.Message, now: float) -> list[m.Message]:
+        cfg = self.config
+        if message.fleet != cfg.fleet:
+            return self._reject("wrong_fleet", f"fleet {message.fleet!r}")
+        if isinstance(message, m.GlobalModel):
+            return self._on_global(message, now)
+        if not isinstance(message, (m.DeviceStats, m.DeviceUpdate, m.SkipNotice)):
+            return self._reject("unexpected_type", type(message).__name__)
+        if message.station != self.id:
+            return []  # another factory's device on the shared tree
+        if message.sender not in cfg.devices:
+            return self._reject("unknown_sender", f"device {message.sender!r} is not on the roster")
+        if isinstance(message, m.DeviceStats):
+            return self._on_stats(message)
+        return self._on_reply(message, now)
+
+    def _on_stats(self, msg: m.DeviceStats) -> list[m.Message]:
+        if {msg.seen_counts.size, msg.next_batch_counts.size} != {self.num_classes}:
+            return self._reject("wrong_length", f"histograms of width {msg.seen_counts.size}, "
+                                f"expected {self.num_classes}")
+        self.stats[msg.sender] = msg
+        if self.state == "joining" and len(self.stats) == len(self.config.devices):
+            self.state = "waiting"
+            return [m.StationStats(fleet=self.config.fleet, sender=self.id, round=0,
+                                   iteration=0, seen_counts=self._seen_counts())]
+        return []
+
+    def _on_reply(self, msg: m.DeviceUpdate | m.SkipNotice, now: float) -> list[m.Message]:
+        if self.state != "collecting" or msg.iteration != self.iteration:
+            return self._reject("stale_iteration", f"reply for iteration {msg.iteration}, "
+                                f"station is at {self.iteration} ({self.state})")
+        if msg.sender not in self.members:
+            return self._reject("not_selected", f"{msg.sender} is not in the super node")
+        if msg.sender in self._replies:
+            self.counters["duplicates"] += 1
+            return []
+        if isinstance(msg, m.DeviceUpdate) and msg.weights.size != self.num_params:
+            return self._reject("wrong_length", f"{msg.weights.size} weights, expected "
+                                f"{self.num_params}")
+        if now > self.deadline:
+            self.counters["late_replies"] += 1
+            return []
+        self._replies[msg.sender] = msg
+        kind = "updates" if isinstance(msg, m.DeviceUpdate) else "skips"
+        self.counters[f"received_{kind}"] += 1
+        if len(self._replies) == len(self.members):
+            return self._close_iteration(now)
+        return []
+
+    def _on_global(self, msg: m.GlobalModel, now: float) -> list[m.Message]:
+        if msg.sender != "cloud":
+            return self._reject("unknown_sender", f"global model from {msg.sender!r}")
+        if msg.weights.size != self.num_params or msg.p_real.size != self.num_classes:
+            return self._reject("wrong_length", "global model or P_real of the wrong size")
+        if self.weights is not None and msg.round <= self.round:
+            return self._reject("stale_iteration", f"global round {msg.round} already applied")
+        self.weights = np.array(msg.weights)
+        self.p_real = np.array(msg.p_real)
+        self.round, self.iteration = msg.round, msg.iteration
+        if msg.final:
+            self.state = "done"
+            return [self._model_message()]
+        return self._begin_iteration(now)
+
+    def _begin_iteration(self, now: float) -> list[m.Message]:
+        cfg = self.config
+        ready = [d for d in cfg.devices
+                 if d in self.stats and self.stats[d].next_batch_counts.any()]
+        size = min(cfg.super_node_size, len(ready))
+        hists = np.array([self.stats[d].next_batch_counts for d in ready], dtype=np.float64)
+        n_random = min(cfg.rand_per_group, size)
+        fixed = list(self.rng.choice(len(ready), size=n_random, replace=False)) if n_random else []
+        picked = SELECTORS[cfg.selector](hists.reshape(len(ready), self.num_classes), self.p_real,
+                                         size - n_random, fixed=fixed, rng=self.rng,
+                                         max_iter=cfg.gbp_max_iter) if ready else []
+        self.members = tuple(sorted(ready[i] for i in [*fixed, *picked]))
+        self._replies = {}
+        self.deadline = now + cfg.iteration_timeout
+        self.state = "collecting"
+        out: list[m.Message] = [self._model_message(),
+                                m.Selection(fleet=cfg.fleet, sender=self.id, round=self.round,
+                                            iteration=self.iteration, members=self.members,
+                                            deadline=self.deadline)]
+        if not self.members:
+            self.counters["iterations_without_data"] += 1
+            return out + self._close_iteration(now)
+        return out
+
+    def _close_iteration(self, now: float) -> list[m.Message]:
+        cfg = self.config
+        updates = [r for r in self._replies.values() if isinstance(r, m.DeviceUpdate)]
+        if len(updates) >= cfg.min_quorum:
+            self.weights = FUSION_RULES[cfg.fusion]([u.weights for u in updates],
+                                                    [u.num_samples for u in updates])
+            self._consumed += sum(u.num_samples for u in updates)
+        else:
+            self.counters["iterations_below_quorum"] += 1
+        self.iteration += 1
+        if self.iteration % cfg.sync_period:
+            return self._begin_iteration(now)
+        self.state = "waiting"
+        update = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
+                                 iteration=self.iteration, weights=self.weights,
+                                 num_samples=self._consumed, seen_counts=self._seen_counts())
+        self._consumed = 0
+        return [update]
+
+    def _model_message(self) -> m.StationModel:
+        return m.StationModel(fleet=self.config.fleet, sender=self.id, round=self.round,
+                              iteration=self.iteration, weights=self.weights)
+
+    def _seen_counts(self) -> np.ndarray:
+        return np.sum([s.seen_counts for s in self.stats.values()], axis=0)

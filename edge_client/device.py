@@ -1,0 +1,172 @@
+"""The device role: a transport-free state machine running SAFL on a stream.
+
+On a selection that names it, the device takes the station model ``zbar_t``,
+applies the annealed merge against its last local model, trains on fresh
+one-shot batches from its :class:`StreamBuffer`, and either uploads ``z_t`` or
+sends a skip notice, as the upload gate decides (SPEC §3).  It never does I/O:
+``handle(message, now)`` returns the messages to publish.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import numpy as np
+
+from . import messages as m
+from .buffer import StreamBuffer
+from .config import DeviceConfig
+from .errors import SaflError
+from .safl import annealed_merge, performance_gap, upload_probability
+from .topics import device_topics
+from .trainers import Trainer, proximal_step
+
+__all__ = ["Device"]
+
+log = logging.getLogger(__name__)
+
+
+class Device:
+    """One edge device.
+
+    Parameters
+    ----------
+    config : DeviceConfig
+    trainer : Trainer
+        Backend holding the model; its flat size is the federation's model size.
+    num_classes : int
+        Label histogram width ``F``.
+    sample_shape : tuple of int
+        Shape of one sample in the stream.
+    rng : numpy.random.Generator
+        Source of the merge mask and the upload-gate draw.
+    """
+
+    def __init__(self, config: DeviceConfig, trainer: Trainer, *, num_classes: int,
+                 sample_shape: tuple[int, ...], rng: np.random.Generator) -> None:
+        self.config = config
+        self.trainer = trainer
+        self.trainer.lr = config.lr
+        self.rng = rng
+        self.buffer = StreamBuffer(config.buffer_capacity, num_classes, sample_shape,
+                                   holdout_every=config.holdout_every,
+                                   holdout_capacity=config.holdout_capacity)
+        self.counters: Counter[str] = Counter()
+        self._model: m.StationModel | None = None
+        self._local: np.ndarray | None = None
+        self._reported_next: np.ndarray | None = None
+        self._tensor_sizes = [int(np.prod(shape)) for _, shape in trainer.layout]
+
+    @property
+    def id(self) -> str:
+        return self.config.device_id
+
+    def subscriptions(self) -> list[str]:
+        return device_topics(self.config.fleet, self.config.station)
+
+    def start(self, now: float) -> list[m.Message]:
+        return [self._stats(0, 0)]
+
+    def tick(self, now: float) -> list[m.Message]:
+        return []
+
+    def ingest(self, x: np.ndarray, y: np.ndarray, now: float) -> list[m.Message]:
+        """Take newly sensed samples; report stats when the next batch changed."""
+        self.buffer.push(x, y)
+        nxt = self.buffer.next_batch_counts(self.config.batch_size)
+        if self._reported_next is not None and np.array_equal(nxt, self._reported_next):
+            return []
+        model = self._model
+        return [self._stats(model.round if model else 0, model.iteration if model else 0)]
+
+    def handle(self, message: m.Message, now: float) -> list[m.Message]:
+        """React to a station message; bad input is counted and dropped."""
+        try:
+            return self._handle(message, now)
+        except SaflError as exc:
+            return self._reject(type(exc).__name__, str(exc))
+
+    def _reject(self, reason: str, detail: str) -> list[m.Message]:
+        self.counters[f"rejected.{reason}"] += 1
+        log.warning("device %s dropped a message (%s): %s", self.id, reason, detail)
+        return []
+
+    def _handle(self, message: m.Message, now: float) -> list[m.Message]:
+        if message.fleet != self.config.fleet:
+            return self._reject("wrong_fleet", f"fleet {message.fleet!r}")
+        if message.sender != self.config.station:
+            return self._reject("unknown_sender", f"{message.sender!r} is not my station")
+        if isinstance(message, m.StationModel):
+            if message.weights.size != self.trainer.num_params:
+                return self._reject("wrong_length", f"{message.weights.size} weights, model has "
+                                    f"{self.trainer.num_params}")
+            if self._model is not None and message.iteration < self._model.iteration:
+                return self._reject("stale_iteration", f"model of iteration {message.iteration}")
+            self._model = message
+            return []
+        if isinstance(message, m.Selection):
+            if self.id not in message.members:
+                return []
+            if self._model is None or self._model.iteration != message.iteration:
+                return self._reject("no_model", f"selected for {message.iteration} without "
+                                    "that iteration's model")
+            return self._train_and_reply(self._model)
+        return self._reject("unexpected_type", type(message).__name__)
+
+    def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
+        cfg, t = self.config, model.iteration
+        zbar = np.array(model.weights)
+        start = zbar if self._local is None else annealed_merge(
+            self._local, zbar, t, temperature=cfg.temperature, mix=cfg.mix, rng=self.rng,
+            granularity=cfg.granularity, layout=self._tensor_sizes)
+        self.trainer.set_flat(start)
+        consumed = 0
+        for _ in range(cfg.local_steps):
+            x, y = self.buffer.next_batch(cfg.batch_size)
+            if not len(y):
+                break
+            before = self.trainer.get_flat() if cfg.prox_mu else None
+            self.trainer.train_step(x, y)
+            if before is not None:
+                self.trainer.set_flat(proximal_step(before, self.trainer.get_flat(), zbar,
+                                                    lr=self.trainer.lr, mu=cfg.prox_mu))
+            consumed += len(y)
+        header = dict(fleet=cfg.fleet, sender=self.id, round=model.round, iteration=t,
+                      station=cfg.station)
+        if consumed == 0:
+            self.counters["skipped.no_data"] += 1
+            return [self._stats(model.round, t), m.SkipNotice(**header, gap=0.0)]
+        z = self.trainer.get_flat()
+        self._local = z
+        gap, upload = self._upload_gate(z, zbar)
+        self.counters["steps"] += 1
+        if upload:
+            self.counters["uploads"] += 1
+            reply: m.Message = m.DeviceUpdate(**header, weights=z, num_samples=consumed)
+        else:
+            self.counters["skipped.gate"] += 1
+            reply = m.SkipNotice(**header, gap=gap)
+        # Stats go first so the station selects the next super node on fresh histograms.
+        return [self._stats(model.round, t), reply]
+
+    def _upload_gate(self, z: np.ndarray, zbar: np.ndarray) -> tuple[float, bool]:
+        """Extended SAFL: upload with probability exp(-nu * Delta) (SPEC §3)."""
+        if self.config.nu == 0:
+            return 0.0, True
+        hx, hy = self.buffer.holdout()
+        if not len(hy):
+            return 0.0, True
+        _, local_acc = self.trainer.evaluate(hx, hy)
+        self.trainer.set_flat(zbar)
+        _, global_acc = self.trainer.evaluate(hx, hy)
+        self.trainer.set_flat(z)
+        gap = performance_gap(local_acc, global_acc)
+        return gap, bool(self.rng.random() < upload_probability(gap, self.config.nu))
+
+    def _stats(self, round_: int, iteration: int) -> m.DeviceStats:
+        nxt = self.buffer.next_batch_counts(self.config.batch_size)
+        self._reported_next = nxt
+        return m.DeviceStats(fleet=self.config.fleet, sender=self.id, round=round_,
+                             iteration=iteration, station=self.config.station,
+                             seen_counts=self.buffer.seen_counts, next_batch_counts=nxt)

@@ -1,0 +1,67 @@
+"""Configuration: TOML, environment and overrides, with errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from aggregator.config import CloudConfig, StationConfig
+from edge_client.config import DeviceConfig, load_config
+from edge_client.errors import ConfigError
+
+
+def test_toml_env_and_overrides_in_order(tmp_path):
+    path = tmp_path / "device.toml"
+    path.write_text('[device]\ndevice_id = "cam1"\nstation = "s1"\nlr = 0.2\nmix = 0.3\n')
+    cfg = load_config(DeviceConfig, "device", path, overrides={"mix": 0.9},
+                      environ={"SAFL_DEVICE_LR": "0.01", "SAFL_DEVICE_NU": "2"})
+    assert (cfg.device_id, cfg.lr, cfg.mix, cfg.nu) == ("cam1", 0.01, 0.9, 2.0)
+
+
+def test_station_roster_from_toml_list(tmp_path):
+    path = tmp_path / "station.toml"
+    path.write_text('[station]\nstation_id = "s1"\ndevices = ["a", "b", "c"]\n'
+                    'super_node_size = 3\n')
+    assert load_config(StationConfig, "station", path).devices == ("a", "b", "c")
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[device]\ndevice_id = "a"\nstation = "s"\nlearning_rate = 1\n', "learning_rate"),
+    ('[device]\ndevice_id = "a"\nstation = "s"\ntemperature = -1.0\n', "temperature"),
+    ('[device]\ndevice_id = "a"\nstation = "s"\nmix = 1.5\n', "mix"),
+    ('[device]\ndevice_id = "a"\nstation = "s"\nbatch_size = "big"\n', "batch_size"),
+    ('[device]\ndevice_id = "a/b"\nstation = "s"\n', "device_id"),
+    ('[device\n', "config"),
+])
+def test_broken_device_config_names_the_key(tmp_path, text, key):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=key):
+        load_config(DeviceConfig, "device", path)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(DeviceConfig, "device", tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("kw, key", [
+    (dict(super_node_size=5), "super_node_size"),  # more than the 3 devices it has
+    (dict(rand_per_group=4), "rand_per_group"),
+    (dict(selector="magic"), "selector"),
+    (dict(fusion="median"), "fusion"),
+    (dict(devices=("a", "a", "b")), "devices"),
+    (dict(sync_period=0), "sync_period"),
+])
+def test_station_config_out_of_range(kw, key):
+    base = dict(station_id="s", devices=("a", "b", "c"), super_node_size=2)
+    with pytest.raises(ConfigError, match=key):
+        StationConfig(**{**base, **kw})
+
+
+def test_cloud_config_out_of_range():
+    with pytest.raises(ConfigError, match="rounds"):
+        CloudConfig(stations=("s",), rounds=0)
+    with pytest.raises(ConfigError, match="min_stations"):
+        CloudConfig(stations=("s",), rounds=1, min_stations=2)
+    with pytest.raises(ConfigError, match="server_optimizer"):
+        CloudConfig(stations=("s",), rounds=1, server_optimizer="adam")

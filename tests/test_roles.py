@@ -1,0 +1,232 @@
+"""Role tests: device, station and cloud state machines, alone and over the LocalBus."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aggregator.cloud import Cloud
+from aggregator.config import CloudConfig, StationConfig
+from aggregator.station import Station
+from edge_client import messages as m
+from edge_client.config import DeviceConfig
+from edge_client.device import Device
+from edge_client.errors import ShapeError
+from edge_client.topics import global_model_topic
+from edge_client.trainers import build_trainer
+from edge_client.transport import LocalBus, RoleRunner
+
+CLOCK = lambda: 0.0  # noqa: E731
+F = 10
+
+
+def _trainer(lr=0.5, seed=0):
+    return build_trainer("softmax", input_shape=(8, 8), num_classes=F, lr=lr, seed=seed)
+
+
+def _fleet(digits, *, n_devices=4, device_kw=None, station_kw=None, rounds=1, feed=None):
+    """Cloud, one station and devices on a LocalBus, each device holding ``feed[k]`` samples."""
+    bus = LocalBus()
+    ids = tuple(f"d{k}" for k in range(n_devices))
+    w0 = _trainer().get_flat()
+    cloud = Cloud(CloudConfig(fleet="t", stations=("s",), rounds=rounds), initial_weights=w0,
+                  num_classes=F)
+    station = Station(StationConfig(fleet="t", station_id="s", devices=ids,
+                                    **{"super_node_size": n_devices, "rand_per_group": 0,
+                                       "sync_period": 1, **(station_kw or {})}),
+                      num_params=w0.size, num_classes=F, rng=np.random.default_rng(0))
+    devices = []
+    start = 0
+    for k, did in enumerate(ids):
+        cfg = DeviceConfig(device_id=did, station="s", fleet="t",
+                           **{"lr": 0.5, "mix": 1.0, "holdout_every": 0, **(device_kw or {})})
+        dev = Device(cfg, _trainer(seed=k + 1), num_classes=F, sample_shape=(8, 8),
+                     rng=np.random.default_rng(k))
+        n = (feed or [200] * n_devices)[k]
+        dev.buffer.push(digits.x_train[start:start + n], digits.y_train[start:start + n])
+        start += n
+        devices.append(dev)
+    globals_: list[m.GlobalModel] = []
+    bus.subscribe(global_model_topic("t"), lambda topic, msg: globals_.append(msg))
+    runners = [RoleRunner(r, bus, CLOCK) for r in (cloud, station, *devices)]
+    return bus, runners, cloud, station, devices, globals_, w0
+
+
+def _run(bus, runners):
+    for r in runners:
+        r.start()
+    bus.deliver()
+
+
+def test_one_fedgs_iteration_equals_one_synchronous_sgd_step(digits):
+    # One group, T = 1, mix = 1: the new global model is one SGD step over the union of
+    # the selected batches, each device weighted by its batch size.
+    sizes = [8, 16, 24, 32]
+    bus, runners, cloud, station, devices, globals_, w0 = _fleet(
+        digits, feed=sizes, device_kw={"batch_size": 32})
+    _run(bus, runners)
+    assert [g.round for g in globals_] == [0, 1] and globals_[-1].final
+    ref = _trainer()
+    ref.set_flat(w0)
+    ref.train_step(digits.x_train[:sum(sizes)], digits.y_train[:sum(sizes)])
+    np.testing.assert_allclose(globals_[-1].weights, ref.get_flat(), atol=1e-6)
+    assert not np.allclose(globals_[-1].weights, w0)
+
+
+def test_gated_devices_are_counted_not_waited_for(digits):
+    bus, runners, cloud, station, devices, globals_, _ = _fleet(
+        digits, rounds=6, feed=[300] * 4,
+        device_kw={"nu": 200.0, "holdout_every": 4, "batch_size": 8},
+        station_kw={"sync_period": 2})
+    _run(bus, runners)  # no tick: only skip notices can close iterations that lack uploads
+    assert cloud.state == "done" and globals_[-1].round == 6
+    skips = sum(d.counters["skipped.gate"] for d in devices)
+    uploads = sum(d.counters["uploads"] for d in devices)
+    assert skips > 0 and uploads > 0
+    assert station.counters["received_skips"] == skips == bus.messages["SkipNotice"]
+    assert station.counters["received_updates"] == uploads
+    assert uploads + skips == 6 * 2 * len(devices)  # every member replied every iteration
+
+
+def _station(n=3, **kw):
+    cfg = StationConfig(fleet="t", station_id="s", devices=tuple(f"d{k}" for k in range(n)),
+                        **{"super_node_size": n, "rand_per_group": 0, "sync_period": 2,
+                           "iteration_timeout": 10.0, **kw})
+    return Station(cfg, num_params=4, num_classes=2, rng=np.random.default_rng(0))
+
+
+def _stats(did, station="s", fleet="t", width=2):
+    return m.DeviceStats(fleet=fleet, sender=did, round=0, iteration=0, station=station,
+                         seen_counts=np.ones(width, int), next_batch_counts=np.ones(width, int))
+
+
+def _upd(did, it, w, station="s", fleet="t", n=10):
+    return m.DeviceUpdate(fleet=fleet, sender=did, round=0, iteration=it, station=station,
+                          weights=np.full(4, w), num_samples=n)
+
+
+def _start_station(st, now=0.0):
+    for k in range(len(st.config.devices)):
+        st.handle(_stats(f"d{k}"), now)
+    out = st.handle(m.GlobalModel(fleet="t", sender="cloud", round=0, iteration=0,
+                                  weights=np.zeros(4), p_real=[0.5, 0.5]), now)
+    return out
+
+
+def test_station_proceeds_at_the_deadline_and_drops_late_replies():
+    st = _station()
+    out = _start_station(st)
+    sel = next(x for x in out if isinstance(x, m.Selection))
+    assert sel.members == ("d0", "d1", "d2") and sel.deadline == 10.0
+    st.handle(_upd("d0", 0, 1.0), 1.0)
+    st.handle(_upd("d1", 0, 3.0), 2.0)
+    assert st.tick(5.0) == [] and st.iteration == 0
+    out = st.tick(10.0)
+    assert st.iteration == 1 and st.counters["replies_missed"] == 1
+    np.testing.assert_allclose(st.weights, 2.0)
+    assert any(isinstance(x, m.Selection) and x.iteration == 1 for x in out)
+    st.handle(_upd("d2", 0, 100.0), 11.0)  # the straggler of iteration 0
+    assert st.counters["rejected.stale_iteration"] == 1
+    np.testing.assert_allclose(st.weights, 2.0)
+
+
+def test_station_below_quorum_keeps_its_model():
+    st = _station(min_quorum=2)
+    _start_station(st)
+    st.handle(_upd("d0", 0, 5.0), 1.0)
+    st.tick(10.0)
+    assert st.counters["iterations_below_quorum"] == 1
+    np.testing.assert_allclose(st.weights, 0.0)
+
+
+def test_station_counts_bad_input_and_keeps_accepted_data():
+    st = _station()
+    _start_station(st)
+    st.handle(_upd("d0", 0, 1.0), 1.0)
+    bad = [
+        (_upd("intruder", 0, 9.0), "rejected.unknown_sender"),
+        (_upd("d1", 0, 9.0, fleet="other"), "rejected.wrong_fleet"),
+        (m.DeviceUpdate(fleet="t", sender="d1", round=0, iteration=0, station="s",
+                        weights=np.ones(7), num_samples=1), "rejected.wrong_length"),
+        (_upd("d1", 5, 9.0), "rejected.stale_iteration"),
+        (_upd("d0", 0, 9.0), "duplicates"),
+        (_stats("d1", width=3), "rejected.wrong_length"),
+        (m.GlobalModel(fleet="t", sender="mallory", round=9, iteration=0, weights=np.ones(4),
+                       p_real=[0.5, 0.5]), "rejected.unknown_sender"),
+    ]
+    for msg, counter in bad:
+        before = st.counters[counter]
+        assert st.handle(msg, 1.0) == []
+        assert st.counters[counter] == before + 1, counter
+    assert st.handle(_upd("d1", 0, 9.0, station="other"), 1.0) == []  # another factory's
+    st.handle(_upd("d1", 0, 3.0), 1.0)
+    st.handle(_upd("d2", 0, 5.0), 1.0)
+    np.testing.assert_allclose(st.weights, 3.0)  # d0's first update counted exactly once
+
+
+def test_station_reports_to_cloud_every_T_iterations():
+    st = _station()
+    _start_station(st)
+    outs = []
+    for it in range(2):
+        for k in range(3):
+            outs += st.handle(_upd(f"d{k}", it, float(k), n=k + 1), 1.0)
+    ups = [x for x in outs if isinstance(x, m.StationUpdate)]
+    assert len(ups) == 1 and ups[0].iteration == 2 and ups[0].num_samples == 2 * 6
+    np.testing.assert_allclose(ups[0].weights, (0 * 1 + 1 * 2 + 2 * 3) / 6)
+    assert st.state == "waiting"
+
+
+def test_cloud_p_real_and_station_weighting():
+    for weighting, expected in (("samples", 2.5), ("equal", 2.0)):
+        cloud = Cloud(CloudConfig(stations=("a", "b"), rounds=2, fleet="t",
+                                  station_weighting=weighting),
+                      initial_weights=np.zeros(2), num_classes=2)
+        assert cloud.handle(m.StationStats(fleet="t", sender="a", round=0, iteration=0,
+                                           seen_counts=[3, 1]), 0) == []
+        out = cloud.handle(m.StationStats(fleet="t", sender="b", round=0, iteration=0,
+                                          seen_counts=[1, 3]), 0)
+        np.testing.assert_allclose(out[0].p_real, [0.5, 0.5])
+        for sid, w, n in (("a", 1.0, 1), ("b", 3.0, 3)):
+            out = cloud.handle(m.StationUpdate(fleet="t", sender=sid, round=0, iteration=5,
+                                               weights=np.full(2, w), num_samples=n,
+                                               seen_counts=[6, 2] if sid == "a" else [1, 3]), 0)
+        g = out[0]
+        assert g.round == 1 and g.iteration == 5
+        np.testing.assert_allclose(g.weights, expected)
+        np.testing.assert_allclose(g.p_real, [7 / 12, 5 / 12])
+
+
+def test_cloud_deadline_needs_a_quorum():
+    cloud = Cloud(CloudConfig(stations=("a", "b"), rounds=3, fleet="t", min_stations=1,
+                              round_timeout=10.0),
+                  initial_weights=np.zeros(2), num_classes=2)
+    for sid in "ab":
+        cloud.handle(m.StationStats(fleet="t", sender=sid, round=0, iteration=0,
+                                    seen_counts=[1, 1]), 0)
+    assert cloud.tick(10.0) == [] and cloud.counters["rounds_below_quorum"] == 1
+    cloud.handle(m.StationUpdate(fleet="t", sender="a", round=0, iteration=5,
+                                 weights=np.ones(2), num_samples=4, seen_counts=[1, 1]), 12.0)
+    out = cloud.tick(20.0)
+    assert out[0].round == 1 and cloud.counters["stations_missed"] == 1
+
+
+def test_device_rejects_foreign_and_malformed_models(digits):
+    cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0)
+    dev = Device(cfg, _trainer(), num_classes=F, sample_shape=(8, 8),
+                 rng=np.random.default_rng(0))
+    n = dev.trainer.num_params
+    cases = [
+        (m.StationModel(fleet="t", sender="s", round=0, iteration=0, weights=np.zeros(n - 1)),
+         "rejected.wrong_length"),
+        (m.StationModel(fleet="t", sender="other", round=0, iteration=0, weights=np.zeros(n)),
+         "rejected.unknown_sender"),
+        (m.StationModel(fleet="x", sender="s", round=0, iteration=0, weights=np.zeros(n)),
+         "rejected.wrong_fleet"),
+        (m.Selection(fleet="t", sender="s", round=0, iteration=0, members=("d0",), deadline=1),
+         "rejected.no_model"),
+    ]
+    for msg, counter in cases:
+        assert dev.handle(msg, 0) == [] and dev.counters[counter] == 1
+    with pytest.raises(ShapeError):
+        dev.buffer.push(np.zeros((1, 3)), np.array([0]))
