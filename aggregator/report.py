@@ -1,0 +1,107 @@
+"""Run outputs: progress on stderr, the summary table, metrics CSV/JSON and the accuracy plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from edge_client.errors import SaflError
+
+from .simulation import RunResult
+
+__all__ = ["Progress", "summary_rows", "format_table", "write_metrics", "plot_accuracy"]
+
+
+class Progress:
+    """A one-line progress bar (redrawn in place on a terminal, sparse lines otherwise)."""
+
+    def __init__(self, label: str, total: int, stream: TextIO | None = None, width: int = 30):
+        stream = stream or sys.stderr
+        self.label, self.total, self.stream, self.width = label, total, stream, width
+        self.started = time.perf_counter()
+        self._tty = stream.isatty()
+        self._last_pct = -1
+
+    def __call__(self, done: int, accuracy: float) -> None:
+        frac = done / self.total if self.total else 1.0
+        pct = int(100 * frac)
+        if not self._tty and pct // 25 == self._last_pct // 25 and done != self.total:
+            return
+        self._last_pct = pct
+        bar = "#" * int(self.width * frac) + "-" * (self.width - int(self.width * frac))
+        line = (f"{self.label:<14} [{bar}] {done:>4}/{self.total} rounds  acc {accuracy:.3f}  "
+                f"{time.perf_counter() - self.started:5.1f}s")
+        end = "\n" if not self._tty or done == self.total else ""
+        self.stream.write(("\r" if self._tty else "") + line + end)
+        self.stream.flush()
+
+
+def summary_rows(results: Sequence[RunResult]) -> list[dict[str, object]]:
+    """One row per strategy: accuracy, uploads, skips and traffic at the end of the run."""
+    out = []
+    for r in results:
+        last = r.rows[-1]
+        out.append({"strategy": r.strategy, "final_accuracy": round(r.final_accuracy, 4),
+                    "best_accuracy": round(r.best_accuracy, 4), "rounds": last["round"],
+                    "uploads": last["uploads"], "skips": last["skips"],
+                    "mb_device_up": round(last["bytes_device_up"] / 1e6, 1),
+                    "mb_station_up": round(last["bytes_station_up"] / 1e6, 1),
+                    "mb_down": round((last["bytes_device_down"] + last["bytes_station_down"])
+                                     / 1e6, 1),
+                    "wall_s": round(r.wall_s, 1)})
+    return out
+
+
+def format_table(rows: Sequence[dict[str, object]]) -> str:
+    """Fixed-width text table of :func:`summary_rows`."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    cells = [keys] + [[str(r[k]) for k in keys] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_metrics(results: Sequence[RunResult], out: Path) -> tuple[Path, Path]:
+    """Write per-round ``metrics.csv`` and the ``summary.json`` of a run."""
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path = out / "metrics.csv", out / "summary.json"
+    rows = [row for r in results for row in r.rows]
+    with open(csv_path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = {"strategies": summary_rows(results),
+               "counters": {r.strategy: r.counters for r in results}}
+    json_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return csv_path, json_path
+
+
+def plot_accuracy(results: Sequence[RunResult], path: Path, title: str) -> Path:
+    """Test accuracy of the global model against rounds, one line per strategy."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SaflError("matplotlib is needed for plots: pip install 'safl-edge[plot]'") from exc
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        ax.plot([row["round"] for row in r.rows], [row["accuracy"] for row in r.rows],
+                label=f"{r.strategy} (final {r.final_accuracy:.3f})")
+    ax.set_xlabel("round (external synchronisation)")
+    ax.set_ylabel("test accuracy of the global model")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

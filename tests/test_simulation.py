@@ -1,0 +1,62 @@
+"""End-to-end federations on the in-process bus, on real data (scikit-learn digits)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aggregator.datasets import assign_groups, dirichlet_label_skew
+from aggregator.demo import demo_strategies
+from aggregator.simulation import FleetSpec, Strategy, run_federation
+
+
+def _spec(digits, seed=0, rounds=20):
+    rng = np.random.default_rng(seed)
+    return FleetSpec(partitions=tuple(dirichlet_label_skew(digits.y_train, 8, 0.5, rng)),
+                     groups=tuple(assign_groups(8, 2, rng)), rounds=rounds, lr=0.1, seed=seed,
+                     arrivals_per_step=16, initial_samples=32)
+
+
+@pytest.mark.slow
+def test_hierarchical_federation_learns_digits(digits):
+    # Measured on 2026-11-29, seed 0 (2 stations x 4 devices, Dirichlet(0.5), 20 rounds), final
+    # accuracy from 0.189 at round 0: fedgs 0.869, fedavg 0.839, safl+fedgs 0.833 (seeds 1, 2:
+    # fedgs 0.875 / 0.881, fedavg 0.608 / 0.792, safl+fedgs 0.639 / 0.772).  The floors sit
+    # ~10 points under the seed-0 figures so that only a real regression trips them.
+    spec = _spec(digits)
+    results = {s.name: run_federation(digits, s, spec)
+               for s in demo_strategies(super_node_size=3, sync_period=5)}
+    start = results["fedgs"].rows[0]["accuracy"]
+    assert start < 0.3
+    assert results["fedgs"].final_accuracy >= 0.77
+    assert results["fedavg"].final_accuracy >= 0.74
+    assert results["safl+fedgs"].final_accuracy >= 0.73
+    for r in results.values():
+        assert [row["round"] for row in r.rows] == list(range(21))
+
+
+def test_same_spec_gives_identical_runs(digits):
+    spec = _spec(digits, rounds=3)
+    s = demo_strategies(super_node_size=3, sync_period=2)[0]
+    a, b = run_federation(digits, s, spec), run_federation(digits, s, spec)
+    assert [r["accuracy"] for r in a.rows] == [r["accuracy"] for r in b.rows]
+    assert a.counters == b.counters
+
+
+def test_strategies_share_round_zero(digits):
+    spec = _spec(digits, rounds=1)
+    first = [run_federation(digits, s, spec).rows[0]["accuracy"]
+             for s in demo_strategies(super_node_size=3, sync_period=2)]
+    assert len(set(first)) == 1
+
+
+def test_traffic_is_counted_per_link(digits):
+    spec = _spec(digits, rounds=2)
+    r = run_federation(digits, Strategy("fedgs", device={"mix": 1.0},
+                                        station={"super_node_size": 2, "rand_per_group": 0,
+                                                 "sync_period": 3}), spec)
+    last = r.rows[-1]
+    n_params = 64 * 128 + 128 + 128 * 10 + 10
+    assert last["uploads"] == 2 * 2 * 3 * 2  # rounds x stations x T x L
+    assert last["bytes_device_up"] == last["uploads"] * n_params * 4
+    assert last["bytes_station_up"] == 2 * 2 * (n_params * 4 + 10 * 8)  # + label counts
