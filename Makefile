@@ -1,0 +1,38 @@
+# The two commands of the README: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# These machines ship a CPU build of torch 2.13.0 on disk; elsewhere pick your own build.
+TORCH ?= torch==2.13.0
+DEMO_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.demo-deps: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[data,plot]'
+	touch $@
+
+$(VENV)/.test-deps: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet '$(TORCH)'
+	$(PY) -m pip install --quiet -e '.[data,plot,dev,torch]'
+	touch $@
+
+demo: $(VENV)/.demo-deps
+	$(VENV)/bin/safl demo $(DEMO_ARGS)
+
+test: $(VENV)/.test-deps
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.test-deps
+	$(VENV)/bin/ruff check .
+
+bench: $(VENV)/.test-deps
+	$(PY) bench/selection.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
