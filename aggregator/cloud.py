@@ -9,13 +9,10 @@ global model, marked ``final`` after ``R`` rounds.  Transport-free.
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
-
 import numpy as np
 
 from edge_client import messages as m
-from edge_client.errors import SaflError
+from edge_client.role import RoleBase
 from edge_client.topics import cloud_topics
 
 from .config import CloudConfig
@@ -25,21 +22,19 @@ __all__ = ["Cloud", "CLOUD_ID"]
 
 CLOUD_ID = "cloud"
 
-log = logging.getLogger(__name__)
 
-
-class Cloud:
+class Cloud(RoleBase):
     """The cloud aggregator; ``initial_weights`` is the round-0 global model."""
 
     def __init__(self, config: CloudConfig, *, initial_weights: np.ndarray,
                  num_classes: int) -> None:
+        super().__init__()
         self.config = config
         self.num_classes = num_classes
         self.weights = np.array(initial_weights, dtype=np.float32)
         self.optimizer = build_server_optimizer(
             config.server_optimizer, lr=config.server_lr, beta1=config.beta1,
             beta2=config.beta2, tau=config.tau)
-        self.counters: Counter[str] = Counter()
         self.state = "joining"
         self.round = 0
         self.iteration = 0
@@ -47,11 +42,12 @@ class Cloud:
         self._counts: dict[str, np.ndarray] = {}
         self._updates: dict[str, m.StationUpdate] = {}
 
+    @property
+    def id(self) -> str:
+        return CLOUD_ID
+
     def subscriptions(self) -> list[str]:
         return cloud_topics(self.config.fleet)
-
-    def start(self, now: float) -> list[m.Message]:
-        return []
 
     @property
     def p_real(self) -> np.ndarray:
@@ -61,12 +57,6 @@ class Cloud:
             return np.full(self.num_classes, 1.0 / self.num_classes)
         return total / total.sum()
 
-    def handle(self, message: m.Message, now: float) -> list[m.Message]:
-        try:
-            return self._handle(message, now)
-        except SaflError as exc:
-            return self._reject(type(exc).__name__, str(exc))
-
     def tick(self, now: float) -> list[m.Message]:
         """Close the round at its deadline if a quorum of stations reported."""
         if self.state == "collecting" and now >= self.deadline:
@@ -75,11 +65,6 @@ class Cloud:
                 return self._close_round(now)
             self.deadline = now + self.config.round_timeout
             self.counters["rounds_below_quorum"] += 1
-        return []
-
-    def _reject(self, reason: str, detail: str) -> list[m.Message]:
-        self.counters[f"rejected.{reason}"] += 1
-        log.warning("cloud dropped a message (%s): %s", reason, detail)
         return []
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:

@@ -11,12 +11,11 @@ iterations it uploads ``w^m`` to the cloud and waits for the global model
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 import numpy as np
 
 from edge_client import messages as m
-from edge_client.errors import SaflError
+from edge_client.role import RoleBase
 from edge_client.topics import station_topics
 
 from .config import StationConfig
@@ -28,7 +27,7 @@ __all__ = ["Station"]
 log = logging.getLogger(__name__)
 
 
-class Station:
+class Station(RoleBase):
     """Base station ``m`` (one factory).
 
     States: ``joining`` (waiting for every device's first stats), ``waiting``
@@ -37,12 +36,12 @@ class Station:
 
     def __init__(self, config: StationConfig, *, num_params: int, num_classes: int,
                  rng: np.random.Generator) -> None:
+        super().__init__()
         self.config = config
         self.num_params = num_params
         self.num_classes = num_classes
         self.rng = rng
         self.state = "joining"
-        self.counters: Counter[str] = Counter()
         self.stats: dict[str, m.DeviceStats] = {}
         self.weights: np.ndarray | None = None
         self.p_real: np.ndarray | None = None
@@ -60,16 +59,6 @@ class Station:
     def subscriptions(self) -> list[str]:
         return station_topics(self.config.fleet)
 
-    def start(self, now: float) -> list[m.Message]:
-        return []
-
-    def handle(self, message: m.Message, now: float) -> list[m.Message]:
-        """React to a device or cloud message; bad input is counted and dropped."""
-        try:
-            return self._handle(message, now)
-        except SaflError as exc:
-            return self._reject(type(exc).__name__, str(exc))
-
     def tick(self, now: float) -> list[m.Message]:
         """Close the iteration at its deadline with whatever arrived."""
         if self.state == "collecting" and now >= self.deadline:
@@ -78,11 +67,6 @@ class Station:
             log.info("station %s: iteration %d deadline passed, %d of %d replies missing",
                      self.id, self.iteration, missing, len(self.members))
             return self._close_iteration(now)
-        return []
-
-    def _reject(self, reason: str, detail: str) -> list[m.Message]:
-        self.counters[f"rejected.{reason}"] += 1
-        log.warning("station %s dropped a message (%s): %s", self.id, reason, detail)
         return []
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:

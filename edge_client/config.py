@@ -50,22 +50,16 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return value.lower() in ("1", "true", "yes")
         if isinstance(value, bool):
             return value
-    elif hint is int:
+    elif hint in (int, float):
+        # TOML gives 1 for a float key; env and CLI give strings. An int key refuses 1.5.
+        numeric = hint is float and isinstance(value, int) or isinstance(value, hint)
+        if numeric and not isinstance(value, bool):
+            return hint(value)
         if isinstance(value, str):
             try:
-                return int(value)
+                return hint(value)
             except ValueError:
                 pass
-        elif isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
     elif hint is str:
         if isinstance(value, str):
             return value

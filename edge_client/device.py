@@ -9,25 +9,20 @@ sends a skip notice, as the upload gate decides (SPEC §3).  It never does I/O:
 
 from __future__ import annotations
 
-import logging
-from collections import Counter
-
 import numpy as np
 
 from . import messages as m
 from .buffer import StreamBuffer
 from .config import DeviceConfig
-from .errors import SaflError
+from .role import RoleBase
 from .safl import annealed_merge, performance_gap, upload_probability
 from .topics import device_topics
 from .trainers import Trainer, proximal_step
 
 __all__ = ["Device"]
 
-log = logging.getLogger(__name__)
 
-
-class Device:
+class Device(RoleBase):
     """One edge device.
 
     Parameters
@@ -45,6 +40,7 @@ class Device:
 
     def __init__(self, config: DeviceConfig, trainer: Trainer, *, num_classes: int,
                  sample_shape: tuple[int, ...], rng: np.random.Generator) -> None:
+        super().__init__()
         self.config = config
         self.trainer = trainer
         self.trainer.lr = config.lr
@@ -52,7 +48,6 @@ class Device:
         self.buffer = StreamBuffer(config.buffer_capacity, num_classes, sample_shape,
                                    holdout_every=config.holdout_every,
                                    holdout_capacity=config.holdout_capacity)
-        self.counters: Counter[str] = Counter()
         self._model: m.StationModel | None = None
         self._local: np.ndarray | None = None
         self._reported_next: np.ndarray | None = None
@@ -68,9 +63,6 @@ class Device:
     def start(self, now: float) -> list[m.Message]:
         return [self._stats(0, 0)]
 
-    def tick(self, now: float) -> list[m.Message]:
-        return []
-
     def ingest(self, x: np.ndarray, y: np.ndarray, now: float) -> list[m.Message]:
         """Take newly sensed samples; report stats when the next batch changed."""
         self.buffer.push(x, y)
@@ -79,18 +71,6 @@ class Device:
             return []
         model = self._model
         return [self._stats(model.round if model else 0, model.iteration if model else 0)]
-
-    def handle(self, message: m.Message, now: float) -> list[m.Message]:
-        """React to a station message; bad input is counted and dropped."""
-        try:
-            return self._handle(message, now)
-        except SaflError as exc:
-            return self._reject(type(exc).__name__, str(exc))
-
-    def _reject(self, reason: str, detail: str) -> list[m.Message]:
-        self.counters[f"rejected.{reason}"] += 1
-        log.warning("device %s dropped a message (%s): %s", self.id, reason, detail)
-        return []
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         if message.fleet != self.config.fleet:

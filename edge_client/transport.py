@@ -16,20 +16,14 @@ from typing import Protocol
 
 from . import messages as m
 from .errors import SaflError
+from .role import Role
 from .topics import matches, topic_for
 
-__all__ = ["Role", "Transport", "LocalBus", "RoleRunner"]
+__all__ = ["Transport", "LocalBus", "RoleRunner"]
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str, m.Message], None]
-
-
-class Role(Protocol):
-    def subscriptions(self) -> list[str]: ...
-    def start(self, now: float) -> list[m.Message]: ...
-    def handle(self, message: m.Message, now: float) -> list[m.Message]: ...
-    def tick(self, now: float) -> list[m.Message]: ...
 
 
 class Transport(Protocol):

@@ -230,3 +230,55 @@ def test_device_rejects_foreign_and_malformed_models(digits):
         assert dev.handle(msg, 0) == [] and dev.counters[counter] == 1
     with pytest.raises(ShapeError):
         dev.buffer.push(np.zeros((1, 3)), np.array([0]))
+
+
+def _selected_twice(digits, **device_kw):
+    """A device selected at iterations 0 and 1; returns (zbar, first z, second z, device)."""
+    cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0, batch_size=16,
+                       lr=0.5, **device_kw)
+    dev = Device(cfg, _trainer(), num_classes=F, sample_shape=(8, 8),
+                 rng=np.random.default_rng(0))
+    dev.buffer.push(digits.x_train[:32], digits.y_train[:32])
+    zbar = _trainer(seed=9).get_flat()
+    zs = []
+    for it in range(2):
+        dev.handle(m.StationModel(fleet="t", sender="s", round=0, iteration=it, weights=zbar), 0)
+        out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=it,
+                                     members=("d0",), deadline=1.0), 0)
+        assert isinstance(out[0], m.DeviceStats) and isinstance(out[1], m.DeviceUpdate)
+        zs.append(np.array(out[1].weights))
+    return zbar, zs, dev
+
+
+def _one_step(start, x, y):
+    ref = _trainer()
+    ref.set_flat(start)
+    ref.train_step(x, y)
+    return ref.get_flat()
+
+
+def test_device_starts_from_its_annealed_merge(digits):
+    x2, y2 = digits.x_train[16:32], digits.y_train[16:32]
+    # mix = 0 and a huge temperature: every entry keeps the local model (p_t ~ 1).
+    zbar, (z1, z2), _ = _selected_twice(digits, mix=0.0, temperature=1e12)
+    np.testing.assert_allclose(z1, _one_step(zbar, digits.x_train[:16], digits.y_train[:16]),
+                               atol=1e-6)
+    np.testing.assert_allclose(z2, _one_step(z1, x2, y2), atol=1e-6)
+    # mix = 1: the merge is the aggregate, so the device starts from zbar (FedGS exactly).
+    zbar, (_, z2), _ = _selected_twice(digits, mix=1.0)
+    np.testing.assert_allclose(z2, _one_step(zbar, x2, y2), atol=1e-6)
+    # mix = 0.5 with p_t ~ 1: halfway between the local model and the aggregate.
+    zbar, (z1, z2), _ = _selected_twice(digits, mix=0.5, temperature=1e12)
+    np.testing.assert_allclose(z2, _one_step(0.5 * (z1 + zbar), x2, y2), atol=1e-5)
+
+
+def test_device_with_no_data_sends_a_skip_notice(digits):
+    cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0)
+    dev = Device(cfg, _trainer(), num_classes=F, sample_shape=(8, 8),
+                 rng=np.random.default_rng(0))
+    n = dev.trainer.num_params
+    dev.handle(m.StationModel(fleet="t", sender="s", round=0, iteration=0, weights=np.zeros(n)),
+               0)
+    out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=0, members=("d0",),
+                                 deadline=1.0), 0)
+    assert isinstance(out[-1], m.SkipNotice) and dev.counters["skipped.no_data"] == 1

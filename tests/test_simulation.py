@@ -60,3 +60,14 @@ def test_traffic_is_counted_per_link(digits):
     assert last["uploads"] == 2 * 2 * 3 * 2  # rounds x stations x T x L
     assert last["bytes_device_up"] == last["uploads"] * n_params * 4
     assert last["bytes_station_up"] == 2 * 2 * (n_params * 4 + 10 * 8)  # + label counts
+
+
+def test_a_torch_cnn_fleet_runs_on_the_same_roles(digits):
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(digits.y_train, 4, 0.5, rng)),
+                     groups=tuple(assign_groups(4, 2, rng)), rounds=2, model="small_cnn",
+                     backend="torch", lr=0.1, arrivals_per_step=48, initial_samples=64)
+    r = run_federation(digits, demo_strategies(super_node_size=2, sync_period=2)[0], spec)
+    assert [row["round"] for row in r.rows] == [0, 1, 2]
+    assert r.counters["steps"] == 2 * 2 * 2 * 2  # rounds x stations x T x L
