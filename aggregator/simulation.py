@@ -18,9 +18,9 @@ from edge_client import messages as m
 from edge_client.config import DeviceConfig, from_mapping
 from edge_client.device import Device
 from edge_client.errors import SaflError
-from edge_client.sources import ReplaySource
+from edge_client.sources.replay import ReplaySource
 from edge_client.topics import global_model_topic, station_model_topic
-from edge_client.trainers import build_trainer
+from edge_client.trainers import build_trainer, layout_hash
 from edge_client.transport import LocalBus, RoleRunner
 
 from .cloud import Cloud
@@ -52,7 +52,8 @@ class FleetSpec:
     groups: tuple[np.ndarray, ...]  # device numbers per station
     rounds: int
     model: str = "mlp"
-    backend: str = "numpy"
+    backends: tuple[str, ...] = ("numpy",)  # assigned to devices in turn: a mixed fleet
+    artifacts: str | None = None  # exported model folder, for the "ort" backend
     lr: float = 0.05
     seed: int = 0
     arrivals_per_step: int = 32  # samples sensed per device per local-step time
@@ -88,11 +89,14 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     bus = LocalBus()
     fleet = strategy.device.get("fleet", "sim")
 
-    def trainer():
-        return build_trainer(spec.model, backend=spec.backend, input_shape=data.sample_shape,
-                             num_classes=data.num_classes, lr=spec.lr, seed=spec.seed)
+    def trainer(backend: str):
+        return build_trainer(spec.model, backend=backend, input_shape=data.sample_shape,
+                             num_classes=data.num_classes, lr=spec.lr, seed=spec.seed,
+                             artifacts=spec.artifacts, expected_layout_hash=federation_layout)
 
-    evaluator = trainer()
+    federation_layout = None
+    evaluator = trainer(spec.backends[0])
+    federation_layout = layout_hash(evaluator.layout)
     station_ids = [f"st{g}" for g in range(len(spec.groups))]
     cloud = Cloud(from_mapping(CloudConfig, {"fleet": fleet, "stations": tuple(station_ids),
                                              "rounds": spec.rounds, **strategy.cloud}),
@@ -111,7 +115,8 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         for k in members:
             cfg = from_mapping(DeviceConfig, {"device_id": _device_id(k), "station": sid,
                                               "lr": spec.lr, **strategy.device, "fleet": fleet})
-            dev = Device(cfg, trainer(), num_classes=data.num_classes,
+            dev = Device(cfg, trainer(spec.backends[k % len(spec.backends)]),
+                         num_classes=data.num_classes,
                          sample_shape=data.sample_shape, rng=np.random.default_rng(seeds[3 * k]))
             idx = spec.partitions[k]
             source = ReplaySource(data.x_train[idx], data.y_train[idx],

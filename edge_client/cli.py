@@ -24,6 +24,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from models.export import export_model
+
+    shape = tuple(int(d) for d in args.input_shape.split(",")) if args.input_shape else None
+    manifest = export_model(args.name, args.out, optimizer=args.optimizer,
+                            num_classes=args.classes, input_shape=shape, force=args.force)
+    print(f"exported {manifest.model}: {manifest.num_params} parameters, input "
+          f"{manifest.input_shape}, layout {manifest.layout_hash} -> {args.out}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="safl", description="safl-edge: SAFL and FedGS "
                                      "federated learning for edge fleets")
@@ -35,6 +46,19 @@ def _parser() -> argparse.ArgumentParser:
                       "(default runs/<timestamp>)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
+
+    models = sub.add_parser("models", help="the model zoo").add_subparsers(dest="models_command",
+                                                                          required=True)
+    export = models.add_parser("export", help="write ONNX Runtime training artifacts, an "
+                               "inference model and a manifest (needs torch and onnx)")
+    export.add_argument("name", help="zoo model: mlp, small_cnn, femnist_cnn, camera_cnn")
+    export.add_argument("--out", type=Path, required=True, help="artifacts folder")
+    export.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    export.add_argument("--classes", type=int, default=10)
+    export.add_argument("--input-shape", default=None,
+                        help="comma-separated sample shape, e.g. 3,64,64 (default per model)")
+    export.add_argument("--force", action="store_true", help="overwrite a non-empty folder")
+    export.set_defaults(run=_export)
     return parser
 
 

@@ -6,7 +6,15 @@ an exit code so the CLI can map it without a lookup table.
 
 from __future__ import annotations
 
-__all__ = ["SaflError", "ConfigError", "MessageError", "SelectionError", "ShapeError"]
+__all__ = [
+    "SaflError",
+    "ConfigError",
+    "MessageError",
+    "SelectionError",
+    "ShapeError",
+    "ArtifactError",
+    "SourceError",
+]
 
 
 class SaflError(Exception):
@@ -44,3 +52,15 @@ class SelectionError(SaflError, ValueError):
 
 class ShapeError(SaflError, ValueError):
     """An array does not have the shape or dtype the model layout requires."""
+
+
+class ArtifactError(SaflError):
+    """Training artifacts are missing, corrupt, or laid out unlike the federation's model."""
+
+    exit_code = 4
+
+
+class SourceError(SaflError):
+    """A sample source (camera, video, replay folder, label sidecar) cannot deliver."""
+
+    exit_code = 5

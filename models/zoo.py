@@ -1,20 +1,23 @@
 """Torch definitions of the zoo models, with names matching the numpy backend.
 
-``femnist_cnn`` is the FedGS reference CNN (conv32 5x5, pool, conv64 5x5, pool,
-dense 2048, dense classes); ``small_cnn`` is a ~114k-parameter CNN for 28x28
-grayscale; ``mlp`` matches :mod:`edge_client.trainers.numpy_backend` exactly.
+- ``mlp``: one hidden layer of 128, parameter for parameter the numpy backend's MLP;
+- ``small_cnn``: ~114k parameters for 28x28 grayscale;
+- ``femnist_cnn``: the FedGS reference CNN (conv32 5x5, pool, conv64 5x5, pool, dense 2048,
+  dense classes);
+- ``camera_cnn``: ~24k parameters for 3-channel camera crops (64x64 by default).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from edge_client.errors import ConfigError
 
-__all__ = ["MODELS", "build_module"]
+__all__ = ["MODELS", "DEFAULT_INPUT", "build_module"]
 
 
 class MLP(nn.Module):
@@ -47,6 +50,24 @@ class ConvNet(nn.Module):
         return self.fc2(torch.relu(self.fc1(x.flatten(1))))
 
 
+class CameraNet(nn.Module):
+    """Three 3x3 conv + pool blocks and global average pooling: size-independent, small."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = input_shape
+        self.input_shape = (c, h, w)
+        self.conv1 = nn.Conv2d(c, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.conv3 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in (self.conv1, self.conv2, self.conv3):
+            x = nn.functional.max_pool2d(torch.relu(conv(x)), 2)
+        return self.fc(x.mean(dim=(2, 3)))
+
+
 def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
     if len(input_shape) == 2:
         return (1, *input_shape)
@@ -55,12 +76,18 @@ def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
     raise ConfigError("input_shape", f"CNNs need (H, W) or (C, H, W), got {input_shape}")
 
 
-MODELS = {
+MODELS: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
     "mlp": lambda shape, classes: MLP(math.prod(shape), classes),
     "small_cnn": lambda shape, classes: ConvNet(_image_shape(shape), classes,
                                                 channels=(16, 32), dense=64),
     "femnist_cnn": lambda shape, classes: ConvNet(_image_shape(shape), classes,
                                                   channels=(32, 64), dense=2048),
+    "camera_cnn": lambda shape, classes: CameraNet(_image_shape(shape), classes),
+}
+
+DEFAULT_INPUT: dict[str, tuple[int, ...]] = {
+    "mlp": (28, 28), "small_cnn": (1, 28, 28), "femnist_cnn": (1, 28, 28),
+    "camera_cnn": (3, 64, 64),
 }
 
 

@@ -67,7 +67,7 @@ def test_a_torch_cnn_fleet_runs_on_the_same_roles(digits):
     rng = np.random.default_rng(0)
     spec = FleetSpec(partitions=tuple(dirichlet_label_skew(digits.y_train, 4, 0.5, rng)),
                      groups=tuple(assign_groups(4, 2, rng)), rounds=2, model="small_cnn",
-                     backend="torch", lr=0.1, arrivals_per_step=48, initial_samples=64)
+                     backends=("torch",), lr=0.1, arrivals_per_step=48, initial_samples=64)
     r = run_federation(digits, demo_strategies(super_node_size=2, sync_period=2)[0], spec)
     assert [row["round"] for row in r.rows] == [0, 1, 2]
     assert r.counters["steps"] == 2 * 2 * 2 * 2  # rounds x stations x T x L

@@ -1,27 +1,49 @@
 """Trainers: models as flat float32 vectors, behind one small interface.
 
-``build_trainer`` picks a backend lazily, so the numpy backend never imports
-torch.  Backends share the flat layout (torch ``parameters()`` order), so a
-vector from one loads into another for the same model.
+``build_trainer`` picks a backend lazily: the numpy backend never imports torch
+or onnxruntime, and the ORT backend never imports torch.  All backends share the
+flat layout (torch ``parameters()`` order), so a vector from one loads into
+another for the same model; ``layout_hash`` proves it.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from ..errors import ArtifactError, ConfigError
 from .base import Trainer, proximal_step
+from .manifest import layout_hash
 
-__all__ = ["Trainer", "build_trainer", "proximal_step", "BACKENDS"]
+__all__ = ["Trainer", "build_trainer", "proximal_step", "layout_hash", "BACKENDS"]
 
-BACKENDS = ("numpy", "torch")
+BACKENDS = ("numpy", "torch", "ort")
 
 
-def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int, ...],
-                  num_classes: int, lr: float, seed: int = 0) -> Trainer:
-    """Build a trainer for a zoo model on the chosen backend."""
+def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int, ...] = (),
+                  num_classes: int = 0, lr: float, seed: int = 0,
+                  artifacts: str | Path | None = None,
+                  expected_layout_hash: str | None = None) -> Trainer:
+    """Build a trainer for a zoo model on the chosen backend.
+
+    ``numpy`` and ``torch`` build the model from ``input_shape`` and
+    ``num_classes``; ``ort`` loads it from the ``artifacts`` folder.  A trainer
+    whose layout hash differs from ``expected_layout_hash`` is refused.
+    """
+    if backend == "ort":
+        if not artifacts:
+            raise ConfigError("artifacts", "the ort backend needs the exported artifacts folder")
+        from .ort_backend import build as build_ort
+        return build_ort(model, artifacts=artifacts, lr=lr,
+                         expected_layout_hash=expected_layout_hash)
     if backend == "numpy":
         from .numpy_backend import build
     elif backend == "torch":
         from .torch_backend import build
     else:
-        from ..errors import ConfigError
         raise ConfigError("backend", f"must be one of {BACKENDS}, got {backend!r}")
-    return build(model, input_shape=tuple(input_shape), num_classes=num_classes, lr=lr, seed=seed)
+    trainer = build(model, input_shape=tuple(input_shape), num_classes=num_classes, lr=lr,
+                    seed=seed)
+    if expected_layout_hash and layout_hash(trainer.layout) != expected_layout_hash:
+        raise ArtifactError(f"{backend} model {model!r} has layout {layout_hash(trainer.layout)}, "
+                            f"the federation uses {expected_layout_hash}")
+    return trainer
