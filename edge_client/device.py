@@ -57,6 +57,11 @@ class Device(RoleBase):
     def id(self) -> str:
         return self.config.device_id
 
+    def metrics(self) -> dict[str, int]:
+        """Counters plus the stream buffer's state (overwrites, unread, seen)."""
+        return {**self.counters, "buffer.overwritten_unread": self.buffer.overwritten_unread,
+                "buffer.unread": self.buffer.unread, "buffer.seen": self.buffer.samples_seen}
+
     def subscriptions(self) -> list[str]:
         return device_topics(self.config.fleet, self.config.station)
 

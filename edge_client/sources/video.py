@@ -1,0 +1,142 @@
+"""Cameras and recorded video through OpenCV ``VideoCapture``: one code path for both.
+
+The URI is a device index (``"0"``), an RTSP/HTTP URL, a GStreamer pipeline
+(anything containing ``" ! "``, e.g. a Jetson CSI camera through ``nvarguscamerasrc``),
+or a video file.  Opening and reading retry with jittered exponential backoff,
+then fail with a :class:`SourceError` that names the URI.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ShapeError, SourceError
+from .preprocess import Preprocess
+
+__all__ = ["VideoSource", "Labeler"]
+
+log = logging.getLogger(__name__)
+
+Labeler = Callable[[int, float, np.ndarray], "int | None"]
+
+
+def _kind(uri: str) -> str:
+    if uri.isdigit():
+        return "device"
+    if " ! " in uri:
+        return "gstreamer"
+    if "://" in uri:
+        return "url"
+    return "file"
+
+
+class VideoSource:
+    """Frames from a camera or a video file, sampled, preprocessed and labelled.
+
+    Parameters
+    ----------
+    uri : str
+        Device index, URL, GStreamer pipeline or file path.
+    sample_fps : float
+        Frames kept per second of stream time (0 keeps every frame).  Files use
+        their own timestamps, live sources the clock.
+    retries, backoff, max_backoff : int, float, float
+        Attempts after the first, and the backoff base and cap in seconds.
+    """
+
+    def __init__(self, uri: str, preprocess: Preprocess, labeler: Labeler, *,
+                 sample_fps: float = 0.0, retries: int = 5, backoff: float = 0.5,
+                 max_backoff: float = 10.0, rng: np.random.Generator | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.uri, self.kind = str(uri), _kind(str(uri))
+        if self.kind == "file" and not Path(self.uri).is_file():
+            raise SourceError(f"video file {self.uri} does not exist")
+        self.preprocess, self.labeler, self.sample_fps = preprocess, labeler, sample_fps
+        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.rng = rng or np.random.default_rng()
+        self.clock, self.sleep = clock, sleep
+        # One set of metrics per source: the labeler counts into the same Counter.
+        shared = getattr(labeler, "counters", None)
+        self.counters: Counter[str] = shared if shared is not None else Counter()
+        self._cap = None
+        self._stopped = False
+
+    @property
+    def live(self) -> bool:
+        return self.kind != "file"
+
+    def _open(self):
+        import cv2
+
+        for attempt in range(self.retries + 1):
+            if self._stopped:
+                return None
+            if self.kind == "device":
+                cap = cv2.VideoCapture(int(self.uri))
+            elif self.kind == "gstreamer":
+                cap = cv2.VideoCapture(self.uri, cv2.CAP_GSTREAMER)
+            else:
+                cap = cv2.VideoCapture(self.uri)
+            if cap.isOpened():
+                return cap
+            cap.release()
+            self.counters["open_failures"] += 1
+            if attempt < self.retries:
+                delay = min(self.max_backoff, self.backoff * 2**attempt)
+                delay *= 0.5 + 0.5 * self.rng.random()  # jitter: cameras rebooting together
+                log.warning("cannot open %s %s (attempt %d of %d); retrying in %.1f s",
+                            self.kind, self.uri, attempt + 1, self.retries + 1, delay)
+                self.sleep(delay)
+        raise SourceError(f"cannot open {self.kind} {self.uri!r} after {self.retries + 1} "
+                          "attempts: check the device, URL or pipeline")
+
+    def samples(self) -> Iterator[tuple[np.ndarray, int]]:
+        import cv2
+
+        self._cap = self._open()
+        try:
+            yield from self._frames(cv2)
+        finally:
+            if self._cap is not None:
+                self._cap.release()
+
+    def _frames(self, cv2) -> Iterator[tuple[np.ndarray, int]]:
+        frame_no, next_t = -1, 0.0
+        while self._cap is not None and not self._stopped:
+            ok, frame = self._cap.read()
+            if not ok:
+                if not self.live:
+                    return  # end of the recording
+                self.counters["read_failures"] += 1
+                log.warning("lost %s %s; reconnecting", self.kind, self.uri)
+                self._cap.release()
+                self._cap = self._open()
+                continue
+            frame_no += 1
+            t = self.clock() if self.live else self._cap.get(cv2.CAP_PROP_POS_MSEC) / 1000.0
+            if self.sample_fps:
+                if t < next_t:
+                    continue
+                next_t = t + 1.0 / self.sample_fps
+            try:
+                sample = self.preprocess(frame)
+            except ShapeError as exc:
+                self.counters["wrong_shape"] += 1
+                log.warning("%s frame %d: %s; skipped", self.uri, frame_no, exc)
+                continue
+            label = self.labeler(frame_no, t, sample)
+            if label is None:
+                self.counters["unlabelled"] += 1
+                continue
+            yield sample, label
+
+    def close(self) -> None:
+        """Ask the reading loop to stop; it releases the capture itself."""
+        self._stopped = True

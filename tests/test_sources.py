@@ -1,0 +1,251 @@
+"""Sample sources: recorded video through the camera code path, sidecars, folders, pumps."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from edge_client.config import DeviceConfig, SourceConfig, load_config
+from edge_client.device import Device
+from edge_client.errors import ConfigError, SourceError
+from edge_client.sources import (
+    FixedLabel,
+    ImageFolderSource,
+    Preprocess,
+    ReplaySource,
+    SidecarLabels,
+    SourcePump,
+    SyntheticSource,
+    TeacherLabels,
+    VideoSource,
+    build_source,
+    feed_device,
+)
+from edge_client.trainers import build_trainer
+
+cv2 = pytest.importorskip("cv2")
+
+FPS = 10
+
+
+def _write_video(path, n_frames=30, size=(64, 48)):
+    """Frame i is a flat grey of level 8*i: its content says which frame it is."""
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), FPS, size)
+    assert writer.isOpened()
+    for i in range(n_frames):
+        frame = np.full((size[1], size[0], 3), 8 * i, np.uint8)
+        frame[:, :, 2] = 255 - 8 * i  # colour, so grayscale conversion is exercised
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+GRAY_28 = Preprocess(sample_shape=(1, 28, 28), resize=(28, 28), grayscale=True)
+
+
+def _collect(source, limit=1000):
+    out = []
+    for sample, label in source.samples():
+        out.append((sample, label))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def test_recorded_video_goes_through_the_camera_code_path(tmp_path):
+    video = _write_video(tmp_path / "line.avi")
+    sidecar = tmp_path / "labels.jsonl"
+    # Frames 0-19 are labelled i % 3; frames 20-29 are a gap.
+    sidecar.write_text("".join(json.dumps({"frame": i, "label": i % 3}) + "\n"
+                               for i in range(20)))
+    source = VideoSource(str(video), GRAY_28, SidecarLabels(sidecar, num_classes=3))
+    assert not source.live
+    got = _collect(source)
+    assert [label for _, label in got] == [i % 3 for i in range(20)]
+    assert source.counters["unlabelled"] == 10
+    sample = got[5][0]
+    assert sample.shape == (1, 28, 28) and sample.dtype == np.float32
+    assert 0.0 <= sample.min() and sample.max() <= 1.0
+    # Grey level 0.299 R + 0.587 G + 0.114 B grows with the frame number, so the samples
+    # must come out in frame order (MJPG is lossy: compare means only).
+    assert np.all(np.diff([s.mean() for s, _ in got]) > 0)
+
+
+def test_sampling_rate_and_time_keyed_sidecar(tmp_path):
+    video = _write_video(tmp_path / "line.avi", n_frames=30)  # 3 s at 10 fps
+    sidecar = tmp_path / "labels.csv"
+    sidecar.write_text("t,label\n0.0,1\n1.0,\n2.0,2\n")  # a gap from 1.0 s to 2.0 s
+    source = VideoSource(str(video), GRAY_28, SidecarLabels(sidecar, num_classes=3),
+                         sample_fps=2.0)
+    labels = [label for _, label in _collect(source)]
+    assert labels == [1, 1, 2, 2]  # 2 frames/s kept; the second second is unlabelled
+    assert source.counters["unlabelled"] == 2
+
+
+def test_bad_sidecars_are_refused_with_line_numbers(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"frame": 0, "label": 1}\n{"frame": 1, "label": 7}\n'
+                   '{"frame": 2, "label": "cat"}\n')
+    with pytest.raises(SourceError, match=r"line 2: label 7; line 3: label 'cat'"):
+        SidecarLabels(bad, num_classes=3)
+    for text, message in (('{"frame": 0}\n', "needs"), ("not json\n", "line 1: not JSON"),
+                          ('{"frame": 0, "label": 1}\n{"t": 1.0, "label": 1}\n', "same way"),
+                          ('{"frame": 0, "label": 1}\n{"frame": 0, "label": 2}\n', "twice"),
+                          ("", "empty")):
+        bad.write_text(text)
+        with pytest.raises(SourceError, match=message):
+            SidecarLabels(bad, num_classes=3)
+
+
+def test_unreachable_camera_retries_with_backoff_then_fails_clearly():
+    sleeps = []
+    source = VideoSource("rtsp://127.0.0.1:9/stream", GRAY_28, FixedLabel(0, 2), retries=3,
+                         backoff=0.5, sleep=sleeps.append, rng=np.random.default_rng(0))
+    with pytest.raises(SourceError, match=r"cannot open url 'rtsp://127.0.0.1:9/stream' after 4"):
+        next(source.samples())
+    assert source.counters["open_failures"] == 4
+    assert len(sleeps) == 3
+    for attempt, delay in enumerate(sleeps):  # jittered exponential: base*2^k*[0.5, 1]
+        assert 0.25 * 2**attempt <= delay <= 0.5 * 2**attempt
+    with pytest.raises(SourceError, match="does not exist"):
+        VideoSource("/nonexistent/clip.mp4", GRAY_28, FixedLabel(0, 2))
+    index = VideoSource("63", GRAY_28, FixedLabel(0, 2), retries=0, sleep=sleeps.append)
+    with pytest.raises(SourceError, match="device '63'"):
+        next(index.samples())
+
+
+def test_wrong_frame_shape_is_counted_not_fatal(tmp_path):
+    video = _write_video(tmp_path / "v.avi", n_frames=5)
+    no_resize = Preprocess(sample_shape=(1, 28, 28), grayscale=True)
+    source = VideoSource(str(video), no_resize, FixedLabel(1, 2))
+    assert _collect(source) == []
+    assert source.counters["wrong_shape"] == 5
+
+
+def test_image_folder_with_bad_files(tmp_path):
+    rng = np.random.default_rng(0)
+    for label in ("0", "1"):
+        (tmp_path / label).mkdir()
+        for i in range(3):
+            cv2.imwrite(str(tmp_path / label / f"{i}.png"),
+                        rng.integers(0, 255, (28, 28), dtype=np.uint8))
+    cv2.imwrite(str(tmp_path / "1" / "big.png"), np.zeros((40, 40), np.uint8))
+    (tmp_path / "0" / "broken.png").write_bytes(b"not a png")
+    source = ImageFolderSource(tmp_path, Preprocess(sample_shape=(1, 28, 28)), num_classes=2,
+                               rng=rng)
+    got = _collect(source)
+    assert sorted(label for _, label in got) == [0, 0, 0, 1, 1, 1]
+    assert source.counters["wrong_shape"] == 1 and source.counters["unreadable"] == 1
+    named = ImageFolderSource(tmp_path, Preprocess(sample_shape=(1, 28, 28), resize=(28, 28)),
+                              num_classes=2, rng=rng, classes=("1", "0"))
+    assert sorted(label for _, label in _collect(named)) == [0, 0, 0, 0, 1, 1, 1]
+    (tmp_path / "cat").mkdir()
+    with pytest.raises(SourceError, match="not label numbers"):
+        ImageFolderSource(tmp_path, GRAY_28, num_classes=2, rng=rng)
+
+
+def test_replay_arrays_from_config(tmp_path):
+    x = np.random.default_rng(0).random((50, 8, 8), dtype=np.float32)
+    y = np.arange(50) % 10
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    cfg = SourceConfig(kind="replay", path=str(tmp_path / "data.npz"))
+    source, drops = build_source(cfg, sample_shape=(8, 8), num_classes=10,
+                                 rng=np.random.default_rng(0))
+    assert not drops and len(_collect(source)) == 50
+    np.save(tmp_path / "x.npy", x)
+    with pytest.raises(SourceError, match="labels_path"):
+        build_source(SourceConfig(kind="replay", path=str(tmp_path / "x.npy")),
+                     sample_shape=(8, 8), num_classes=10, rng=np.random.default_rng(0))
+    with pytest.raises(SourceError, match="outside"):
+        build_source(cfg, sample_shape=(8, 8), num_classes=5, rng=np.random.default_rng(0))
+    with pytest.raises(SourceError, match="model needs"):
+        build_source(cfg, sample_shape=(28, 28), num_classes=10, rng=np.random.default_rng(0))
+
+
+def test_source_config_from_toml(tmp_path):
+    path = tmp_path / "device.toml"
+    path.write_text('[source]\nkind = "camera"\nuri = "0"\nsidecar = "l.jsonl"\n'
+                    "resize = [64, 64]\nsample_fps = 2.0\n")
+    cfg = load_config(SourceConfig, "source", path)
+    assert cfg.resize == (64, 64) and cfg.is_video
+    with pytest.raises(ConfigError, match="sidecar"):
+        SourceConfig(kind="camera", uri="0")
+    with pytest.raises(ConfigError, match="uri"):
+        SourceConfig(kind="camera", label=1)
+    with pytest.raises(ConfigError, match="kind"):
+        SourceConfig(kind="microphone")
+
+
+def test_pump_blocks_for_recordings_and_drops_for_live_cameras():
+    rng = np.random.default_rng(0)
+    replay = ReplaySource(np.zeros((100, 2), np.float32), np.arange(100) % 2, rng, loop=False)
+    pump = SourcePump(replay, capacity=8).start()
+    got = 0
+    deadline = time.monotonic() + 10
+    while not pump.exhausted and time.monotonic() < deadline:
+        batch = pump.drain(5)
+        got += 0 if batch is None else len(batch[1])
+        time.sleep(0.001)
+    assert got == 100 and pump.metrics()["samples"] == 100
+    assert pump.metrics().get("frames_dropped", 0) == 0
+    live = SourcePump(SyntheticSource((2,), 2, rng, limit=500), capacity=4,
+                      drop_when_full=True).start()
+    live.finished.wait(10)
+    assert live.counters["frames_dropped"] == 496
+    assert len(live.drain(100)[1]) == 4
+    live.stop()
+
+
+def test_a_failing_source_surfaces_in_the_training_loop(tmp_path):
+    source = VideoSource("rtsp://127.0.0.1:9/x", GRAY_28, FixedLabel(0, 2), retries=0)
+    pump = SourcePump(source).start()
+    pump.finished.wait(10)
+    assert pump.drain(10) is None
+    with pytest.raises(SourceError, match="cannot open"):
+        pump.check()
+    assert pump.metrics()["source_errors"] == 1
+
+
+def test_teacher_pseudo_labels_above_threshold(exported):
+    folder = exported("small_cnn")
+    sample = np.random.default_rng(0).random((1, 28, 28), dtype=np.float32)
+    sure = TeacherLabels(folder / "inference.onnx", threshold=0.01, num_classes=10)
+    assert 0 <= sure(0, 0.0, sample) < 10
+    unsure = TeacherLabels(folder / "inference.onnx", threshold=1.0, num_classes=10)
+    assert unsure(0, 0.0, sample) is None and unsure.counters["low_confidence"] == 1
+    with pytest.raises(SourceError, match="cannot load teacher"):
+        TeacherLabels(folder / "missing.onnx", threshold=0.5, num_classes=10)
+
+
+def test_a_device_is_fed_from_a_video_pump(tmp_path):
+    video = _write_video(tmp_path / "v.avi", n_frames=12)
+    cfg = SourceConfig(kind="replay", path=str(video), label=1, resize=(28, 28), grayscale=True)
+    source, drops = build_source(cfg, sample_shape=(1, 28, 28), num_classes=2,
+                                 rng=np.random.default_rng(0))
+    assert not drops  # a recording waits for the trainer instead of dropping frames
+    dev = Device(DeviceConfig(device_id="d", station="s", holdout_every=0),
+                 build_trainer("softmax", input_shape=(1, 28, 28), num_classes=2, lr=0.1),
+                 num_classes=2, sample_shape=(1, 28, 28), rng=np.random.default_rng(0))
+    pump = SourcePump(source).start()
+    pump.finished.wait(10)
+    out = feed_device(dev, pump, now=0.0)
+    assert dev.buffer.samples_seen == 12 and dev.buffer.seen_counts.tolist() == [0, 12]
+    assert out and out[0].next_batch_counts.tolist() == [0, 12]
+    assert feed_device(dev, pump, now=1.0) == []
+    broken = SourcePump(VideoSource("rtsp://127.0.0.1:9/x", GRAY_28, FixedLabel(0, 2),
+                                    retries=0)).start()
+    broken.finished.wait(10)
+    with pytest.raises(SourceError):
+        feed_device(dev, broken, now=2.0)
+
+
+def test_device_metrics_expose_buffer_overwrites():
+    cfg = DeviceConfig(device_id="d", station="s", buffer_capacity=10, holdout_every=0)
+    dev = Device(cfg, build_trainer("softmax", input_shape=(2,), num_classes=2, lr=0.1),
+                 num_classes=2, sample_shape=(2,), rng=np.random.default_rng(0))
+    dev.ingest(np.zeros((25, 2), np.float32), np.arange(25) % 2, 0.0)
+    m = dev.metrics()
+    assert m["buffer.overwritten_unread"] == 15 and m["buffer.unread"] == 10
