@@ -1,0 +1,99 @@
+"""Benchmark: a device's footprint on each training backend, each in a fresh process.
+
+For ORT and torch the model is ``small_cnn`` (114k parameters, 1x28x28); numpy runs the
+``mlp`` (it has no convolutions).  Each child process imports its backend, builds a device
+role and runs ``--iterations`` SAFL iterations (annealed merge + one SGD step on a batch of
+32 from the stream buffer), then reports import time, time per training step and peak RSS.
+Ratios are to the torch backend measured in the same run.
+
+Run: ``python bench/device_footprint.py [--iterations N]``.  Needs the ort and torch extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+backend, model, artifacts, iterations = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if backend == "ort":
+    from edge_client.trainers.ort_backend import load_training_api
+    load_training_api()
+elif backend == "torch":
+    import torch  # default threads, like ORT: both may use every core
+import numpy as np
+from edge_client import messages as m
+from edge_client.config import DeviceConfig
+from edge_client.device import Device
+from edge_client.trainers import build_trainer
+import_s = time.perf_counter() - t0
+shape = (1, 28, 28)
+trainer = build_trainer(model, backend=backend, input_shape=shape, num_classes=10, lr=0.01,
+                        artifacts=artifacts or None)
+dev = Device(DeviceConfig(device_id="d", station="s", mix=0.5, temperature=50.0,
+                          holdout_every=0, buffer_capacity=4096), trainer,
+             num_classes=10, sample_shape=shape, rng=np.random.default_rng(0))
+rng = np.random.default_rng(1)
+zbar = trainer.get_flat()
+times = []
+for t in range(iterations + 5):
+    dev.ingest(rng.random((32, *shape), dtype=np.float32), rng.integers(0, 10, 32), 0.0)
+    dev.handle(m.StationModel(fleet="default", sender="s", round=0, iteration=t,
+                              weights=zbar), 0.0)
+    start = time.perf_counter()
+    out = dev.handle(m.Selection(fleet="default", sender="s", round=0, iteration=t,
+                                 members=("d",), deadline=1.0), 0.0)
+    if t >= 5:  # warm-up excluded
+        times.append(time.perf_counter() - start)
+    zbar = out[-1].weights
+# VmHWM is this process's own peak; ru_maxrss would carry the parent's across exec.
+with open("/proc/self/status") as fh:
+    rss_mb = next(int(l.split()[1]) for l in fh if l.startswith("VmHWM")) / 1024
+print(json.dumps({"import_s": import_s, "step_ms": 1e3 * float(np.median(times)),
+                  "peak_rss_mb": rss_mb, "params": trainer.num_params,
+                  "torch_loaded": "torch" in sys.modules}))
+"""
+
+
+def _child(backend: str, model: str, artifacts: str, iterations: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, backend, model, artifacts,
+                          str(iterations)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=200)
+    args = parser.parse_args()
+    from models.export import export_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        t0 = time.perf_counter()
+        export_model("small_cnn", folder, force=True)
+        print(f"exported small_cnn artifacts in {time.perf_counter() - t0:.1f} s (needs torch)")
+        rows = {"torch": _child("torch", "small_cnn", "", args.iterations),
+                "ort": _child("ort", "small_cnn", folder, args.iterations),
+                "numpy": _child("numpy", "mlp", "", args.iterations)}
+    base = rows["torch"]
+    print(f"\n{'backend':<8} {'model':<10} {'params':>7} {'import s':>9} {'step ms':>8} "
+          f"{'peak RSS MB':>12} {'step/torch':>11} {'RSS/torch':>10} {'torch loaded':>13}")
+    for name, model in (("torch", "small_cnn"), ("ort", "small_cnn"), ("numpy", "mlp")):
+        r = rows[name]
+        print(f"{name:<8} {model:<10} {r['params']:>7} {r['import_s']:>9.2f} "
+              f"{r['step_ms']:>8.2f} {r['peak_rss_mb']:>12.1f} "
+              f"{r['step_ms'] / base['step_ms']:>11.2f} "
+              f"{r['peak_rss_mb'] / base['peak_rss_mb']:>10.2f} {str(r['torch_loaded']):>13}")
+    ort = rows["ort"]
+    print(f"\ntargets: ORT peak RSS <= 120 MB ({ort['peak_rss_mb']:.0f}) and <= 0.5x torch "
+          f"({ort['peak_rss_mb'] / base['peak_rss_mb']:.2f}x); ORT step <= 1.5x torch "
+          f"({ort['step_ms'] / base['step_ms']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
