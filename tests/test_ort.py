@@ -161,3 +161,20 @@ def test_mixed_numpy_torch_ort_fleet_matches_a_numpy_fleet(exported, digits):
     # Measured 2026-11-29: 0.189 at round 0, 0.786 after 20 rounds, for both fleets.
     assert mixed.final_accuracy >= 0.70
     assert mixed.counters == alone.counters
+
+
+def test_learning_rate_control(exported):
+    t = build_trainer("mlp", backend="ort", artifacts=exported("mlp"), lr=0.1)
+    x = np.random.default_rng(4).random((8, 784), dtype=np.float32)
+    y = np.arange(8) % 10
+    t.lr = 0.0
+    w = t.get_flat()
+    t.train_step(x, y)
+    assert np.array_equal(t.get_flat(), w)
+    t.lr = 0.5
+    t.train_step(x, y)
+    step_big = np.abs(t.get_flat() - w).max()
+    t.set_flat(w)
+    t.lr = 0.05
+    t.train_step(x, y)
+    assert np.abs(t.get_flat() - w).max() == pytest.approx(step_big / 10, rel=1e-3)
