@@ -41,6 +41,7 @@ class Cloud(RoleBase):
         self.deadline = float("inf")
         self._counts: dict[str, np.ndarray] = {}
         self._updates: dict[str, m.StationUpdate] = {}
+        self.offline: set[str] = set()
 
     @property
     def id(self) -> str:
@@ -70,6 +71,8 @@ class Cloud(RoleBase):
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         if message.fleet != self.config.fleet:
             return self._reject("wrong_fleet", f"fleet {message.fleet!r}")
+        if isinstance(message, m.Presence):
+            return self._on_presence(message, now)
         if not isinstance(message, (m.StationStats, m.StationUpdate)):
             return self._reject("unexpected_type", type(message).__name__)
         if message.sender not in self.config.stations:
@@ -91,12 +94,25 @@ class Cloud(RoleBase):
             return []
         self._updates[message.sender] = message
         self._counts[message.sender] = np.array(message.seen_counts)
-        if len(self._updates) == len(self.config.stations):
+        self.offline.discard(message.sender)
+        if all(s in self._updates or s in self.offline for s in self.config.stations):
+            return self._close_round(now)
+        return []
+
+    def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
+        if msg.role != "station" or msg.sender not in self.config.stations or msg.online:
+            return []
+        self.offline.add(msg.sender)
+        self.counters["stations_offline"] += 1
+        waiting = [s for s in self.config.stations
+                   if s not in self._updates and s not in self.offline]
+        if self.state == "collecting" and not waiting \
+                and len(self._updates) >= self.config.min_stations:
             return self._close_round(now)
         return []
 
     def _close_round(self, now: float) -> list[m.Message]:
-        ups = list(self._updates.values())
+        ups = [u for _, u in sorted(self._updates.items())]  # fusion independent of arrival
         if ups:
             # A round in which no station consumed data still averages, equally.
             equal = self.config.station_weighting == "equal" or not any(u.num_samples for u in ups)

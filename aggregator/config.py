@@ -37,7 +37,10 @@ class StationConfig:
     sync_period: int = 5  # FedGS's T: iterations between external syncs
     iteration_timeout: float = 30.0  # seconds a super node has to reply
     min_quorum: int = 1  # updates needed for an internal sync to change w^m
+    min_devices: int = 0  # devices whose stats start the station; 0 means the whole roster
     gbp_max_iter: int = 100
+    seed: int = 0  # of the random part of each super node
+    hello_interval: float = 2.0  # seconds between join repeats until the cloud answers
 
     def __post_init__(self) -> None:
         check_id("station_id", self.station_id)
@@ -49,6 +52,10 @@ class StationConfig:
         check_range("iteration_timeout", self.iteration_timeout, 0, low_open=True)
         check_range("min_quorum", self.min_quorum, 1, self.super_node_size)
         check_range("gbp_max_iter", self.gbp_max_iter, 0)
+        check_range("min_devices", self.min_devices, 0, len(self.devices))
+        check_range("hello_interval", self.hello_interval, 0, low_open=True)
+        if self.min_devices == 0:
+            object.__setattr__(self, "min_devices", len(self.devices))
         if self.selector not in SELECTORS:
             raise ConfigError("selector", f"must be one of {sorted(SELECTORS)}")
         if self.fusion not in FUSION_RULES:

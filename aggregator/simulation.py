@@ -28,7 +28,7 @@ from .config import CloudConfig, StationConfig
 from .datasets import Dataset
 from .station import Station
 
-__all__ = ["Strategy", "FleetSpec", "RunResult", "run_federation"]
+__all__ = ["Strategy", "FleetSpec", "FleetPlan", "RunResult", "plan_fleet", "run_federation"]
 
 # Simulated time does not pass inside one synchronous delivery; deadlines never fire.
 _SIM_CLOCK: Callable[[], float] = lambda: 0.0  # noqa: E731
@@ -81,13 +81,53 @@ def _device_id(k: int) -> str:
     return f"dev{k:03d}"
 
 
+@dataclass(frozen=True)
+class FleetPlan:
+    """Every role's config values for one strategy on one fleet (plain mappings).
+
+    The in-process simulation builds its roles from these, and the process launcher
+    writes the same values into TOML files, so both run the same federation.
+    """
+
+    fleet: str
+    cloud: dict[str, Any]
+    stations: list[dict[str, Any]]
+    devices: list[dict[str, Any]]  # each with its partition index "_k" and backend "_backend"
+    replay_seeds: list[int]
+
+
+def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
+    """Ids, rosters and integer seeds of a fleet: one source of truth for sim and processes."""
+    n_dev = len(spec.partitions)
+    seeds = [int(s.generate_state(1)[0]) for s in
+             np.random.SeedSequence(spec.seed).spawn(3 * n_dev + len(spec.groups))]
+    fleet = strategy.device.get("fleet", "sim")
+    station_ids = [f"st{g}" for g in range(len(spec.groups))]
+    cloud = {"fleet": fleet, "stations": tuple(station_ids), "rounds": spec.rounds,
+             **strategy.cloud}
+    stations, devices, replay = [], [], [0] * n_dev
+    for g, (sid, members) in enumerate(zip(station_ids, spec.groups, strict=True)):
+        stations.append({"fleet": fleet, "station_id": sid, "seed": seeds[-1 - g],
+                         "devices": tuple(_device_id(k) for k in members), **strategy.station})
+        for k in members:
+            devices.append({"device_id": _device_id(k), "station": sid, "lr": spec.lr,
+                            "seed": seeds[3 * k], **strategy.device, "fleet": fleet,
+                            "_k": int(k), "_backend": spec.backends[k % len(spec.backends)]})
+            replay[k] = seeds[3 * k + 1]
+    return FleetPlan(fleet, cloud, stations, devices, replay)
+
+
+def _public(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if not k.startswith("_")}
+
+
 def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
                    progress: Callable[[int, float], None] | None = None) -> RunResult:
     """Run one strategy to completion; same ``spec`` gives same data, weights and seeds."""
     started = time.perf_counter()
-    seeds = np.random.SeedSequence(spec.seed).spawn(3 * len(spec.partitions) + len(spec.groups))
+    plan = plan_fleet(strategy, spec)
     bus = LocalBus()
-    fleet = strategy.device.get("fleet", "sim")
+    fleet = plan.fleet
 
     def trainer(backend: str):
         return build_trainer(spec.model, backend=backend, input_shape=data.sample_shape,
@@ -97,32 +137,26 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     federation_layout = None
     evaluator = trainer(spec.backends[0])
     federation_layout = layout_hash(evaluator.layout)
-    station_ids = [f"st{g}" for g in range(len(spec.groups))]
-    cloud = Cloud(from_mapping(CloudConfig, {"fleet": fleet, "stations": tuple(station_ids),
-                                             "rounds": spec.rounds, **strategy.cloud}),
-                  initial_weights=evaluator.get_flat(), num_classes=data.num_classes)
+    cloud = Cloud(from_mapping(CloudConfig, plan.cloud), initial_weights=evaluator.get_flat(),
+                  num_classes=data.num_classes)
     runners = [RoleRunner(cloud, bus, _SIM_CLOCK)]
-    for g, (sid, members) in enumerate(zip(station_ids, spec.groups, strict=True)):
-        cfg = from_mapping(StationConfig, {"fleet": fleet, "station_id": sid,
-                                           "devices": tuple(_device_id(k) for k in members),
-                                           **strategy.station})
+    for values in plan.stations:
+        cfg = from_mapping(StationConfig, values)
         station = Station(cfg, num_params=evaluator.num_params, num_classes=data.num_classes,
-                          rng=np.random.default_rng(seeds[-1 - g]))
+                          rng=np.random.default_rng(cfg.seed))
         runners.append(RoleRunner(station, bus, _SIM_CLOCK))
 
     devices: list[tuple[Device, ReplaySource, RoleRunner]] = []
-    for sid, members in zip(station_ids, spec.groups, strict=True):
-        for k in members:
-            cfg = from_mapping(DeviceConfig, {"device_id": _device_id(k), "station": sid,
-                                              "lr": spec.lr, **strategy.device, "fleet": fleet})
-            dev = Device(cfg, trainer(spec.backends[k % len(spec.backends)]),
-                         num_classes=data.num_classes,
-                         sample_shape=data.sample_shape, rng=np.random.default_rng(seeds[3 * k]))
-            idx = spec.partitions[k]
-            source = ReplaySource(data.x_train[idx], data.y_train[idx],
-                                  np.random.default_rng(seeds[3 * k + 1]))
-            dev.buffer.push(*source.read(spec.initial_samples))
-            devices.append((dev, source, RoleRunner(dev, bus, _SIM_CLOCK)))
+    for values in plan.devices:
+        cfg = from_mapping(DeviceConfig, _public(values))
+        k = values["_k"]
+        dev = Device(cfg, trainer(values["_backend"]), num_classes=data.num_classes,
+                     sample_shape=data.sample_shape, rng=np.random.default_rng(cfg.seed))
+        idx = spec.partitions[k]
+        source = ReplaySource(data.x_train[idx], data.y_train[idx],
+                              np.random.default_rng(plan.replay_seeds[k]))
+        dev.buffer.push(*source.read(spec.initial_samples))
+        devices.append((dev, source, RoleRunner(dev, bus, _SIM_CLOCK)))
 
     def feed(topic: str, message: m.Message) -> None:
         # Each new iteration, the sensors of that factory have produced fresh samples.

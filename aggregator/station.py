@@ -43,12 +43,14 @@ class Station(RoleBase):
         self.rng = rng
         self.state = "joining"
         self.stats: dict[str, m.DeviceStats] = {}
+        self.offline: set[str] = set()
         self.weights: np.ndarray | None = None
         self.p_real: np.ndarray | None = None
         self.round = 0
         self.iteration = 0
         self.members: tuple[str, ...] = ()
         self.deadline = 0.0
+        self._next_hello = 0.0
         self._replies: dict[str, m.DeviceUpdate | m.SkipNotice] = {}
         self._consumed = 0
 
@@ -60,7 +62,11 @@ class Station(RoleBase):
         return station_topics(self.config.fleet)
 
     def tick(self, now: float) -> list[m.Message]:
-        """Close the iteration at its deadline with whatever arrived."""
+        """Close the iteration at its deadline; repeat the join until the cloud answers."""
+        if self.state == "waiting" and self.weights is None and now >= self._next_hello:
+            self._next_hello = now + self.config.hello_interval
+            self.counters["hellos"] += 1
+            return [self._station_stats()]
         if self.state == "collecting" and now >= self.deadline:
             missing = len(self.members) - len(self._replies)
             self.counters["replies_missed"] += missing
@@ -75,6 +81,8 @@ class Station(RoleBase):
             return self._reject("wrong_fleet", f"fleet {message.fleet!r}")
         if isinstance(message, m.GlobalModel):
             return self._on_global(message, now)
+        if isinstance(message, m.Presence):
+            return self._on_presence(message, now)
         if not isinstance(message, (m.DeviceStats, m.DeviceUpdate, m.SkipNotice)):
             return self._reject("unexpected_type", type(message).__name__)
         if message.station != self.id:
@@ -82,19 +90,43 @@ class Station(RoleBase):
         if message.sender not in cfg.devices:
             return self._reject("unknown_sender", f"device {message.sender!r} is not on the roster")
         if isinstance(message, m.DeviceStats):
-            return self._on_stats(message)
+            return self._on_stats(message, now)
         return self._on_reply(message, now)
 
-    def _on_stats(self, msg: m.DeviceStats) -> list[m.Message]:
+    def _on_stats(self, msg: m.DeviceStats, now: float) -> list[m.Message]:
         if {msg.seen_counts.size, msg.next_batch_counts.size} != {self.num_classes}:
             return self._reject("wrong_length", f"histograms of width {msg.seen_counts.size}, "
                                 f"expected {self.num_classes}")
+        joined = msg.sender not in self.stats or msg.sender in self.offline
         self.stats[msg.sender] = msg
-        if self.state == "joining" and len(self.stats) == len(self.config.devices):
+        self.offline.discard(msg.sender)
+        if self.state == "joining" and len(self.stats) >= self.config.min_devices:
             self.state = "waiting"
-            return [m.StationStats(fleet=self.config.fleet, sender=self.id, round=0,
-                                   iteration=0, seen_counts=self._seen_counts())]
+            self._next_hello = now + self.config.hello_interval
+            return [self._station_stats()]
+        if joined and self.weights is not None:
+            # A late joiner gets the current model; it is selectable from now on.
+            self.counters["late_joins"] += 1
+            return [self._model_message()]
         return []
+
+    def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
+        if msg.role != "dev" or msg.sender not in self.config.devices:
+            return []
+        if msg.online:
+            return []  # selectable again from its next stats report
+        self.offline.add(msg.sender)
+        self.counters["devices_offline"] += 1
+        if self.state == "collecting" and msg.sender in self.members \
+                and msg.sender not in self._replies:
+            # Its Last Will fired: do not wait for it until the deadline.
+            self.counters["replies_missed"] += 1
+            if self._awaited() == 0:
+                return self._close_iteration(now)
+        return []
+
+    def _awaited(self) -> int:
+        return sum(1 for d in self.members if d not in self._replies and d not in self.offline)
 
     def _on_reply(self, msg: m.DeviceUpdate | m.SkipNotice, now: float) -> list[m.Message]:
         if self.state != "collecting" or msg.iteration != self.iteration:
@@ -114,7 +146,7 @@ class Station(RoleBase):
         self._replies[msg.sender] = msg
         kind = "updates" if isinstance(msg, m.DeviceUpdate) else "skips"
         self.counters[f"received_{kind}"] += 1
-        if len(self._replies) == len(self.members):
+        if self._awaited() == 0:
             return self._close_iteration(now)
         return []
 
@@ -130,13 +162,13 @@ class Station(RoleBase):
         self.round, self.iteration = msg.round, msg.iteration
         if msg.final:
             self.state = "done"
-            return [self._model_message()]
+            return [self._model_message(final=True)]
         return self._begin_iteration(now)
 
     def _begin_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config
-        ready = [d for d in cfg.devices
-                 if d in self.stats and self.stats[d].next_batch_counts.any()]
+        ready = [d for d in cfg.devices if d in self.stats and d not in self.offline
+                 and self.stats[d].next_batch_counts.any()]
         size = min(cfg.super_node_size, len(ready))
         hists = np.array([self.stats[d].next_batch_counts for d in ready], dtype=np.float64)
         n_random = min(cfg.rand_per_group, size)
@@ -159,7 +191,8 @@ class Station(RoleBase):
 
     def _close_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config
-        updates = [r for r in self._replies.values() if isinstance(r, m.DeviceUpdate)]
+        # Sorted by sender so the fused model does not depend on arrival order.
+        updates = [r for _, r in sorted(self._replies.items()) if isinstance(r, m.DeviceUpdate)]
         if len(updates) >= cfg.min_quorum:
             self.weights = FUSION_RULES[cfg.fusion]([u.weights for u in updates],
                                                     [u.num_samples for u in updates])
@@ -176,9 +209,13 @@ class Station(RoleBase):
         self._consumed = 0
         return [update]
 
-    def _model_message(self) -> m.StationModel:
+    def _station_stats(self) -> m.StationStats:
+        return m.StationStats(fleet=self.config.fleet, sender=self.id, round=0, iteration=0,
+                              seen_counts=self._seen_counts())
+
+    def _model_message(self, final: bool = False) -> m.StationModel:
         return m.StationModel(fleet=self.config.fleet, sender=self.id, round=self.round,
-                              iteration=self.iteration, weights=self.weights)
+                              iteration=self.iteration, weights=self.weights, final=final)
 
     def _seen_counts(self) -> np.ndarray:
         return np.sum([s.seen_counts for s in self.stats.values()], axis=0)

@@ -35,6 +35,68 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _broker(args: argparse.Namespace) -> int:
+    from aggregator.broker import run_broker
+
+    return run_broker(args.host, args.port)
+
+
+def _overrides(args: argparse.Namespace, **tables: dict[str, str]) -> dict[str, dict]:
+    """CLI flags that override keys of a role's TOML tables (None means not given)."""
+    return {table: {key: getattr(args, attr) for attr, key in keys.items()}
+            for table, keys in tables.items()}
+
+
+def _device(args: argparse.Namespace) -> int:
+    from .config import BrokerConfig, DeviceConfig, ModelConfig, SourceConfig
+    from .service import DeviceService, load_role_file
+
+    cfg = load_role_file(args.config, {"device": DeviceConfig, "model": ModelConfig,
+                                       "source": SourceConfig, "broker": BrokerConfig},
+                         _overrides(args, broker={"broker": "url"},
+                                    device={"device_id": "device_id", "station": "station"}))
+    DeviceService(**cfg).run(exit_when_done=not args.keep_running)
+    return 0
+
+
+def _station(args: argparse.Namespace) -> int:
+    from aggregator.config import StationConfig
+    from aggregator.services import StationService
+
+    from .config import BrokerConfig, ModelConfig
+    from .service import load_role_file
+
+    cfg = load_role_file(args.config, {"station": StationConfig, "model": ModelConfig,
+                                       "broker": BrokerConfig},
+                         _overrides(args, broker={"broker": "url"}))
+    StationService(**cfg).run()
+    return 0
+
+
+def _cloud(args: argparse.Namespace) -> int:
+    from aggregator.config import CloudConfig
+    from aggregator.services import CloudService
+
+    from .config import BrokerConfig, ModelConfig
+    from .service import load_role_file
+
+    cfg = load_role_file(args.config, {"cloud": CloudConfig, "model": ModelConfig,
+                                       "broker": BrokerConfig},
+                         _overrides(args, broker={"broker": "url"}, cloud={"rounds": "rounds"}))
+    CloudService(**cfg, eval_path=args.eval or "", out=str(args.out or "")).run()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from aggregator.status import fleet_status, format_status
+
+    from .config import BrokerConfig, load_config
+
+    broker = load_config(BrokerConfig, "broker", args.config, {"url": args.broker})
+    print(format_status(fleet_status(broker, args.fleet, args.wait), args.fleet))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="safl", description="safl-edge: SAFL and FedGS "
                                      "federated learning for edge fleets")
@@ -46,6 +108,34 @@ def _parser() -> argparse.ArgumentParser:
                       "(default runs/<timestamp>)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(run=_demo)
+
+    for name, run, text in (("device", _device, "run a device (SAFL on its sensor stream)"),
+                            ("station", _station, "run a base station (FedGS super nodes)"),
+                            ("cloud", _cloud, "run the cloud aggregator")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--config", type=Path, required=True, help=f"the {name}'s TOML file")
+        p.add_argument("--broker", default=None, help="mqtt://host:port (overrides [broker] url)")
+        p.set_defaults(run=run)
+        if name == "device":
+            p.add_argument("--device-id", default=None)
+            p.add_argument("--station", default=None)
+            p.add_argument("--keep-running", action="store_true",
+                           help="stay connected after the federation's final model")
+        if name == "cloud":
+            p.add_argument("--rounds", type=int, default=None)
+            p.add_argument("--eval", default=None, help=".npz test set (x, y) to score rounds")
+            p.add_argument("--out", type=Path, default=None, help="where metrics.csv goes")
+    status = sub.add_parser("status", help="print the fleet: stations, devices online, round")
+    status.add_argument("--broker", default=None, help="mqtt://host:port")
+    status.add_argument("--config", type=Path, default=None, help="a TOML file with [broker]")
+    status.add_argument("--fleet", default="default")
+    status.add_argument("--wait", type=float, default=1.5, help="seconds to collect retained state")
+    status.set_defaults(run=_status)
+
+    broker = sub.add_parser("broker", help="the embedded amqtt broker on loopback (development)")
+    broker.add_argument("--host", default="127.0.0.1")
+    broker.add_argument("--port", type=int, default=1883)
+    broker.set_defaults(run=_broker)
 
     models = sub.add_parser("models", help="the model zoo").add_subparsers(dest="models_command",
                                                                           required=True)

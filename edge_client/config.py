@@ -124,6 +124,8 @@ class DeviceConfig:
     buffer_capacity: int = 1024
     holdout_every: int = 10
     holdout_capacity: int = 256
+    seed: int = 0  # of the merge masks and upload-gate draws
+    hello_interval: float = 2.0  # seconds between stats repeats until a model arrives
 
     def __post_init__(self) -> None:
         from .safl import GRANULARITIES
@@ -139,6 +141,7 @@ class DeviceConfig:
         check_range("buffer_capacity", self.buffer_capacity, 1)
         check_range("holdout_every", self.holdout_every, 0)
         check_range("holdout_capacity", self.holdout_capacity, 1)
+        check_range("hello_interval", self.hello_interval, 0, low_open=True)
         if self.granularity not in GRANULARITIES:
             raise ConfigError("granularity", f"must be one of {GRANULARITIES}")
 
@@ -192,6 +195,11 @@ class SourceConfig(PreprocessSettings):
     classes: tuple[str, ...] = ()
     sample_fps: float = 0.0
     loop: bool = False
+    seed: int = 0  # of the replay order
+    # Replay at the federation's pace: ``per_iteration`` samples arrive with each station
+    # model (0: stream through the pump as fast as training takes them), after ``initial``.
+    per_iteration: int = 0
+    initial: int = 0
     queue_size: int = 256
     retries: int = 5
     backoff: float = 0.5
@@ -217,8 +225,98 @@ class SourceConfig(PreprocessSettings):
         check_range("confidence", self.confidence, 0, 1, low_open=True)
         check_range("sample_fps", self.sample_fps, 0)
         check_range("queue_size", self.queue_size, 1)
+        check_range("per_iteration", self.per_iteration, 0)
+        check_range("initial", self.initial, 0)
         check_range("retries", self.retries, 0)
         check_range("backoff", self.backoff, 0)
 
 
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".mjpeg", ".h264")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BrokerConfig:
+    """How a role reaches its MQTT broker (the ``[broker]`` table).
+
+    ``url`` is ``mqtt://host:port`` (or ``mqtts://`` with TLS). ``protocol`` is
+    ``auto`` (MQTT 5, falling back to 3.1.1), ``5`` or ``3.1.1``.
+    """
+
+    url: str = "mqtt://127.0.0.1:1883"
+    username: str = ""
+    password: str = ""
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    protocol: str = "auto"
+    keepalive: int = 30
+    session_expiry: int = 3600  # seconds the broker keeps a disconnected session (MQTT 5)
+    chunk_size: int = 256 * 1024
+    max_message: int = 64 * 1024 * 1024  # largest reassembled frame accepted
+    reassembly_memory: int = 256 * 1024 * 1024
+    chunk_timeout: float = 60.0
+    fp16: bool = False
+    connect_timeout: float = 30.0
+    backoff_min: float = 0.5
+    backoff_max: float = 30.0
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        rest = self.url.split("://", 1)[1]
+        host, _, port = rest.rstrip("/").rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("mqtts://") or bool(self.ca)
+
+    def __post_init__(self) -> None:
+        scheme = self.url.split("://", 1)[0] if "://" in self.url else ""
+        if scheme not in ("mqtt", "mqtts"):
+            raise ConfigError("url", f"must look like mqtt://host:port, got {self.url!r}")
+        try:
+            host, port = self.host_port
+        except ValueError as exc:
+            raise ConfigError("url", f"needs a host and a numeric port: {self.url!r}") from exc
+        if not host or not 0 < port < 65536:
+            raise ConfigError("url", f"needs a host and a port in 1..65535: {self.url!r}")
+        if self.protocol not in ("auto", "5", "3.1.1"):
+            raise ConfigError("protocol", "must be 'auto', '5' or '3.1.1'")
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("cert", "a client certificate needs its key, and the reverse")
+        for key in ("ca", "cert", "key"):
+            if getattr(self, key) and not Path(getattr(self, key)).is_file():
+                raise ConfigError(key, f"file {getattr(self, key)} does not exist")
+        check_range("keepalive", self.keepalive, 5)
+        check_range("chunk_size", self.chunk_size, 1024)
+        check_range("max_message", self.max_message, self.chunk_size)
+        check_range("reassembly_memory", self.reassembly_memory, self.chunk_size)
+        check_range("chunk_timeout", self.chunk_timeout, 0, low_open=True)
+        check_range("connect_timeout", self.connect_timeout, 0, low_open=True)
+        check_range("backoff_min", self.backoff_min, 0, low_open=True)
+        check_range("backoff_max", self.backoff_max, self.backoff_min)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The federation's model (the ``[model]`` table every role shares).
+
+    ``backend`` is the trainer this role uses; ``artifacts`` the exported folder
+    for ``ort``.  ``seed`` fixes the initial weights the cloud broadcasts.
+    """
+
+    name: str = "mlp"
+    backend: str = "numpy"
+    input_shape: tuple[int, ...] = (28, 28)
+    num_classes: int = 10
+    artifacts: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("numpy", "torch", "ort"):
+            raise ConfigError("backend", f"must be numpy, torch or ort, got {self.backend!r}")
+        if self.backend == "ort" and not self.artifacts:
+            raise ConfigError("artifacts", "the ort backend needs the exported artifacts folder")
+        if not self.input_shape or min(self.input_shape) < 1:
+            raise ConfigError("input_shape", f"must be positive sizes, got {self.input_shape}")
+        check_range("num_classes", self.num_classes, 2)

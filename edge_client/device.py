@@ -48,6 +48,8 @@ class Device(RoleBase):
         self.buffer = StreamBuffer(config.buffer_capacity, num_classes, sample_shape,
                                    holdout_every=config.holdout_every,
                                    holdout_capacity=config.holdout_capacity)
+        self.finished = False  # the station sent the final model
+        self._next_hello = 0.0
         self._model: m.StationModel | None = None
         self._local: np.ndarray | None = None
         self._reported_next: np.ndarray | None = None
@@ -66,7 +68,16 @@ class Device(RoleBase):
         return device_topics(self.config.fleet, self.config.station)
 
     def start(self, now: float) -> list[m.Message]:
+        self._next_hello = now + self.config.hello_interval
         return [self._stats(0, 0)]
+
+    def tick(self, now: float) -> list[m.Message]:
+        """Until a station model arrives, repeat the stats: the station may start later."""
+        if self._model is None and now >= self._next_hello:
+            self._next_hello = now + self.config.hello_interval
+            self.counters["hellos"] += 1
+            return [self._stats(0, 0)]
+        return []
 
     def ingest(self, x: np.ndarray, y: np.ndarray, now: float) -> list[m.Message]:
         """Take newly sensed samples; report stats when the next batch changed."""
@@ -89,6 +100,7 @@ class Device(RoleBase):
             if self._model is not None and message.iteration < self._model.iteration:
                 return self._reject("stale_iteration", f"model of iteration {message.iteration}")
             self._model = message
+            self.finished = message.final
             return []
         if isinstance(message, m.Selection):
             if self.id not in message.members:

@@ -28,6 +28,7 @@ __all__ = [
     "StationStats",
     "StationUpdate",
     "GlobalModel",
+    "Presence",
     "payload_nbytes",
 ]
 
@@ -104,9 +105,10 @@ class SkipNotice(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class StationModel(Message):
-    """Station -> its devices: the group model ``w^m`` at iteration ``t``."""
+    """Station -> its devices: the group model ``w^m`` at iteration ``t``; ``final`` ends it."""
 
     weights: np.ndarray
+    final: bool = False
     _vectors = _WEIGHTS
 
 
@@ -144,6 +146,19 @@ class GlobalModel(Message):
     p_real: np.ndarray
     final: bool = False
     _vectors = _WEIGHTS + (("p_real", np.float64),)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Presence(Message):
+    """Retained online/offline status of a participant; its Last Will says offline."""
+
+    role: str  # "cloud", "station" or "dev": the topic level it lives under
+    online: bool
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.role not in ("cloud", "station", "dev"):
+            raise MessageError("header", f"presence role {self.role!r} unknown")
 
 
 def payload_nbytes(message: Message) -> int:

@@ -16,6 +16,7 @@ __all__ = [
     "cloud_topics",
     "station_model_topic",
     "global_model_topic",
+    "status_topic",
 ]
 
 
@@ -40,6 +41,8 @@ def topic_for(message: m.Message) -> str:
         return f"{root}/station/{message.sender}/update"
     if isinstance(message, m.GlobalModel):
         return global_model_topic(message.fleet)
+    if isinstance(message, m.Presence):
+        return status_topic(message.fleet, message.role, message.sender)
     raise TypeError(f"no topic for {type(message).__name__}")
 
 
@@ -53,6 +56,13 @@ def global_model_topic(fleet: str) -> str:
     return f"{_root(fleet)}/cloud/model"
 
 
+def status_topic(fleet: str, role: str, participant: str) -> str:
+    """Retained presence of a participant (``role`` is cloud, station or dev)."""
+    if role == "cloud":
+        return f"{_root(fleet)}/cloud/status"
+    return f"{_root(fleet)}/{role}/{participant}/status"
+
+
 def device_topics(fleet: str, station: str) -> list[str]:
     """What a device of ``station`` subscribes to."""
     return [station_model_topic(fleet, station), f"{_root(fleet)}/station/{station}/select"]
@@ -61,12 +71,14 @@ def device_topics(fleet: str, station: str) -> list[str]:
 def station_topics(fleet: str) -> list[str]:
     """What a base station subscribes to (it filters devices by its roster)."""
     root = _root(fleet)
-    return [f"{root}/dev/+/stats", f"{root}/dev/+/update", global_model_topic(fleet)]
+    return [f"{root}/dev/+/stats", f"{root}/dev/+/update", f"{root}/dev/+/status",
+            global_model_topic(fleet)]
 
 
 def cloud_topics(fleet: str) -> list[str]:
     """What the cloud subscribes to."""
-    return [f"{_root(fleet)}/station/+/stats", f"{_root(fleet)}/station/+/update"]
+    root = _root(fleet)
+    return [f"{root}/station/+/stats", f"{root}/station/+/update", f"{root}/station/+/status"]
 
 
 def matches(topic_filter: str, topic: str) -> bool:

@@ -85,6 +85,7 @@ class RoleRunner:
         self.transport = transport
         self.clock = clock
         self.errors = 0
+        self.observers: list[Callable[[m.Message], None]] = []  # see what the role sends
         for topic_filter in role.subscriptions():
             transport.subscribe(topic_filter, self._on_message)
 
@@ -96,6 +97,8 @@ class RoleRunner:
 
     def publish(self, out: list[m.Message]) -> None:
         for message in out:
+            for observe in self.observers:
+                observe(message)
             self.transport.publish(topic_for(message), message)
 
     def _on_message(self, topic: str, message: m.Message) -> None:

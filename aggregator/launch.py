@@ -1,0 +1,156 @@
+"""A whole fleet as separate OS processes over a broker, from the simulation's own plan.
+
+``launch_fleet`` writes one TOML file per role (from :func:`plan_fleet`, the same
+values the in-process simulation uses), each device's partition as ``.npz`` (replayed
+at the federation's pace), and the test set for the cloud to score; it then starts
+``safl cloud``, ``safl station`` and ``safl device`` processes and waits for the cloud.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_client.errors import SaflError
+
+from .datasets import Dataset
+from .simulation import FleetSpec, Strategy, _public, plan_fleet
+
+__all__ = ["write_fleet", "launch_fleet", "toml_text"]
+
+_ROUND = re.compile(r"round (\d+): accuracy ([0-9.]+)")
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def toml_text(tables: dict[str, dict[str, Any]]) -> str:
+    """A TOML document of flat tables (enough for role configs; no dependency)."""
+    out = []
+    for name, values in tables.items():
+        out.append(f"[{name}]")
+        out += [f"{k} = {_value(v)}" for k, v in values.items() if v is not None]
+        out.append("")
+    return "\n".join(out)
+
+
+def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpec,
+                broker_url: str, credentials: Callable[[str], tuple[str, str]] | None = None,
+                ) -> dict[str, Path]:
+    """Write every role's TOML file and data; returns role id -> config path."""
+    plan = plan_fleet(strategy, spec)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "data").mkdir(exist_ok=True)
+    test = run_dir / "data" / "test.npz"
+    np.savez(test, x=data.x_test[:spec.eval_samples], y=data.y_test[:spec.eval_samples])
+
+    def model(backend: str) -> dict[str, Any]:
+        return {"name": spec.model, "backend": backend, "input_shape": data.sample_shape,
+                "num_classes": data.num_classes, "seed": spec.seed,
+                "artifacts": spec.artifacts or ""}
+
+    def broker(user: str) -> dict[str, Any]:
+        name, password = credentials(user) if credentials else ("", "")
+        return {"url": broker_url, "username": name, "password": password}
+
+    paths = {}
+    cloud = run_dir / "cloud.toml"
+    cloud.write_text(toml_text({"cloud": plan.cloud, "model": model(spec.backends[0]),
+                                "broker": broker("cloud")}))
+    paths["cloud"] = cloud
+    for values in plan.stations:
+        path = run_dir / f"{values['station_id']}.toml"
+        path.write_text(toml_text({"station": values, "model": model(spec.backends[0]),
+                                   "broker": broker(values["station_id"])}))
+        paths[values["station_id"]] = path
+    for values in plan.devices:
+        k, did = values["_k"], values["device_id"]
+        part = run_dir / "data" / f"{did}.npz"
+        idx = spec.partitions[k]
+        np.savez(part, x=data.x_train[idx], y=data.y_train[idx])
+        source = {"kind": "replay", "path": str(part), "loop": True,
+                  "seed": plan.replay_seeds[k], "per_iteration": spec.arrivals_per_step,
+                  "initial": spec.initial_samples}
+        path = run_dir / f"{did}.toml"
+        path.write_text(toml_text({"device": _public(values), "model": model(values["_backend"]),
+                                   "source": source, "broker": broker(did)}))
+        paths[did] = path
+    paths["_test"] = test
+    return paths
+
+
+def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpec,
+                 broker_url: str, *, credentials: Callable[[str], tuple[str, str]] | None = None,
+                 timeout: float = 900.0, progress: Callable[[int, float], None] | None = None,
+                 ) -> list[dict[str, Any]]:
+    """Run one strategy as separate processes; returns the cloud's per-round metrics."""
+    paths = write_fleet(run_dir, data, strategy, spec, broker_url, credentials)
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    cli = [sys.executable, "-m", "edge_client.cli"]
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, args: list[str]) -> None:
+        with open(logs / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen(cli + args, stdout=log, stderr=subprocess.STDOUT)
+
+    start("cloud", ["-v", "cloud", "--config", str(paths["cloud"]), "--eval",
+                    str(paths["_test"]), "--out", str(run_dir)])
+    for name, path in paths.items():
+        if name.startswith("st"):
+            start(name, ["station", "--config", str(path)])
+    for name, path in paths.items():
+        if name.startswith("dev"):
+            start(name, ["device", "--config", str(path)])
+    deadline = time.monotonic() + timeout
+    seen = 0
+    try:
+        while procs["cloud"].poll() is None:
+            if time.monotonic() > deadline:
+                raise SaflError(f"the fleet did not finish within {timeout:.0f} s; "
+                                f"logs in {logs}")
+            dead = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+            if dead:
+                raise SaflError(f"{', '.join(dead)} exited with an error; logs in {logs}")
+            if progress:
+                found = _ROUND.findall((logs / "cloud.log").read_text())
+                for r, acc in found[seen:]:
+                    progress(int(r), float(acc))
+                seen = len(found)
+            time.sleep(0.2)
+        if procs["cloud"].returncode != 0:
+            raise SaflError(f"the cloud exited with {procs['cloud'].returncode}; "
+                            f"see {logs / 'cloud.log'}")
+        for p in procs.values():
+            p.wait(timeout=30)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    if progress:
+        found = _ROUND.findall((logs / "cloud.log").read_text())
+        for r, acc in found[seen:]:
+            progress(int(r), float(acc))
+    with open(run_dir / "metrics.csv") as fh:
+        return [{k: float(v) if k in ("accuracy", "loss", "wall_s") else int(v)
+                 for k, v in row.items()} for row in csv.DictReader(fh)]

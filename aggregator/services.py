@@ -1,0 +1,143 @@
+"""The base-station and cloud services: their roles on MQTT, built from TOML files.
+
+The cloud service can evaluate each global model on a held-out ``.npz`` test set
+and writes ``metrics.csv``; both publish a small retained JSON status that
+``safl status`` reads.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_client import messages as m
+from edge_client.config import BrokerConfig, ModelConfig
+from edge_client.mqtt import MqttTransport
+from edge_client.service import StopFlag, serve
+from edge_client.sources.replay import load_arrays
+from edge_client.trainers import build_trainer, layout_hash
+from edge_client.transport import RoleRunner
+
+from .cloud import CLOUD_ID, Cloud
+from .config import CloudConfig, StationConfig
+from .station import Station
+
+__all__ = ["StationService", "CloudService", "status_topic_json"]
+
+log = logging.getLogger(__name__)
+
+
+def status_topic_json(fleet: str, role: str, participant: str) -> str:
+    """Retained JSON summary a service publishes for ``safl status``."""
+    base = f"safl/{fleet}/cloud" if role == "cloud" else f"safl/{fleet}/{role}/{participant}"
+    return base + "/summary"
+
+
+def _model_trainer(model: ModelConfig):
+    return build_trainer(model.name, backend=model.backend, input_shape=model.input_shape,
+                         num_classes=model.num_classes, lr=0.01, seed=model.seed,
+                         artifacts=model.artifacts or None)
+
+
+def _summary_hook(transport: MqttTransport, topic: str, fields, every: float = 1.0):
+    last = [0.0]
+
+    def hook(runner: RoleRunner, now: float) -> None:
+        if now - last[0] >= every:
+            last[0] = now
+            transport.publish_json(topic, fields())
+    return hook
+
+
+@dataclass
+class StationService:
+    station: StationConfig
+    model: ModelConfig
+    broker: BrokerConfig
+
+    def run(self, stop: StopFlag | None = None) -> Station:
+        trainer = _model_trainer(self.model)
+        cfg = self.station
+        role = Station(cfg, num_params=trainer.num_params, num_classes=self.model.num_classes,
+                       rng=np.random.default_rng(cfg.seed))
+        presence = m.Presence(fleet=cfg.fleet, sender=cfg.station_id, round=0, iteration=0,
+                              role="station", online=True)
+        transport = MqttTransport(self.broker, client_id=cfg.station_id, fleet=cfg.fleet,
+                                  layout_hash=layout_hash(trainer.layout), presence=presence)
+
+        def summary() -> dict[str, Any]:
+            return {"station": cfg.station_id, "state": role.state, "round": role.round,
+                    "iteration": role.iteration, "devices": len(cfg.devices),
+                    "online": len([d for d in role.stats if d not in role.offline]),
+                    "counters": dict(role.counters), "transport": dict(transport.counters)}
+
+        serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
+              hooks=(_summary_hook(transport, status_topic_json(cfg.fleet, "station",
+                                                                cfg.station_id), summary),))
+        transport_summary = summary()
+        log.info("station %s finished: %s", cfg.station_id, transport_summary)
+        return role
+
+
+@dataclass
+class CloudService:
+    cloud: CloudConfig
+    model: ModelConfig
+    broker: BrokerConfig
+    eval_path: str = ""
+    out: str = ""
+
+    def run(self, stop: StopFlag | None = None) -> tuple[Cloud, list[dict[str, Any]]]:
+        trainer = _model_trainer(self.model)
+        cfg = self.cloud
+        role = Cloud(cfg, initial_weights=trainer.get_flat(), num_classes=self.model.num_classes)
+        presence = m.Presence(fleet=cfg.fleet, sender=CLOUD_ID, round=0, iteration=0,
+                              role="cloud", online=True)
+        transport = MqttTransport(self.broker, client_id=f"{cfg.fleet}-cloud", fleet=cfg.fleet,
+                                  layout_hash=layout_hash(trainer.layout), presence=presence)
+        rows: list[dict[str, Any]] = []
+        test = load_arrays(self.eval_path, num_classes=self.model.num_classes) \
+            if self.eval_path else None
+        started = time.perf_counter()
+
+        def evaluate(message: m.Message) -> None:
+            if not isinstance(message, m.GlobalModel):
+                return
+            row = {"round": message.round, "iteration": message.iteration,
+                   "wall_s": round(time.perf_counter() - started, 3)}
+            if test is not None:
+                trainer.set_flat(message.weights)
+                row["loss"], row["accuracy"] = trainer.evaluate(*test)
+                log.info("round %d: accuracy %.4f", message.round, row["accuracy"])
+            rows.append(row)
+
+        def summary() -> dict[str, Any]:
+            last = rows[-1] if rows else {}
+            return {"state": role.state, "round": role.round, "iteration": role.iteration,
+                    "stations": list(cfg.stations), "offline": sorted(role.offline),
+                    "accuracy": last.get("accuracy"), "counters": dict(role.counters),
+                    "transport": dict(transport.counters)}
+
+        def attach(runner: RoleRunner) -> None:
+            runner.observers.append(evaluate)
+
+        serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
+              attach=attach, hooks=(_summary_hook(transport, status_topic_json(
+                  cfg.fleet, "cloud", CLOUD_ID), summary),), linger=1.0)
+        if self.out:
+            out = Path(self.out)
+            out.mkdir(parents=True, exist_ok=True)
+            if rows:
+                with open(out / "metrics.csv", "w", newline="") as fh:
+                    writer = csv.DictWriter(fh, fieldnames=list(rows[-1]))
+                    writer.writeheader()
+                    writer.writerows(rows)
+            (out / "cloud.json").write_text(json.dumps(summary(), indent=2) + "\n")
+        return role, rows

@@ -1,0 +1,225 @@
+"""The wire codec: typed messages <-> bytes, with chunking for large models.
+
+A frame is a fixed little-endian prefix, a small JSON header and a raw payload::
+
+    magic "SAFL" | wire version u8 | message type u8 | weights dtype u8 | reserved u8
+    | header length u32 | payload length u64 | sha256 of all the rest, 32 bytes
+    | header (UTF-8 JSON: message id, layout hash, scalar fields, array table)
+    | payload (the message's arrays, little-endian, in the array table's order)
+
+Weights travel as float32, or float16 on request; there is no pickle.  Frames
+larger than ``chunk_size`` are split into chunks (magic "SAFC") that
+:class:`Reassembler` puts back together, once, within a timeout and a memory cap.
+Every malformed input raises :class:`MessageError` with a counter-ready reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import messages as m
+from .errors import MessageError
+
+__all__ = ["WIRE_VERSION", "Frame", "encode", "decode", "split", "is_chunk", "Reassembler",
+           "DEFAULT_CHUNK_SIZE"]
+
+WIRE_VERSION = 1
+MAGIC, CHUNK_MAGIC = b"SAFL", b"SAFC"
+DEFAULT_CHUNK_SIZE = 256 * 1024
+_PREFIX = struct.Struct("<4sBBBBIQ32s")
+_FIXED = _PREFIX.size - 32  # the prefix up to the digest, which the digest covers too
+_CHUNK = struct.Struct("<4sB16sIIQ")  # magic, version, message id, index, count, total length
+_TYPES: dict[int, type[m.Message]] = {
+    1: m.DeviceStats, 2: m.DeviceUpdate, 3: m.SkipNotice, 4: m.StationModel, 5: m.Selection,
+    6: m.StationStats, 7: m.StationUpdate, 8: m.GlobalModel, 9: m.Presence,
+}
+_CODES = {cls: code for code, cls in _TYPES.items()}
+_DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
+_WIRE_DTYPE = {"float32": "<f4", "float64": "<f8", "int64": "<i8"}
+MAX_HEADER = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A decoded frame: the message, its id (for exactly-once) and layout hash."""
+
+    message: m.Message
+    message_id: bytes
+    layout_hash: str
+
+
+def encode(message: m.Message, *, layout_hash: str = "", fp16: bool = False,
+           message_id: bytes | None = None) -> bytes:
+    """Serialise a message into one frame."""
+    scalars, arrays, blobs = {}, [], []
+    weights_dtype = 1 if fp16 else 0
+    for f in dataclasses.fields(message):
+        value = getattr(message, f.name)
+        if isinstance(value, np.ndarray):
+            wire = _DTYPES[weights_dtype] if f.name == "weights" else np.dtype(
+                _WIRE_DTYPE[value.dtype.name])
+            arrays.append([f.name, wire.str, int(value.size)])
+            blobs.append(np.ascontiguousarray(value, dtype=wire).tobytes())
+        else:
+            scalars[f.name] = list(value) if isinstance(value, tuple) else value
+    mid = message_id or os.urandom(16)
+    header = json.dumps({"id": mid.hex(), "layout": layout_hash, "fields": scalars,
+                         "arrays": arrays}, separators=(",", ":")).encode()
+    payload = b"".join(blobs)
+    fixed = _PREFIX.pack(MAGIC, WIRE_VERSION, _CODES[type(message)], weights_dtype, 0,
+                         len(header), len(payload), bytes(32))[:_FIXED]
+    digest = hashlib.sha256(fixed + header + payload).digest()
+    return fixed + digest + header + payload
+
+
+def decode(data: bytes, *, max_size: int) -> Frame:
+    """Parse and verify one frame; anything malformed raises :class:`MessageError`."""
+    if len(data) > max_size:
+        raise MessageError("oversize", f"{len(data)} bytes exceeds the {max_size}-byte limit")
+    if len(data) < _PREFIX.size:
+        raise MessageError("truncated", f"{len(data)} bytes is shorter than a frame prefix")
+    magic, version, code, wdtype, _, hlen, plen, digest = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise MessageError("bad_magic", f"frame starts with {magic!r}")
+    if version != WIRE_VERSION:
+        raise MessageError("version", f"wire version {version}, expected {WIRE_VERSION}")
+    if code not in _TYPES or wdtype not in _DTYPES:
+        raise MessageError("unknown_type", f"message type {code}, dtype {wdtype}")
+    if hlen > MAX_HEADER or _PREFIX.size + hlen + plen != len(data):
+        raise MessageError("wrong_length", f"prefix announces {hlen}+{plen} bytes, frame "
+                           f"carries {len(data) - _PREFIX.size}")
+    body = memoryview(data)[_PREFIX.size:]
+    if hashlib.sha256(data[:_FIXED] + body).digest() != digest:
+        raise MessageError("bad_checksum", "sha256 of the frame does not match")
+    try:
+        header = json.loads(bytes(body[:hlen]))
+        fields, table = dict(header["fields"]), header["arrays"]
+        mid = bytes.fromhex(header["id"])
+        layout = str(header["layout"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MessageError("bad_header", f"header is not the expected JSON: {exc!r}") from exc
+    offset = hlen
+    cls = _TYPES[code]
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        for name, dtype, count in table:
+            dt = np.dtype(dtype)
+            if dt.str not in {"<f4", "<f2", "<f8", "<i8"} or name not in names:
+                raise MessageError("bad_header", f"array {name!r} of dtype {dtype!r}")
+            size = dt.itemsize * int(count)
+            if offset + size > hlen + plen:
+                raise MessageError("wrong_length", f"array {name!r} runs past the payload")
+            fields[name] = np.frombuffer(body[offset:offset + size], dtype=dt).astype(
+                np.float32 if dt.kind == "f" and name == "weights" else dt.newbyteorder("="))
+            offset += size
+        if offset != hlen + plen:
+            raise MessageError("wrong_length", "payload is longer than its arrays")
+        for key, value in fields.items():
+            if isinstance(value, list):
+                fields[key] = tuple(value)
+        message = cls(**fields)
+    except MessageError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise MessageError("bad_header", f"fields do not fit {cls.__name__}: {exc}") from exc
+    return Frame(message, mid, layout)
+
+
+def split(frame: bytes, chunk_size: int) -> list[bytes]:
+    """The frame itself if it fits ``chunk_size``, else its chunks."""
+    if len(frame) <= chunk_size:
+        return [frame]
+    body = chunk_size - _CHUNK.size
+    if body <= 0:
+        raise ValueError(f"chunk_size {chunk_size} leaves no room for data")
+    mid = os.urandom(16)
+    count = -(-len(frame) // body)
+    return [_CHUNK.pack(CHUNK_MAGIC, WIRE_VERSION, mid, i, count, len(frame))
+            + frame[i * body:(i + 1) * body] for i in range(count)]
+
+
+def is_chunk(data: bytes) -> bool:
+    return data[:4] == CHUNK_MAGIC
+
+
+class Reassembler:
+    """Puts chunks back together: once per message, within a timeout and a memory cap.
+
+    ``add`` returns the whole frame when its last missing chunk arrives, and
+    None otherwise; duplicate chunks (QoS 1 redelivery) are ignored.
+    """
+
+    def __init__(self, *, max_size: int, memory_cap: int, timeout: float) -> None:
+        self.max_size, self.memory_cap, self.timeout = max_size, memory_cap, timeout
+        self._parts: OrderedDict[tuple[str, bytes], dict] = OrderedDict()
+        self._done: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        self.buffered = 0
+        self.counters: dict[str, int] = {}
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+    def expire(self, now: float) -> None:
+        """Drop partial messages older than the timeout."""
+        for key in [k for k, v in self._parts.items() if now - v["started"] > self.timeout]:
+            self._drop(key)
+            self._count("chunk_timeout")
+
+    def _drop(self, key: tuple[str, bytes]) -> None:
+        entry = self._parts.pop(key)
+        self.buffered -= entry["bytes"]
+
+    def add(self, source: str, data: bytes, now: float) -> bytes | None:
+        if len(data) < _CHUNK.size:
+            raise MessageError("truncated", "chunk shorter than its header")
+        magic, version, mid, index, count, total = _CHUNK.unpack_from(data)
+        if magic != CHUNK_MAGIC or version != WIRE_VERSION:
+            raise MessageError("bad_magic", "not a chunk of this wire version")
+        if total > self.max_size:
+            raise MessageError("oversize", f"chunked message of {total} bytes exceeds "
+                               f"{self.max_size}")
+        if not 0 <= index < count or count > total:
+            raise MessageError("bad_chunk", f"chunk {index} of {count}")
+        key = (source, mid)
+        if key in self._done:
+            self._count("duplicate_chunks")
+            return None
+        self.expire(now)
+        entry = self._parts.get(key)
+        if entry is None:
+            entry = self._parts[key] = {"count": count, "total": total, "chunks": {},
+                                        "bytes": 0, "started": now}
+        if entry["count"] != count or entry["total"] != total:
+            raise MessageError("bad_chunk", "chunks of one message disagree on its size")
+        if index in entry["chunks"]:
+            self._count("duplicate_chunks")
+            return None
+        piece = data[_CHUNK.size:]
+        while self.buffered + len(piece) > self.memory_cap and len(self._parts) > 1:
+            oldest = next(k for k in self._parts if k != key)
+            self._drop(oldest)
+            self._count("chunk_memory_evictions")
+        if self.buffered + len(piece) > self.memory_cap:
+            self._drop(key)
+            raise MessageError("oversize", "chunked message exceeds the reassembly memory cap")
+        entry["chunks"][index] = piece
+        entry["bytes"] += len(piece)
+        self.buffered += len(piece)
+        if len(entry["chunks"]) < count:
+            return None
+        self._drop(key)
+        self._done[key] = None
+        while len(self._done) > 4096:
+            self._done.popitem(last=False)
+        frame = b"".join(entry["chunks"][i] for i in range(count))
+        if len(frame) != total:
+            raise MessageError("wrong_length", f"chunks add up to {len(frame)}, expected {total}")
+        return frame

@@ -1,0 +1,306 @@
+"""The MQTT transport (paho-mqtt 2.x): the same interface as the in-process bus.
+
+QoS 1 with persistent sessions, MQTT 5 where the broker speaks it (else 3.1.1),
+reconnects with jittered exponential backoff inside the transport, a retained
+presence per participant with a Last Will saying offline, and the wire codec
+with chunking.  Inbound frames are queued by paho's network thread and decoded
+in :meth:`deliver` on the caller's thread, so roles stay single-threaded.
+Every rejected frame is logged once and counted by reason; none stops the service.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import random
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from . import messages as m
+from .codec import Reassembler, decode, encode, is_chunk, split
+from .config import BrokerConfig
+from .errors import MessageError, SaflError
+from .topics import global_model_topic, matches, topic_for
+
+__all__ = ["MqttTransport", "ConnectError", "BrokerRefused"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[str, m.Message], None]
+
+
+class ConnectError(SaflError):
+    """The broker could not be reached within the connect timeout."""
+
+    exit_code = 6
+
+
+class BrokerRefused(SaflError):
+    """The broker answered but refused us (credentials, ACL, protocol)."""
+
+    exit_code = 7
+
+
+class MqttTransport:
+    """One MQTT connection for one role.
+
+    Parameters
+    ----------
+    config : BrokerConfig
+    client_id : str
+        Stable id: the broker keeps the persistent session under it.
+    fleet, layout_hash : str
+        Frames of another fleet or model layout are refused.
+    presence : Presence, optional
+        This participant's online status; its offline twin becomes the Last Will.
+    """
+
+    def __init__(self, config: BrokerConfig, *, client_id: str, fleet: str,
+                 layout_hash: str = "", presence: m.Presence | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.client_id, self.fleet = config, client_id, fleet
+        self.layout_hash, self.presence, self.clock = layout_hash, presence, clock
+        self.counters: Counter[str] = Counter()
+        self._subs: list[tuple[str, Handler]] = []
+        self._inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._reassembler = Reassembler(max_size=config.max_message,
+                                        memory_cap=config.reassembly_memory,
+                                        timeout=config.chunk_timeout)
+        self._connected = threading.Event()
+        self._stop = threading.Event()
+        self._refused: str | None = None
+        self._thread: threading.Thread | None = None
+        self._last_info: paho.MQTTMessageInfo | None = None
+        self._closing = False
+        self._v5 = config.protocol in ("auto", "5")
+        self._client = self._make_client()
+
+    # -- connection ----------------------------------------------------------------------
+    def _make_client(self) -> paho.Client:
+        cfg = self.config
+        proto = paho.MQTTv5 if self._v5 else paho.MQTTv311
+        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                             protocol=proto, clean_session=None if self._v5 else False,
+                             reconnect_on_failure=False)
+        if cfg.username:
+            client.username_pw_set(cfg.username, cfg.password or None)
+        if cfg.tls:
+            client.tls_set(ca_certs=cfg.ca or None, certfile=cfg.cert or None,
+                           keyfile=cfg.key or None)
+        if self.presence is not None:
+            offline = m.Presence(fleet=self.presence.fleet, sender=self.presence.sender,
+                                 round=0, iteration=0, role=self.presence.role, online=False)
+            client.will_set(topic_for(offline), encode(offline), qos=1, retain=True)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.max_queued_messages_set(0)
+        return client
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            self._refused = str(reason_code)
+            log.error("broker refused %s: %s", self.client_id, reason_code)
+            return
+        self._refused = None
+        for topic_filter in {f for f, _ in self._subs}:
+            client.subscribe(topic_filter, qos=1)
+        if self.presence is not None:
+            client.publish(topic_for(self.presence), encode(self.presence), qos=1, retain=True)
+        self._connected.set()
+        log.info("%s connected (MQTT %s)", self.client_id, "5" if self._v5 else "3.1.1")
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        if self._connected.is_set() and not self._closing:
+            self.counters["disconnects"] += 1
+            log.warning("%s lost the broker: %s", self.client_id, reason_code)
+        self._connected.clear()
+
+    def _on_message(self, client, userdata, msg) -> None:
+        self._inbox.put((msg.topic, msg.payload))
+
+    def _try_connect(self) -> bool:
+        host, port = self.config.host_port
+        try:
+            if self._v5:
+                props = Properties(PacketTypes.CONNECT)
+                props.SessionExpiryInterval = self.config.session_expiry
+                self._client.connect(host, port, self.config.keepalive, clean_start=False,
+                                     properties=props)
+            else:
+                self._client.connect(host, port, self.config.keepalive)
+        except (OSError, ValueError) as exc:
+            log.warning("%s cannot reach %s: %s", self.client_id, self.config.url, exc)
+            return False
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not self._connected.is_set():
+            if self._client.loop(timeout=0.1) != paho.MQTT_ERR_SUCCESS or self._refused:
+                break
+        if not self._connected.is_set() and self._v5 and self.config.protocol == "auto":
+            # A 3.1.1-only broker (amqtt) refuses or drops an MQTT 5 CONNECT.
+            log.info("%s: no MQTT 5 from %s, trying 3.1.1", self.client_id, self.config.url)
+            self._v5 = False
+            self._client = self._make_client()
+            self._refused = None
+            return self._try_connect()
+        return self._connected.is_set()
+
+    def connect(self) -> None:
+        """Connect (retrying with backoff until ``connect_timeout``) and start the network loop."""
+        deadline = time.monotonic() + self.config.connect_timeout
+        delay = self.config.backoff_min
+        while not self._try_connect():
+            if self._refused and "not authori" in self._refused.lower() or (
+                    self._refused and "bad user" in self._refused.lower()):
+                raise BrokerRefused(f"{self.config.url} refused {self.client_id}: "
+                                    f"{self._refused}")
+            if time.monotonic() + delay > deadline:
+                raise ConnectError(f"cannot connect to {self.config.url} as {self.client_id} "
+                                   f"within {self.config.connect_timeout:.0f} s"
+                                   + (f" ({self._refused})" if self._refused else ""))
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, self.config.backoff_max)
+        self._thread = threading.Thread(target=self._network_loop, daemon=True,
+                                        name=f"mqtt-{self.client_id}")
+        self._thread.start()
+
+    def _network_loop(self) -> None:
+        delay = self.config.backoff_min
+        while not self._stop.is_set():
+            if self._connected.is_set():
+                rc = self._client.loop(timeout=0.2)
+                if rc == paho.MQTT_ERR_SUCCESS:
+                    delay = self.config.backoff_min
+                    continue
+                self._connected.clear()
+            self._stop.wait(delay * random.uniform(0.5, 1.0))  # jitter: fleets reconnect apart
+            delay = min(delay * 2, self.config.backoff_max)
+            if self._stop.is_set():
+                break
+            try:
+                self.counters["reconnects"] += 1
+                self._client.reconnect()
+                deadline = time.monotonic() + 5.0
+                while not self._connected.is_set() and time.monotonic() < deadline:
+                    if self._client.loop(timeout=0.1) != paho.MQTT_ERR_SUCCESS:
+                        break
+            except (OSError, ValueError) as exc:
+                log.warning("%s reconnect failed: %s", self.client_id, exc)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    # -- the transport interface ------------------------------------------------------
+    def subscribe(self, topic_filter: str, handler: Handler) -> None:
+        self._subs.append((topic_filter, handler))
+        if self._connected.is_set():
+            self._client.subscribe(topic_filter, qos=1)
+
+    def publish(self, topic: str, message: m.Message) -> None:
+        frame = encode(message, layout_hash=self.layout_hash, fp16=self.config.fp16)
+        retain = isinstance(message, m.Presence)
+        for part in split(frame, self.config.chunk_size):
+            self._last_info = self._client.publish(topic, part, qos=1, retain=retain)
+            self.counters["bytes_out"] += len(part)
+        self.counters["messages_out"] += 1
+        if isinstance(message, m.GlobalModel):
+            # Chunks cannot be retained; a small retained manifest tells late joiners the state.
+            manifest = {"round": message.round, "iteration": message.iteration,
+                        "size": len(frame), "final": message.final,
+                        "layout": self.layout_hash}
+            self.publish_json(global_model_topic(self.fleet) + "/manifest", manifest)
+
+    def publish_json(self, topic: str, doc: dict) -> None:
+        """Publish a small retained JSON document (manifests, summaries for ``safl status``)."""
+        self._last_info = self._client.publish(topic, json.dumps(doc, default=str), qos=1,
+                                               retain=True)
+
+    def deliver(self) -> int:
+        """Decode queued frames and call their handlers; returns how many were delivered."""
+        delivered = 0
+        now = self.clock()
+        self._reassembler.expire(now)
+        while True:
+            try:
+                topic, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self.counters["bytes_in"] += len(payload)
+            try:
+                message = self._accept(topic, payload, now)
+            except MessageError as exc:
+                self.counters[f"rejected.{exc.reason}"] += 1
+                log.warning("%s rejected a frame on %s: %s", self.client_id, topic, exc)
+                continue
+            if message is None:
+                continue
+            for topic_filter, handler in list(self._subs):
+                if matches(topic_filter, topic):
+                    try:
+                        handler(topic, message)
+                    except Exception:  # a handler bug must not stop the service
+                        self.counters["handler_errors"] += 1
+                        log.exception("handler failed on %s", topic)
+            delivered += 1
+        for key, value in self._reassembler.counters.items():
+            self.counters[key] = value
+        return delivered
+
+    def _accept(self, topic: str, payload: bytes, now: float) -> m.Message | None:
+        if topic.endswith(("/manifest", "/summary")):
+            return None
+        if is_chunk(payload):
+            payload = self._reassembler.add(topic, payload, now)
+            if payload is None:
+                return None
+        frame = decode(payload, max_size=self.config.max_message)
+        msg = frame.message
+        if msg.fleet != self.fleet:
+            raise MessageError("wrong_fleet", f"fleet {msg.fleet!r}")
+        if self.layout_hash and frame.layout_hash and frame.layout_hash != self.layout_hash:
+            raise MessageError("wrong_layout", f"layout {frame.layout_hash}, expected "
+                               f"{self.layout_hash}")
+        if topic_for(msg) != topic:
+            # The ACL confines each client to its own topics; a sender field that disagrees
+            # with the topic is an impersonation attempt.
+            raise MessageError("topic_mismatch", f"{type(msg).__name__} from {msg.sender!r} "
+                               f"on {topic}")
+        if frame.message_id in self._seen:
+            self.counters["duplicates"] += 1
+            return None
+        self._seen[frame.message_id] = None
+        while len(self._seen) > 8192:
+            self._seen.popitem(last=False)
+        self.counters["messages_in"] += 1
+        return msg
+
+    def close(self) -> None:
+        """Flush what was published, say offline (retained), disconnect, stop the thread."""
+        self._closing = True
+        if self._last_info is not None and self._connected.is_set():
+            try:
+                self._last_info.wait_for_publish(timeout=10.0)
+            except (RuntimeError, ValueError):
+                log.warning("%s closed with unacknowledged messages", self.client_id)
+        if self.presence is not None and self._connected.is_set():
+            offline = m.Presence(fleet=self.presence.fleet, sender=self.presence.sender,
+                                 round=0, iteration=0, role=self.presence.role, online=False)
+            info = self._client.publish(topic_for(offline), encode(offline), qos=1, retain=True)
+            try:
+                info.wait_for_publish(timeout=2.0)
+            except (RuntimeError, ValueError):
+                pass
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=3.0)
+        self._client.disconnect()

@@ -1,0 +1,149 @@
+"""Running a role as a service: the loop, signals, and the device service.
+
+:func:`serve` connects a transport, starts the role, then delivers messages and
+ticks deadlines until SIGTERM/SIGINT or until the role is done.  The station and
+cloud services (in :mod:`aggregator.services`) use the same loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import messages as m
+from .config import (
+    BrokerConfig,
+    DeviceConfig,
+    ModelConfig,
+    SourceConfig,
+    load_config,
+)
+from .device import Device
+from .errors import ConfigError
+from .mqtt import MqttTransport
+from .role import Role
+from .sources import SourcePump, build_source, feed_device
+from .sources.replay import ReplaySource
+from .topics import station_model_topic
+from .trainers import build_trainer, layout_hash
+from .transport import RoleRunner, Transport
+
+__all__ = ["serve", "StopFlag", "DeviceService", "load_role_file"]
+
+log = logging.getLogger(__name__)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT (when installed from the main thread) or by hand."""
+
+    def __init__(self, install: bool = True) -> None:
+        self.event = threading.Event()
+        if install and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.event.set())
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+
+def serve(role: Role, transport: Transport, *, stop: StopFlag,
+          done: Callable[[], bool] = lambda: False,
+          hooks: tuple[Callable[[RoleRunner, float], None], ...] = (),
+          attach: Callable[[RoleRunner], None] | None = None,
+          clock: Callable[[], float] = time.monotonic, idle_sleep: float = 0.01,
+          linger: float = 0.5) -> RoleRunner:
+    """Run ``role`` on ``transport`` until ``stop`` is set or ``done()`` is true.
+
+    ``hooks`` run every loop turn; ``attach`` may add subscriptions that must see a
+    message after the role has.
+    """
+    runner = RoleRunner(role, transport, clock)
+    if attach is not None:
+        attach(runner)
+    transport.connect()
+    try:
+        runner.start()
+        while not stop and not done():
+            busy = transport.deliver()
+            runner.tick()
+            for hook in hooks:
+                hook(runner, clock())
+            if not busy:
+                time.sleep(idle_sleep)
+        end = time.monotonic() + linger  # let the last answers go out before saying goodbye
+        while time.monotonic() < end and not stop:
+            transport.deliver()
+            time.sleep(idle_sleep)
+    finally:
+        transport.close()
+    return runner
+
+
+def load_role_file(path: str | Path | None, tables: dict[str, type],
+                   overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Load several config tables of one role's TOML file, each with its overrides."""
+    return {name: load_config(cls, name, path, overrides.get(name))
+            for name, cls in tables.items()}
+
+
+@dataclass
+class DeviceService:
+    """A device: trainer, role, source and MQTT transport built from its TOML file."""
+
+    device: DeviceConfig
+    model: ModelConfig
+    source: SourceConfig
+    broker: BrokerConfig
+
+    def build(self) -> tuple[Device, MqttTransport, dict[str, Any]]:
+        """The role, its transport, and the ``serve`` keywords that feed it samples."""
+        cfg, mc = self.device, self.model
+        trainer = build_trainer(mc.name, backend=mc.backend, input_shape=mc.input_shape,
+                                num_classes=mc.num_classes, lr=cfg.lr, seed=mc.seed,
+                                artifacts=mc.artifacts or None)
+        device = Device(cfg, trainer, num_classes=mc.num_classes, sample_shape=mc.input_shape,
+                        rng=np.random.default_rng(cfg.seed))
+        presence = m.Presence(fleet=cfg.fleet, sender=cfg.device_id, round=0, iteration=0,
+                              role="dev", online=True)
+        transport = MqttTransport(self.broker, client_id=cfg.device_id, fleet=cfg.fleet,
+                                  layout_hash=layout_hash(trainer.layout), presence=presence)
+        source, drops = build_source(self.source, sample_shape=mc.input_shape,
+                                     num_classes=mc.num_classes,
+                                     rng=np.random.default_rng(self.source.seed))
+        if self.source.initial and isinstance(source, ReplaySource):
+            device.buffer.push(*source.read(self.source.initial))
+        if self.source.per_iteration:
+            return device, transport, {"attach": self._paced(device, source, transport)}
+        pump = SourcePump(source, capacity=self.source.queue_size, drop_when_full=drops,
+                          name=cfg.device_id).start()
+        return device, transport, {
+            "hooks": (lambda runner, now: runner.publish(feed_device(device, pump, now)),)}
+
+    def _paced(self, device: Device, source, transport: MqttTransport) -> Callable:
+        if not isinstance(source, ReplaySource):
+            raise ConfigError("per_iteration", "federation-paced replay needs an array source")
+        n = self.source.per_iteration * device.config.local_steps
+
+        def attach(runner: RoleRunner) -> None:
+            # Subscribed after the role: the device stores each station model, then that
+            # iteration's samples arrive, as in the in-process simulation.
+            def on_model(topic: str, message: m.Message) -> None:
+                runner.publish(device.ingest(*source.read(n), runner.clock()))
+            transport.subscribe(station_model_topic(device.config.fleet,
+                                                    device.config.station), on_model)
+        return attach
+
+    def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
+        device, transport, feeding = self.build()
+        serve(device, transport, stop=stop or StopFlag(),
+              done=(lambda: device.finished) if exit_when_done else (lambda: False), **feeding)
+        log.info("device %s finished: %s", device.id, dict(device.metrics()))
+        return device

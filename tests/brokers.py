@@ -1,0 +1,111 @@
+"""Real brokers for tests: Mosquitto with a generated password file and ACL, and amqtt.
+
+Each broker runs as its own process on a free loopback port and is stopped by the fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"broker exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"broker did not listen on {port} within {timeout} s")
+
+
+def acl_lines(fleet: str, stations: dict[str, list[str]]) -> list[str]:
+    """Each device writes only its own dev/<id>/ tree and reads only its station's topics."""
+    root = f"safl/{fleet}"
+    lines = ["user cloud", f"topic readwrite {root}/#", ""]
+    for sid, devices in stations.items():
+        lines += [f"user {sid}", f"topic readwrite {root}/station/{sid}/#",
+                  f"topic read {root}/dev/#", f"topic read {root}/cloud/#", ""]
+        for did in devices:
+            lines += [f"user {did}", f"topic readwrite {root}/dev/{did}/#",
+                      f"topic read {root}/station/{sid}/#", ""]
+    lines += ["user tester", "topic readwrite #", ""]
+    return lines
+
+
+class Mosquitto:
+    """A Mosquitto process with password authentication and an ACL."""
+
+    PASSWORD = "secret"
+
+    def __init__(self, folder: Path, users: list[str], acl: list[str], *,
+                 message_size_limit: int = 0) -> None:
+        self.folder, self.port = Path(folder), free_port()
+        passwd, aclfile, conf = (self.folder / n for n in ("passwd", "acl", "mosquitto.conf"))
+        passwd.write_text("")
+        for user in users:
+            subprocess.run(["mosquitto_passwd", "-b", str(passwd), user, self.PASSWORD],
+                           check=True, capture_output=True)
+        aclfile.write_text("\n".join(acl) + "\n")
+        lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous false",
+                 f"password_file {passwd}", f"acl_file {aclfile}", "persistence false",
+                 "max_queued_messages 10000", "log_dest stderr", "log_type error"]
+        if os.geteuid() == 0:
+            lines.append("user root")  # else it drops to 'mosquitto' and cannot read tmp files
+        if message_size_limit:
+            lines.append(f"message_size_limit {message_size_limit}")
+        conf.write_text("\n".join(lines) + "\n")
+        self.log = open(self.folder / "mosquitto.log", "w")
+        self.proc = subprocess.Popen([shutil.which("mosquitto") or "mosquitto", "-c", str(conf)],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        wait_for_port(self.port, self.proc)
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+class Amqtt:
+    """The embedded amqtt broker as `safl broker` runs it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.port = free_port()
+        self.log = open(Path(folder) / "amqtt.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "broker",
+                                      "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        wait_for_port(self.port, self.proc, timeout=30)
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
