@@ -14,12 +14,12 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(VENV)/.demo-deps: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[data,plot]'
+	$(PY) -m pip install --quiet -e '.[data,plot,broker]'
 	touch $@
 
 $(VENV)/.test-deps: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet '$(TORCH)'
-	$(PY) -m pip install --quiet -e '.[data,plot,dev,torch,ort,camera]'
+	$(PY) -m pip install --quiet -e '.[data,plot,dev,torch,ort,camera,broker]'
 	touch $@
 
 demo: $(VENV)/.demo-deps
@@ -33,6 +33,8 @@ lint: $(VENV)/.test-deps
 
 bench: $(VENV)/.test-deps
 	$(PY) bench/selection.py
+	$(PY) bench/device_footprint.py
+	$(PY) bench/wire.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

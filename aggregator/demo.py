@@ -7,20 +7,28 @@ devices; FedAvg takes one iteration of ``T`` local steps on ``L`` random devices
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
-from edge_client.config import check_range
+from edge_client.config import BrokerConfig, check_range
+from edge_client.errors import ConfigError, SaflError
 
 from .datasets import assign_groups, dirichlet_label_skew, load_default
 from .report import Progress, format_table, plot_accuracy, summary_rows, write_metrics
 from .simulation import FleetSpec, RunResult, Strategy, run_federation
 
-__all__ = ["demo_strategies", "run_demo"]
+__all__ = ["demo_strategies", "run_demo", "DEFAULT_ROUNDS"]
+
+# Over the embedded broker every iteration crosses amqtt (pure Python): fewer rounds by default.
+DEFAULT_ROUNDS = {"local": 100, "mqtt": 20}
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +52,70 @@ def demo_strategies(super_node_size: int = 4, sync_period: int = 5) -> list[Stra
     ]
 
 
-def run_demo(*, rounds: int = 100, out: Path | None = None, seed: int = 0, stations: int = 2,
-             devices_per_station: int = 6, alpha: float = 0.3, lr: float = 0.1) -> list[RunResult]:
-    """Run the demo, print its table, write metrics (CSV, JSON) and ``accuracy.png``."""
+def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
+                 rounds: int) -> RunResult:
+    """One strategy as separate processes; the table's traffic is what crossed the wire."""
+    from .launch import launch_fleet
+    from .status import fleet_status
+
+    started = time.perf_counter()
+    rows = launch_fleet(out / strategy.name, data, strategy, spec, url,
+                        progress=Progress(strategy.name, rounds))
+    fleet = strategy.device.get("fleet", "sim")
+    found = fleet_status(BrokerConfig(url=url), fleet, wait=1.0)["summary"]
+    stations = [doc for key, doc in found.items() if key != "cloud"]
+    cloud = found.get("cloud", {})
+
+    def total(docs, section, key):
+        return sum(d.get(section, {}).get(key, 0) for d in docs)
+
+    result_rows = [{"strategy": strategy.name, **row} for row in rows]
+    result_rows[-1].update(
+        uploads=total(stations, "counters", "received_updates"),
+        skips=total(stations, "counters", "received_skips"),
+        bytes_device_up=total(stations, "transport", "bytes_in"),
+        bytes_device_down=total(stations, "transport", "bytes_out"),
+        bytes_station_up=cloud.get("transport", {}).get("bytes_in", 0),
+        bytes_station_down=cloud.get("transport", {}).get("bytes_out", 0))
+    return RunResult(strategy.name, result_rows, {}, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def _embedded_broker():
+    """Start ``safl broker`` on a free loopback port for the duration of the demo."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "broker", "--port",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SaflError("the embedded broker did not start: pip install "
+                                    "'safl-edge[broker]'") from None
+                time.sleep(0.1)
+        yield f"mqtt://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 0,
+             stations: int = 2, devices_per_station: int = 6, alpha: float = 0.3,
+             lr: float = 0.1, bus: str = "mqtt", broker: str | None = None) -> list[RunResult]:
+    """Run the demo, print its table, write metrics (CSV, JSON) and ``accuracy.png``.
+
+    ``bus = "mqtt"`` runs every role as its own process over ``broker`` (the embedded
+    amqtt broker when None); ``bus = "local"`` runs them in this process.
+    """
+    if bus not in ("mqtt", "local"):
+        raise ConfigError("bus", f"must be 'mqtt' or 'local', got {bus!r}")
+    rounds = rounds if rounds is not None else DEFAULT_ROUNDS[bus]
     check_range("rounds", rounds, 1)
     data, note = load_default()
     print(f"dataset: {note}", file=sys.stderr)
@@ -54,11 +123,19 @@ def run_demo(*, rounds: int = 100, out: Path | None = None, seed: int = 0, stati
     n_dev = stations * devices_per_station
     spec = FleetSpec(partitions=tuple(dirichlet_label_skew(data.y_train, n_dev, alpha, rng)),
                      groups=tuple(assign_groups(n_dev, stations, rng)), rounds=rounds, lr=lr,
-                     seed=seed)
+                     seed=seed, arrivals_per_step=48, initial_samples=64)
+    where = "in this process" if bus == "local" else (
+        f"one process per role over {broker or 'the embedded amqtt broker'}")
     print(f"fleet: {stations} stations x {devices_per_station} devices, Dirichlet({alpha}) label "
-          f"skew, MLP on numpy, {rounds} rounds", file=sys.stderr)
-    results = [run_federation(data, s, spec, Progress(s.name, rounds)) for s in demo_strategies()]
+          f"skew, MLP on numpy, {rounds} rounds, {where}", file=sys.stderr)
     out = out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+    if bus == "local":
+        results = [run_federation(data, s, spec, Progress(s.name, rounds))
+                   for s in demo_strategies()]
+    else:
+        with contextlib.ExitStack() as stack:
+            url = broker or stack.enter_context(_embedded_broker())
+            results = [_over_broker(data, s, spec, url, out, rounds) for s in demo_strategies()]
     csv_path, json_path = write_metrics(results, out)
     png = plot_accuracy(results, out / "accuracy.png",
                         f"{data.name}: {stations}x{devices_per_station} devices, "

@@ -51,7 +51,7 @@ def toml_text(tables: dict[str, dict[str, Any]]) -> str:
 
 def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpec,
                 broker_url: str, credentials: Callable[[str], tuple[str, str]] | None = None,
-                ) -> dict[str, Path]:
+                broker_extra: dict[str, Any] | None = None) -> dict[str, Path]:
     """Write every role's TOML file and data; returns role id -> config path."""
     plan = plan_fleet(strategy, spec)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +66,8 @@ def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpe
 
     def broker(user: str) -> dict[str, Any]:
         name, password = credentials(user) if credentials else ("", "")
-        return {"url": broker_url, "username": name, "password": password}
+        return {"url": broker_url, "username": name, "password": password,
+                **(broker_extra or {})}
 
     paths = {}
     cloud = run_dir / "cloud.toml"
@@ -96,10 +97,16 @@ def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpe
 
 def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpec,
                  broker_url: str, *, credentials: Callable[[str], tuple[str, str]] | None = None,
-                 timeout: float = 900.0, progress: Callable[[int, float], None] | None = None,
+                 broker_extra: dict[str, Any] | None = None, timeout: float = 900.0,
+                 progress: Callable[[int, float], None] | None = None,
+                 during: Callable[[dict[str, subprocess.Popen]], None] | None = None,
                  ) -> list[dict[str, Any]]:
-    """Run one strategy as separate processes; returns the cloud's per-round metrics."""
-    paths = write_fleet(run_dir, data, strategy, spec, broker_url, credentials)
+    """Run one strategy as separate processes; returns the cloud's per-round metrics.
+
+    ``during`` is called every poll with the running processes (tests use it to
+    inject faults).
+    """
+    paths = write_fleet(run_dir, data, strategy, spec, broker_url, credentials, broker_extra)
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     cli = [sys.executable, "-m", "edge_client.cli"]
@@ -124,7 +131,9 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
             if time.monotonic() > deadline:
                 raise SaflError(f"the fleet did not finish within {timeout:.0f} s; "
                                 f"logs in {logs}")
-            dead = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+            if during:
+                during(procs)
+            dead = [n for n, p in procs.items() if p.poll() not in (None, 0, -9, -15)]
             if dead:
                 raise SaflError(f"{', '.join(dead)} exited with an error; logs in {logs}")
             if progress:

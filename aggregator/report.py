@@ -75,7 +75,8 @@ def write_metrics(results: Sequence[RunResult], out: Path) -> tuple[Path, Path]:
     csv_path, json_path = out / "metrics.csv", out / "summary.json"
     rows = [row for r in results for row in r.rows]
     with open(csv_path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        fields = list(dict.fromkeys(k for row in rows for k in row))
+        writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
     summary = {"strategies": summary_rows(results),

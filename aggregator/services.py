@@ -74,15 +74,16 @@ class StationService:
 
         def summary() -> dict[str, Any]:
             return {"station": cfg.station_id, "state": role.state, "round": role.round,
+                    "cpu_s": round(time.process_time(), 3),
                     "iteration": role.iteration, "devices": len(cfg.devices),
                     "online": len([d for d in role.stats if d not in role.offline]),
                     "counters": dict(role.counters), "transport": dict(transport.counters)}
 
+        topic = status_topic_json(cfg.fleet, "station", cfg.station_id)
         serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-              hooks=(_summary_hook(transport, status_topic_json(cfg.fleet, "station",
-                                                                cfg.station_id), summary),))
-        transport_summary = summary()
-        log.info("station %s finished: %s", cfg.station_id, transport_summary)
+              hooks=(_summary_hook(transport, topic, summary),),
+              on_stop=lambda: transport.publish_json(topic, summary()))
+        log.info("station %s finished: %s", cfg.station_id, summary())
         return role
 
 
@@ -128,9 +129,10 @@ class CloudService:
         def attach(runner: RoleRunner) -> None:
             runner.observers.append(evaluate)
 
+        topic = status_topic_json(cfg.fleet, "cloud", CLOUD_ID)
         serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-              attach=attach, hooks=(_summary_hook(transport, status_topic_json(
-                  cfg.fleet, "cloud", CLOUD_ID), summary),), linger=1.0)
+              attach=attach, hooks=(_summary_hook(transport, topic, summary),), linger=1.0,
+              on_stop=lambda: transport.publish_json(topic, summary()))
         if self.out:
             out = Path(self.out)
             out.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ class Station(RoleBase):
         return self.config.station_id
 
     def subscriptions(self) -> list[str]:
-        return station_topics(self.config.fleet)
+        return station_topics(self.config.fleet, self.config.devices)
 
     def tick(self, now: float) -> list[m.Message]:
         """Close the iteration at its deadline; repeat the join until the cloud answers."""
@@ -177,6 +177,7 @@ class Station(RoleBase):
                                          size - n_random, fixed=fixed, rng=self.rng,
                                          max_iter=cfg.gbp_max_iter) if ready else []
         self.members = tuple(sorted(ready[i] for i in [*fixed, *picked]))
+        log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
         self._replies = {}
         self.deadline = now + cfg.iteration_timeout
         self.state = "collecting"

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import SaflError
+from .errors import ConfigError, SaflError
 
 __all__ = ["main"]
 
@@ -20,7 +20,10 @@ __all__ = ["main"]
 def _demo(args: argparse.Namespace) -> int:
     from aggregator.demo import run_demo
 
-    run_demo(rounds=args.rounds, out=args.out, seed=args.seed)
+    bus = args.bus or "mqtt"
+    if args.broker and bus == "local":
+        raise ConfigError("broker", "--broker runs the fleet over MQTT; drop --bus local")
+    run_demo(rounds=args.rounds, out=args.out, seed=args.seed, bus=bus, broker=args.broker)
     return 0
 
 
@@ -102,8 +105,15 @@ def _parser() -> argparse.ArgumentParser:
                                      "federated learning for edge fleets")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="SAFL+FedGS vs FedAvg on an in-process fleet")
-    demo.add_argument("--rounds", type=int, default=100, help="external syncs (default 100)")
+    demo = sub.add_parser("demo", help="SAFL+FedGS vs FedGS vs FedAvg on a real fleet")
+    demo.add_argument("--rounds", type=int, default=None,
+                      help="external syncs (default 20 over MQTT, 100 with --bus local)")
+    demo.add_argument("--bus", choices=("mqtt", "local"), default=None,
+                      help="mqtt (default): one process per role over a broker; local: the "
+                      "in-process bus")
+    demo.add_argument("--broker", default=None,
+                      help="mqtt://host:port of an external broker (default: start the "
+                      "embedded amqtt broker)")
     demo.add_argument("--out", type=Path, default=None, help="output folder "
                       "(default runs/<timestamp>)")
     demo.add_argument("--seed", type=int, default=0)
@@ -155,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
     except SaflError as exc:

@@ -14,6 +14,7 @@ import json
 import logging
 import queue
 import random
+import socket
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -76,6 +77,7 @@ class MqttTransport:
                                         memory_cap=config.reassembly_memory,
                                         timeout=config.chunk_timeout)
         self._connected = threading.Event()
+        self._arrived = threading.Event()
         self._stop = threading.Event()
         self._refused: str | None = None
         self._thread: threading.Thread | None = None
@@ -107,6 +109,14 @@ class MqttTransport:
         return client
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        sock = client.socket()
+        if sock is not None:
+            # paho leaves Nagle on: back-to-back small frames (stats, then the update) would
+            # wait for the broker's delayed ACK, about 40 ms a hop.
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
         if reason_code.is_failure:
             self._refused = str(reason_code)
             log.error("broker refused %s: %s", self.client_id, reason_code)
@@ -127,6 +137,11 @@ class MqttTransport:
 
     def _on_message(self, client, userdata, msg) -> None:
         self._inbox.put((msg.topic, msg.payload))
+        self._arrived.set()
+
+    def wait(self, timeout: float) -> None:
+        """Block until a frame arrives or ``timeout`` passes (an idle service sleeps here)."""
+        self._arrived.wait(timeout)
 
     def _try_connect(self) -> bool:
         host, port = self.config.host_port
@@ -228,6 +243,7 @@ class MqttTransport:
     def deliver(self) -> int:
         """Decode queued frames and call their handlers; returns how many were delivered."""
         delivered = 0
+        self._arrived.clear()
         now = self.clock()
         self._reassembler.expire(now)
         while True:

@@ -58,7 +58,8 @@ def serve(role: Role, transport: Transport, *, stop: StopFlag,
           done: Callable[[], bool] = lambda: False,
           hooks: tuple[Callable[[RoleRunner, float], None], ...] = (),
           attach: Callable[[RoleRunner], None] | None = None,
-          clock: Callable[[], float] = time.monotonic, idle_sleep: float = 0.01,
+          on_stop: Callable[[], None] | None = None,
+          clock: Callable[[], float] = time.monotonic, idle_sleep: float = 0.05,
           linger: float = 0.5) -> RoleRunner:
     """Run ``role`` on ``transport`` until ``stop`` is set or ``done()`` is true.
 
@@ -77,11 +78,14 @@ def serve(role: Role, transport: Transport, *, stop: StopFlag,
             for hook in hooks:
                 hook(runner, clock())
             if not busy:
-                time.sleep(idle_sleep)
+                wait = getattr(transport, "wait", None)  # wake as soon as a frame arrives
+                wait(idle_sleep) if wait else time.sleep(idle_sleep)
         end = time.monotonic() + linger  # let the last answers go out before saying goodbye
         while time.monotonic() < end and not stop:
             transport.deliver()
             time.sleep(idle_sleep)
+        if on_stop is not None:
+            on_stop()
     finally:
         transport.close()
     return runner

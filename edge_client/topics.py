@@ -68,11 +68,16 @@ def device_topics(fleet: str, station: str) -> list[str]:
     return [station_model_topic(fleet, station), f"{_root(fleet)}/station/{station}/select"]
 
 
-def station_topics(fleet: str) -> list[str]:
-    """What a base station subscribes to (it filters devices by its roster)."""
+def station_topics(fleet: str, devices: list[str] | tuple[str, ...]) -> list[str]:
+    """What a base station subscribes to.
+
+    Model updates only from its roster (on a shared broker a wildcard would carry every
+    factory's models to every station); stats and presence from all, so an unknown
+    device is seen and counted.
+    """
     root = _root(fleet)
-    return [f"{root}/dev/+/stats", f"{root}/dev/+/update", f"{root}/dev/+/status",
-            global_model_topic(fleet)]
+    return [f"{root}/dev/+/stats", f"{root}/dev/+/status", global_model_topic(fleet),
+            *(f"{root}/dev/{d}/update" for d in devices)]
 
 
 def cloud_topics(fleet: str) -> list[str]:

@@ -47,7 +47,25 @@ def acl_lines(fleet: str, stations: dict[str, list[str]]) -> list[str]:
     return lines
 
 
-class Mosquitto:
+class _BrokerProcess:
+    port: int
+    proc: subprocess.Popen
+    log: object
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+class Mosquitto(_BrokerProcess):
     """A Mosquitto process with password authentication and an ACL."""
 
     PASSWORD = "secret"
@@ -63,7 +81,8 @@ class Mosquitto:
         aclfile.write_text("\n".join(acl) + "\n")
         lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous false",
                  f"password_file {passwd}", f"acl_file {aclfile}", "persistence false",
-                 "max_queued_messages 10000", "log_dest stderr", "log_type error"]
+                 "max_queued_messages 10000", "set_tcp_nodelay true", "log_dest stderr",
+                 "log_type error"]
         if os.geteuid() == 0:
             lines.append("user root")  # else it drops to 'mosquitto' and cannot read tmp files
         if message_size_limit:
@@ -74,20 +93,8 @@ class Mosquitto:
                                      stdout=self.log, stderr=subprocess.STDOUT)
         wait_for_port(self.port, self.proc)
 
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
-class Amqtt:
+class Amqtt(_BrokerProcess):
     """The embedded amqtt broker as `safl broker` runs it."""
 
     def __init__(self, folder: Path) -> None:
@@ -97,15 +104,3 @@ class Amqtt:
                                       "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         wait_for_port(self.port, self.proc, timeout=30)
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()

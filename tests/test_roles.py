@@ -282,3 +282,32 @@ def test_device_with_no_data_sends_a_skip_notice(digits):
     out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=0, members=("d0",),
                                  deadline=1.0), 0)
     assert isinstance(out[-1], m.SkipNotice) and dev.counters["skipped.no_data"] == 1
+
+
+def test_late_joiner_gets_the_model_and_becomes_selectable():
+    st = _station(min_devices=2)
+    st.handle(_stats("d0"), 0.0)
+    out = st.handle(_stats("d1"), 0.0)
+    assert isinstance(out[0], m.StationStats)  # started without d2
+    out = st.handle(m.GlobalModel(fleet="t", sender="cloud", round=0, iteration=0,
+                                  weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
+    assert next(x for x in out if isinstance(x, m.Selection)).members == ("d0", "d1")
+    out = st.handle(_stats("d2"), 1.0)
+    assert [type(x) for x in out] == [m.StationModel] and st.counters["late_joins"] == 1
+    st.handle(_upd("d0", 0, 1.0), 1.0)
+    out = st.handle(_upd("d1", 0, 1.0), 1.0)
+    assert next(x for x in out if isinstance(x, m.Selection)).members == ("d0", "d1", "d2")
+
+
+def test_offline_device_is_not_waited_for_nor_selected():
+    st = _station()
+    _start_station(st)
+    st.handle(_upd("d0", 0, 1.0), 1.0)
+    st.handle(_upd("d1", 0, 3.0), 1.0)
+    out = st.handle(m.Presence(fleet="t", sender="d2", round=0, iteration=0, role="dev",
+                               online=False), 2.0)
+    assert st.iteration == 1  # closed at once, not at the deadline
+    assert next(x for x in out if isinstance(x, m.Selection)).members == ("d0", "d1")
+    np.testing.assert_allclose(st.weights, 2.0)
+    st.handle(_stats("d2"), 3.0)  # back online: selectable again
+    assert "d2" not in st.offline

@@ -1,0 +1,97 @@
+"""Benchmark: the MQTT wire against the in-process bus, on one fleet and one plan.
+
+Runs FedGS (2 stations x 3 devices, MLP on digits; small_cnn-sized models are covered by the
+frame table) in process, then as 9 OS processes over a Mosquitto started on a free loopback
+port, and prints:
+
+- wire bytes per model-carrying frame / raw float32 model bytes (headers and chunking in);
+- iteration latency over Mosquitto / in-process (ratio, same run);
+- station CPU time per received update (the station process's whole CPU time).
+
+Run: ``python bench/wire.py [--rounds N]``.  Needs Debian's mosquitto.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from brokers import Mosquitto, acl_lines  # noqa: E402
+
+from aggregator.datasets import assign_groups, dirichlet_label_skew, load_dataset  # noqa: E402
+from aggregator.demo import demo_strategies  # noqa: E402
+from aggregator.launch import launch_fleet  # noqa: E402
+from aggregator.simulation import FleetSpec, plan_fleet, run_federation  # noqa: E402
+from aggregator.status import fleet_status  # noqa: E402
+from edge_client import messages as m  # noqa: E402
+from edge_client.codec import DEFAULT_CHUNK_SIZE, encode, split  # noqa: E402
+from edge_client.config import BrokerConfig  # noqa: E402
+
+
+def frame_table() -> None:
+    print(f"{'params':>9} {'raw bytes':>10} {'wire bytes':>11} {'chunks':>7} {'wire/raw':>9}")
+    for n in (9_610, 101_770, 114_314, 1_000_000, 6_497_162):  # digits MLP ... FEMNIST CNN
+        msg = m.DeviceUpdate(fleet="factory-7", sender="camera-0042", round=12, iteration=604,
+                             station="station-3", weights=np.zeros(n, np.float32),
+                             num_samples=32)
+        parts = split(encode(msg, layout_hash="0123456789abcdef"), DEFAULT_CHUNK_SIZE)
+        wire = sum(len(p) for p in parts)
+        print(f"{n:>9} {4 * n:>10} {wire:>11} {len(parts):>7} {wire / (4 * n):>9.4f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    print("frames (DeviceUpdate, 256 KiB chunks):")
+    frame_table()
+
+    digits = load_dataset("digits")
+    rng = np.random.default_rng(0)
+    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(digits.y_train, 6, 0.5, rng)),
+                     groups=tuple(assign_groups(6, 2, rng)), rounds=args.rounds, lr=0.1,
+                     arrivals_per_step=48, initial_samples=64)
+    strategy = demo_strategies(super_node_size=2, sync_period=3)[1]
+    iterations = args.rounds * 3
+    local = run_federation(digits, strategy, spec)
+    local_iter = (local.rows[-1]["wall_s"] - local.rows[0]["wall_s"]) / iterations
+
+    plan = plan_fleet(strategy, spec)
+    stations = {s["station_id"]: list(s["devices"]) for s in plan.stations}
+    with tempfile.TemporaryDirectory() as tmp:
+        users = ["cloud", "tester", *stations, *(d for ds in stations.values() for d in ds)]
+        broker = Mosquitto(Path(tmp), users, acl_lines(plan.fleet, stations))
+        try:
+            creds = lambda u: (u, Mosquitto.PASSWORD)  # noqa: E731
+            rows = launch_fleet(Path(tmp) / "run", digits, strategy, spec, broker.url,
+                                credentials=creds)
+            found = fleet_status(BrokerConfig(url=broker.url, username="tester",
+                                              password=Mosquitto.PASSWORD), plan.fleet)
+        finally:
+            broker.stop()
+    mqtt_iter = (rows[-1]["wall_s"] - rows[0]["wall_s"]) / iterations
+    docs = [found["summary"][s] for s in stations]
+    updates = sum(d["counters"].get("received_updates", 0) for d in docs)
+    cpu = sum(d["cpu_s"] for d in docs)
+    bytes_in = sum(d["transport"]["bytes_in"] for d in docs)
+    n_params = 64 * 128 + 128 + 128 * 10 + 10
+    print(f"\nfleet: 2 stations x 3 devices, FedGS L=2 T=3, {args.rounds} rounds "
+          f"({iterations} iterations), MLP {n_params} params")
+    print(f"accuracy: in-process {local.final_accuracy:.4f}, over Mosquitto "
+          f"{rows[-1]['accuracy']:.4f}")
+    print(f"iteration latency: in-process {1e3 * local_iter:.2f} ms, over Mosquitto "
+          f"{1e3 * mqtt_iter:.2f} ms, ratio {mqtt_iter / local_iter:.1f}x")
+    print(f"station CPU per received update: {1e3 * cpu / max(updates, 1):.2f} ms "
+          f"({cpu:.2f} s over {updates} updates, start-up included)")
+    print(f"bytes into the stations per received update: {bytes_in / max(updates, 1):.0f} "
+          f"(raw model {4 * n_params}; stats, selections and presence included)")
+
+
+if __name__ == "__main__":
+    main()

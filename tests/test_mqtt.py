@@ -1,0 +1,217 @@
+"""The fleet on real brokers: Mosquitto (password file and ACL) and the embedded amqtt.
+
+Each role runs as its own OS process; the in-process bus with the same plan is the
+reference, so equal accuracy shows the MQTT path runs the same code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import time
+
+import numpy as np
+import paho.mqtt.client as paho
+import pytest
+from brokers import Amqtt, Mosquitto, acl_lines
+from paho.mqtt.enums import CallbackAPIVersion
+
+from aggregator.datasets import assign_groups, dirichlet_label_skew
+from aggregator.demo import demo_strategies
+from aggregator.launch import launch_fleet
+from aggregator.simulation import FleetSpec, plan_fleet, run_federation
+from aggregator.status import fleet_status, format_status
+from edge_client import messages as m
+from edge_client.codec import encode
+from edge_client.config import BrokerConfig
+from edge_client.mqtt import BrokerRefused, MqttTransport
+from edge_client.topics import topic_for
+
+pytestmark = pytest.mark.skipif(shutil.which("mosquitto") is None,
+                                reason="Mosquitto is installed by .ci/run")
+
+
+def _spec(digits, rounds=8):
+    rng = np.random.default_rng(0)
+    # Well fed (43 new training samples an iteration against at most 32 consumed), so no
+    # device's next batch changes between its own reports and stats cannot race.
+    return FleetSpec(partitions=tuple(dirichlet_label_skew(digits.y_train, 6, 0.5, rng)),
+                     groups=tuple(assign_groups(6, 2, rng)), rounds=rounds, lr=0.1,
+                     arrivals_per_step=48, initial_samples=64)
+
+
+STRATEGY = demo_strategies(super_node_size=2, sync_period=3)[1]  # FedGS
+
+
+def _mosquitto(tmp_path, spec, **kw):
+    plan = plan_fleet(STRATEGY, spec)
+    stations = {s["station_id"]: list(s["devices"]) for s in plan.stations}
+    users = ["cloud", "tester", *stations, *(d for ds in stations.values() for d in ds)]
+    return Mosquitto(tmp_path, users, acl_lines(plan.fleet, stations), **kw)
+
+
+def _creds(user):
+    return (user, Mosquitto.PASSWORD)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broker", ["mosquitto", "amqtt"])
+def test_processes_over_a_broker_match_the_in_process_bus(tmp_path, digits, broker):
+    spec = _spec(digits)
+    reference = run_federation(digits, STRATEGY, spec)
+    server = _mosquitto(tmp_path, spec) if broker == "mosquitto" else Amqtt(tmp_path)
+    try:
+        rows = launch_fleet(tmp_path / "run", digits, STRATEGY, spec, server.url,
+                            credentials=_creds if broker == "mosquitto" else None, timeout=240)
+    finally:
+        server.stop()
+    assert [r["round"] for r in rows] == list(range(spec.rounds + 1))
+    mqtt_acc = [r["accuracy"] for r in rows]
+    local_acc = [r["accuracy"] for r in reference.rows]
+    assert abs(mqtt_acc[-1] - local_acc[-1]) <= 0.02
+    # Measured: the trajectories are identical, round by round.
+    np.testing.assert_allclose(mqtt_acc, local_acc, atol=0.02)
+
+
+def test_chunked_model_larger_than_mosquittos_limit(tmp_path):
+    limit = 1 << 20
+    server = Mosquitto(tmp_path, ["d0", "st0", "tester"],
+                       acl_lines("f", {"st0": ["d0"]}), message_size_limit=limit)
+    try:
+        def transport(user):
+            cfg = BrokerConfig(url=server.url, username=user, password=Mosquitto.PASSWORD)
+            return MqttTransport(cfg, client_id=user, fleet="f")
+
+        station, device = transport("st0"), transport("d0")
+        got = []
+        station.subscribe("safl/f/dev/+/update", lambda t, msg: got.append(msg))
+        station.connect()
+        device.connect()
+        time.sleep(0.2)
+        weights = np.random.default_rng(0).random(700_000, dtype=np.float32)  # 2.8 MB
+        assert weights.nbytes > limit > limit / 4
+        msg = m.DeviceUpdate(fleet="f", sender="d0", round=0, iteration=0, station="st0",
+                             weights=weights, num_samples=32)
+        device.publish(topic_for(msg), msg)
+        deadline = time.monotonic() + 15
+        while not got and time.monotonic() < deadline:
+            station.deliver()
+            time.sleep(0.01)
+        assert len(got) == 1 and np.array_equal(got[0].weights, weights)
+        assert device.counters["bytes_out"] / weights.nbytes < 1.01
+        device.close()
+        station.close()
+    finally:
+        server.stop()
+
+
+def test_broker_refuses_wrong_password(tmp_path):
+    server = Mosquitto(tmp_path, ["d0"], acl_lines("f", {"st0": ["d0"]}))
+    try:
+        cfg = BrokerConfig(url=server.url, username="d0", password="wrong", connect_timeout=2)
+        with pytest.raises(BrokerRefused):
+            MqttTransport(cfg, client_id="d0", fleet="f").connect()
+    finally:
+        server.stop()
+
+
+def _forge_nan(frame: bytes, n_weights: int) -> bytes:
+    """The frame with one weight set to NaN and its checksum recomputed."""
+    data = bytearray(frame)
+    start = len(data) - n_weights * 4
+    data[start:start + 4] = np.array([np.nan], np.float32).tobytes()
+    data[20:52] = hashlib.sha256(bytes(data[:20] + data[52:])).digest()
+    return bytes(data)
+
+
+@pytest.mark.slow
+def test_malformed_messages_are_counted_and_the_run_finishes(tmp_path, digits):
+    spec = _spec(digits, rounds=6)
+    plan = plan_fleet(STRATEGY, spec)
+    server = _mosquitto(tmp_path, spec)
+    fleet, st0 = plan.fleet, plan.stations[0]
+    victim = st0["devices"][0]
+    n = 64 * 128 + 128 + 128 * 10 + 10
+
+    def update(**kw):
+        base = dict(fleet=fleet, sender=victim, round=0, iteration=2, station="st0",
+                    weights=np.zeros(n, np.float32), num_samples=32)
+        return m.DeviceUpdate(**{**base, **kw})
+
+    good = encode(update(), layout_hash="")
+    attacks = [
+        (encode(update(fleet="other")), "wrong_fleet"),
+        (encode(update(), layout_hash="0123456789abcdef"), "wrong_layout"),
+        (good[:100] + bytes([good[100] ^ 0xFF]) + good[101:], "bad_checksum"),
+        (_forge_nan(good, n), "non_finite"),
+        (good[:-7], "wrong_length"),
+        (b"\x00" * (3 << 20), "oversize"),
+        (encode(update(iteration=9999)), "stale_iteration"),
+        (encode(update(sender="intruder")), "topic_mismatch"),
+    ]
+    intruder = m.DeviceStats(fleet=fleet, sender="intruder", round=0, iteration=0,
+                             station="st0", seen_counts=np.ones(10, int),
+                             next_batch_counts=np.ones(10, int))
+    sent = []
+
+    def attack(procs) -> None:
+        if sent or not (tmp_path / "run" / "logs" / "cloud.log").exists():
+            return
+        if "round 2" not in (tmp_path / "run" / "logs" / "cloud.log").read_text():
+            return
+        client = paho.Client(CallbackAPIVersion.VERSION2, client_id="tester")
+        client.username_pw_set("tester", Mosquitto.PASSWORD)
+        client.connect("127.0.0.1", server.port)
+        client.loop_start()
+        topic = f"safl/{fleet}/dev/{victim}/update"
+        for payload, _ in attacks:
+            client.publish(topic, payload, qos=1).wait_for_publish(5)
+        client.publish(topic_for(intruder), encode(intruder), qos=1).wait_for_publish(5)
+        client.publish(topic, good, qos=1).wait_for_publish(5)  # a replay: stale or duplicate
+        client.publish(topic, good, qos=1).wait_for_publish(5)
+        client.loop_stop()
+        client.disconnect()
+        sent.append(True)
+
+    try:
+        rows = launch_fleet(tmp_path / "run", digits, STRATEGY, spec, server.url,
+                            credentials=_creds, timeout=240, during=attack,
+                            broker_extra={"max_message": 2 << 20})
+        status = fleet_status(BrokerConfig(url=server.url, username="tester",
+                                           password=Mosquitto.PASSWORD), fleet)
+    finally:
+        server.stop()
+    assert sent and rows[-1]["round"] == spec.rounds
+    summary = status["summary"]["st0"]
+    rejected = {**summary["counters"], **summary["transport"]}
+    for _, reason in attacks:
+        assert rejected.get(f"rejected.{reason}", 0) >= 1, (reason, rejected)
+    assert rejected.get("rejected.unknown_sender", 0) >= 1  # the well-formed intruder's stats
+    assert "fleet sim" in format_status(status, fleet)
+
+
+@pytest.mark.slow
+def test_a_killed_device_leaves_selection_through_its_last_will(tmp_path, digits):
+    spec = _spec(digits, rounds=8)
+    plan = plan_fleet(STRATEGY, spec)
+    victim = plan.stations[0]["devices"][0]
+    server = _mosquitto(tmp_path, spec)
+    killed = []
+
+    def kill(procs) -> None:
+        log = tmp_path / "run" / "logs" / "cloud.log"
+        if not killed and log.exists() and "round 2" in log.read_text():
+            procs[victim].send_signal(signal.SIGKILL)
+            killed.append(victim)
+
+    try:
+        rows = launch_fleet(tmp_path / "run", digits, STRATEGY, spec, server.url,
+                            credentials=_creds, timeout=240, during=kill)
+        status = fleet_status(BrokerConfig(url=server.url, username="tester",
+                                           password=Mosquitto.PASSWORD), plan.fleet)
+    finally:
+        server.stop()
+    assert killed and rows[-1]["round"] == spec.rounds
+    assert status["presence"][("dev", victim)] is False
+    assert status["summary"]["st0"]["counters"]["devices_offline"] >= 1
