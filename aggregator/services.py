@@ -72,9 +72,16 @@ class StationService:
         transport = MqttTransport(self.broker, client_id=cfg.station_id, fleet=cfg.fleet,
                                   layout_hash=layout_hash(trainer.layout), presence=presence)
 
+        first_model: list[float] = []
+
+        def note_start(message: m.Message) -> None:
+            if not first_model and isinstance(message, m.StationModel):
+                first_model.append(time.process_time())  # start-up CPU ends here
+
         def summary() -> dict[str, Any]:
             return {"station": cfg.station_id, "state": role.state, "round": role.round,
                     "cpu_s": round(time.process_time(), 3),
+                    "cpu_startup_s": round(first_model[0], 3) if first_model else None,
                     "iteration": role.iteration, "devices": len(cfg.devices),
                     "online": len([d for d in role.stats if d not in role.offline]),
                     "counters": dict(role.counters), "transport": dict(transport.counters)}
@@ -82,6 +89,7 @@ class StationService:
         topic = status_topic_json(cfg.fleet, "station", cfg.station_id)
         serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
               hooks=(_summary_hook(transport, topic, summary),),
+              attach=lambda runner: runner.observers.append(note_start),
               on_stop=lambda: transport.publish_json(topic, summary()))
         log.info("station %s finished: %s", cfg.station_id, summary())
         return role

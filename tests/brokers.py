@@ -71,7 +71,7 @@ class Mosquitto(_BrokerProcess):
     PASSWORD = "secret"
 
     def __init__(self, folder: Path, users: list[str], acl: list[str], *,
-                 message_size_limit: int = 0) -> None:
+                 message_size_limit: int = 0, tls: dict[str, Path] | None = None) -> None:
         self.folder, self.port = Path(folder), free_port()
         passwd, aclfile, conf = (self.folder / n for n in ("passwd", "acl", "mosquitto.conf"))
         passwd.write_text("")
@@ -87,10 +87,18 @@ class Mosquitto(_BrokerProcess):
             lines.append("user root")  # else it drops to 'mosquitto' and cannot read tmp files
         if message_size_limit:
             lines.append(f"message_size_limit {message_size_limit}")
+        if tls:
+            lines += [f"cafile {tls['ca']}", f"certfile {tls['cert']}",
+                      f"keyfile {tls['key']}", "require_certificate true"]
         conf.write_text("\n".join(lines) + "\n")
-        self.log = open(self.folder / "mosquitto.log", "w")
-        self.proc = subprocess.Popen([shutil.which("mosquitto") or "mosquitto", "-c", str(conf)],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.conf = conf
+        self.start()
+
+    def start(self) -> None:
+        """(Re)start the broker on the same port with the same files."""
+        self.log = open(self.folder / "mosquitto.log", "a")
+        self.proc = subprocess.Popen([shutil.which("mosquitto") or "mosquitto", "-c",
+                                      str(self.conf)], stdout=self.log, stderr=subprocess.STDOUT)
         wait_for_port(self.port, self.proc)
 
 
@@ -104,3 +112,24 @@ class Amqtt(_BrokerProcess):
                                       "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         wait_for_port(self.port, self.proc, timeout=30)
+
+
+def make_certs(folder: Path) -> dict[str, Path]:
+    """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate."""
+    folder = Path(folder)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=folder)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+        "-keyout", "ca.key", "-out", "ca.pem")
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout",
+            f"{name}.key", "-out", f"{name}.csr")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "2", "-out", f"{name}.pem",
+            *(["-extfile", "san.ext"] if name == "server" else []))
+    return {k: folder / v for k, v in (("ca", "ca.pem"), ("server_cert", "server.pem"),
+                                       ("server_key", "server.key"), ("cert", "client.pem"),
+                                       ("key", "client.key"))}

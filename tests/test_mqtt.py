@@ -25,7 +25,7 @@ from aggregator.status import fleet_status, format_status
 from edge_client import messages as m
 from edge_client.codec import encode
 from edge_client.config import BrokerConfig
-from edge_client.mqtt import BrokerRefused, MqttTransport
+from edge_client.mqtt import BrokerRefused, ConnectError, MqttTransport
 from edge_client.topics import topic_for
 
 pytestmark = pytest.mark.skipif(shutil.which("mosquitto") is None,
@@ -215,3 +215,141 @@ def test_a_killed_device_leaves_selection_through_its_last_will(tmp_path, digits
     assert killed and rows[-1]["round"] == spec.rounds
     assert status["presence"][("dev", victim)] is False
     assert status["summary"]["st0"]["counters"]["devices_offline"] >= 1
+
+
+def _pair(server, fleet="f"):
+    def transport(user):
+        cfg = BrokerConfig(url=server.url, username=user, password=Mosquitto.PASSWORD,
+                           backoff_min=0.1, backoff_max=0.5)
+        return MqttTransport(cfg, client_id=user, fleet=fleet)
+    return transport("st0"), transport("d0")
+
+
+def _pump(transport, got, n, seconds=15):
+    deadline = time.monotonic() + seconds
+    while len(got) < n and time.monotonic() < deadline:
+        transport.deliver()
+        time.sleep(0.01)
+
+
+def test_qos1_duplicates_are_applied_once_and_reconnects_resubscribe(tmp_path):
+    server = Mosquitto(tmp_path, ["d0", "st0", "tester"], acl_lines("f", {"st0": ["d0"]}))
+    station, device = _pair(server)
+    got = []
+    station.subscribe("safl/f/dev/+/update", lambda t, msg: got.append(msg))
+    try:
+        station.connect()
+        device.connect()
+        time.sleep(0.2)
+        msg = m.SkipNotice(fleet="f", sender="d0", round=0, iteration=1, station="st0", gap=0.5)
+        frame = encode(msg)
+        raw = paho.Client(CallbackAPIVersion.VERSION2, client_id="tester")
+        raw.username_pw_set("tester", Mosquitto.PASSWORD)
+        raw.connect("127.0.0.1", server.port)
+        raw.loop_start()
+        for _ in range(3):  # what a QoS 1 redelivery looks like: the same frame again
+            raw.publish(topic_for(msg), frame, qos=1).wait_for_publish(5)
+        raw.loop_stop()
+        raw.disconnect()
+        _pump(station, got, 1)
+        time.sleep(0.3)
+        station.deliver()
+        assert len(got) == 1 and station.counters["duplicates"] == 2
+
+        server.stop()  # the broker goes away and comes back on the same port
+        time.sleep(0.5)
+        server.start()
+        deadline = time.monotonic() + 15
+        while not (station.connected and device.connected) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert station.connected and device.connected
+        assert station.counters["reconnects"] >= 1
+        time.sleep(0.3)
+        device.publish(topic_for(msg), m.SkipNotice(fleet="f", sender="d0", round=0,
+                                                    iteration=2, station="st0", gap=0.5))
+        _pump(station, got, 2)
+        assert [g.iteration for g in got] == [1, 2]  # resubscribed after the restart
+    finally:
+        device.close()
+        station.close()
+        server.stop()
+
+
+def test_a_device_service_stops_cleanly_on_sigterm(tmp_path, digits):
+    import subprocess
+    import sys
+
+    from aggregator.launch import toml_text
+
+    server = Mosquitto(tmp_path, ["d0", "st0", "tester"], acl_lines("f", {"st0": ["d0"]}))
+    np.savez(tmp_path / "d0.npz", x=digits.x_train[:100], y=digits.y_train[:100])
+    config = tmp_path / "d0.toml"
+    config.write_text(toml_text({
+        "device": {"device_id": "d0", "station": "st0", "fleet": "f"},
+        "model": {"name": "mlp", "input_shape": [8, 8], "num_classes": 10},
+        "source": {"kind": "replay", "path": str(tmp_path / "d0.npz"), "loop": True},
+        "broker": {"url": server.url, "username": "d0", "password": Mosquitto.PASSWORD}}))
+    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "device", "--config",
+                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        cfg = BrokerConfig(url=server.url, username="tester", password=Mosquitto.PASSWORD)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if fleet_status(cfg, "f", wait=0.3)["presence"].get(("dev", "d0")):
+                break
+        assert fleet_status(cfg, "f", wait=0.3)["presence"][("dev", "d0")] is True
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0, proc.stdout.read().decode()
+        assert fleet_status(cfg, "f", wait=0.5)["presence"][("dev", "d0")] is False
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop()
+
+
+def test_a_broken_config_names_the_key_before_connecting(tmp_path):
+    import subprocess
+    import sys
+
+    config = tmp_path / "bad.toml"
+    config.write_text('[device]\ndevice_id = "d0"\nstation = "st0"\nmix = 2.0\n'
+                      '[source]\nkind = "synthetic"\n')
+    out = subprocess.run([sys.executable, "-m", "edge_client.cli", "device", "--config",
+                          str(config)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "'mix'" in out.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+def test_tls_with_client_certificates(tmp_path):
+    from brokers import make_certs
+
+    certs = make_certs(tmp_path)
+    server = Mosquitto(tmp_path, ["d0", "st0"], acl_lines("f", {"st0": ["d0"]}),
+                       tls={"ca": certs["ca"], "cert": certs["server_cert"],
+                            "key": certs["server_key"]})
+    try:
+        def transport(user, **kw):
+            cfg = BrokerConfig(url=f"mqtts://127.0.0.1:{server.port}", username=user,
+                               password=Mosquitto.PASSWORD, connect_timeout=3, **kw)
+            return MqttTransport(cfg, client_id=user, fleet="f")
+
+        station = transport("st0", ca=str(certs["ca"]), cert=str(certs["cert"]),
+                            key=str(certs["key"]))
+        device = transport("d0", ca=str(certs["ca"]), cert=str(certs["cert"]),
+                           key=str(certs["key"]))
+        got = []
+        station.subscribe("safl/f/dev/+/update", lambda t, msg: got.append(msg))
+        station.connect()
+        device.connect()
+        time.sleep(0.2)
+        msg = m.SkipNotice(fleet="f", sender="d0", round=0, iteration=0, station="st0", gap=0.0)
+        device.publish(topic_for(msg), msg)
+        _pump(station, got, 1)
+        assert len(got) == 1
+        device.close()
+        station.close()
+        # Without a client certificate the broker refuses the handshake.
+        with pytest.raises(ConnectError):
+            transport("d0", ca=str(certs["ca"])).connect()
+    finally:
+        server.stop()

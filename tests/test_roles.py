@@ -311,3 +311,17 @@ def test_offline_device_is_not_waited_for_nor_selected():
     np.testing.assert_allclose(st.weights, 2.0)
     st.handle(_stats("d2"), 3.0)  # back online: selectable again
     assert "d2" not in st.offline
+
+
+def test_cloud_stops_waiting_for_a_station_whose_last_will_fired():
+    cloud = Cloud(CloudConfig(stations=("a", "b"), rounds=3, fleet="t"),
+                  initial_weights=np.zeros(2), num_classes=2)
+    for sid in "ab":
+        cloud.handle(m.StationStats(fleet="t", sender=sid, round=0, iteration=0,
+                                    seen_counts=[1, 1]), 0)
+    cloud.handle(m.StationUpdate(fleet="t", sender="a", round=0, iteration=5,
+                                 weights=np.ones(2), num_samples=4, seen_counts=[1, 1]), 1.0)
+    out = cloud.handle(m.Presence(fleet="t", sender="b", round=0, iteration=0, role="station",
+                                  online=False), 2.0)
+    assert out[0].round == 1 and cloud.counters["stations_offline"] == 1
+    np.testing.assert_allclose(out[0].weights, 1.0)
