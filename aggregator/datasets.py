@@ -16,7 +16,7 @@ import numpy as np
 from edge_client.errors import ConfigError, SaflError
 
 __all__ = ["Dataset", "FASHION_MNIST_DIR", "load_dataset", "load_default",
-           "dirichlet_label_skew", "assign_groups"]
+           "dirichlet_label_skew", "assign_groups", "safl_split"]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -126,3 +126,30 @@ def assign_groups(num_clients: int, num_groups: int, rng: np.random.Generator) -
     if not 1 <= num_groups <= num_clients:
         raise ConfigError("stations", f"need 1..{num_clients} groups, got {num_groups}")
     return [np.sort(g) for g in np.array_split(rng.permutation(num_clients), num_groups)]
+
+
+def safl_split(y: np.ndarray, num_clients: int, rng: np.random.Generator, *,
+               multi_fraction: float = 0.5, classes_per_multi: int = 5) -> list[np.ndarray]:
+    """The SAFL paper's split: some devices hold several classes, the others a single one.
+
+    A ``multi_fraction`` of the devices each hold ``classes_per_multi`` random classes (the
+    paper's example: {1, 2, 5, 7, 9}); every other device holds one class, taken in turn so
+    that every class has a holder.  Each class's samples are shared evenly among its holders.
+    """
+    classes = np.unique(y)
+    if not 0 <= multi_fraction <= 1 or not 1 <= classes_per_multi <= len(classes):
+        raise ConfigError("classes_per_multi", f"need 0 <= multi_fraction <= 1 and 1 <= "
+                          f"classes_per_multi <= {len(classes)}")
+    n_multi = int(round(multi_fraction * num_clients))
+    held = [set(rng.choice(classes, classes_per_multi, replace=False).tolist())
+            for _ in range(n_multi)]
+    held += [{int(classes[i % len(classes)])} for i in range(num_clients - n_multi)]
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c in classes:
+        holders = [k for k, h in enumerate(held) if int(c) in h]
+        if not holders:
+            continue
+        for k, chunk in zip(holders, np.array_split(rng.permutation(np.flatnonzero(y == c)),
+                                                    len(holders)), strict=True):
+            parts[k].append(chunk)
+    return [np.sort(np.concatenate(p)) for p in parts]

@@ -25,6 +25,7 @@ __all__ = [
     "random_selection",
     "greedy_selection",
     "brute_force_selection",
+    "annealing_selection",
     "divergence",
     "selection_problem",
 ]
@@ -169,6 +170,38 @@ def brute_force_selection(hists: np.ndarray, target: np.ndarray, n_select: int, 
     return np.sort(candidates[best])
 
 
+def annealing_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,
+                        fixed: Sequence[int] = (), rng: np.random.Generator | None = None,
+                        steps: int = 2000, start_temp: float = 1.0, **_: object) -> np.ndarray:
+    """Simulated annealing over swaps (Kirkpatrick et al., Science 1983), a stochastic baseline.
+
+    From a random super node, propose swapping one picked and one unpicked candidate;
+    accept a worse cost with probability ``exp(-increase / temperature)``, the temperature
+    falling geometrically to 1/1000 of ``start_temp`` (relative to the initial cost).
+    """
+    candidates, A, y = selection_problem(hists, target, n_select, fixed)
+    done = _trivial(candidates, n_select)
+    if done is not None:
+        return done
+    rng = rng if rng is not None else np.random.default_rng()
+    x = np.zeros(A.shape[1], dtype=bool)
+    x[rng.choice(A.shape[1], n_select, replace=False)] = True
+    r = A[:, x].sum(axis=1) - y
+    cost = float(r @ r)
+    best_x, best_cost = x.copy(), cost
+    temp, cool = start_temp * max(cost, 1e-9), 1e-3 ** (1.0 / steps)
+    for _ in range(steps):
+        i, j = rng.choice(np.flatnonzero(~x)), rng.choice(np.flatnonzero(x))
+        r_new = r + A[:, i] - A[:, j]
+        new = float(r_new @ r_new)
+        if new <= cost or rng.random() < np.exp(-(new - cost) / temp):
+            x[i], x[j], r, cost = True, False, r_new, new
+            if cost < best_cost:
+                best_x, best_cost = x.copy(), cost
+        temp *= cool
+    return np.sort(candidates[best_x])
+
+
 Selector = Callable[..., np.ndarray]
 
 SELECTORS: dict[str, Selector] = {
@@ -176,4 +209,5 @@ SELECTORS: dict[str, Selector] = {
     "random": random_selection,
     "greedy": greedy_selection,
     "brute_force": brute_force_selection,
+    "annealing": annealing_selection,
 }

@@ -42,6 +42,7 @@ class Strategy:
     device: Mapping[str, Any] = field(default_factory=dict)
     station: Mapping[str, Any] = field(default_factory=dict)
     cloud: Mapping[str, Any] = field(default_factory=dict)
+    flat: bool = False  # one station for the whole fleet (the SAFL paper's setting)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class FleetSpec:
     arrivals_per_step: int = 32  # samples sensed per device per local-step time
     initial_samples: int = 64
     eval_samples: int | None = None  # test samples per evaluation (None: all)
+    # Devices of one backend share one trainer: a device's model lives in its flat vectors,
+    # the trainer is only compute.  Memory per simulated device then excludes the model.
+    share_trainers: bool = False
 
 
 @dataclass
@@ -102,11 +106,12 @@ def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
     seeds = [int(s.generate_state(1)[0]) for s in
              np.random.SeedSequence(spec.seed).spawn(3 * n_dev + len(spec.groups))]
     fleet = strategy.device.get("fleet", "sim")
-    station_ids = [f"st{g}" for g in range(len(spec.groups))]
+    groups = (np.arange(n_dev),) if strategy.flat else spec.groups
+    station_ids = [f"st{g}" for g in range(len(groups))]
     cloud = {"fleet": fleet, "stations": tuple(station_ids), "rounds": spec.rounds,
              **strategy.cloud}
     stations, devices, replay = [], [], [0] * n_dev
-    for g, (sid, members) in enumerate(zip(station_ids, spec.groups, strict=True)):
+    for g, (sid, members) in enumerate(zip(station_ids, groups, strict=True)):
         stations.append({"fleet": fleet, "station_id": sid, "seed": seeds[-1 - g],
                          "devices": tuple(_device_id(k) for k in members), **strategy.station})
         for k in members:
@@ -147,10 +152,15 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         runners.append(RoleRunner(station, bus, _SIM_CLOCK))
 
     devices: list[tuple[Device, ReplaySource, RoleRunner]] = []
+    shared: dict[str, Any] = {}
     for values in plan.devices:
         cfg = from_mapping(DeviceConfig, _public(values))
         k = values["_k"]
-        dev = Device(cfg, trainer(values["_backend"]), num_classes=data.num_classes,
+        backend = values["_backend"]
+        if spec.share_trainers:
+            shared.setdefault(backend, trainer(backend))
+        dev = Device(cfg, shared[backend] if spec.share_trainers else trainer(backend),
+                     num_classes=data.num_classes,
                      sample_shape=data.sample_shape, rng=np.random.default_rng(cfg.seed))
         idx = spec.partitions[k]
         source = ReplaySource(data.x_train[idx], data.y_train[idx],

@@ -1,9 +1,11 @@
-"""Benchmark: GBP-CS against random, greedy and brute-force super-node selection.
+"""Benchmark: GBP-CS against random, greedy, simulated annealing and brute-force selection.
 
 Paper scale (FedGS, SPEC §4): F = 62 classes, ~36 candidates per factory, L = 10 with 2 random,
 batch 32.  Brute force cannot enumerate C(34, 8) = 18M subsets per selection in reasonable
 time, so divergence ratios to the optimum are taken on reduced instances (16 candidates,
-L = 6 with 2 random); times and divergences at paper scale are printed beside them.
+L = 6 with 2 random); times and divergences at paper scale are printed beside them.  The
+drift study streams drifting label distributions through real StreamBuffers and selects a
+super node every iteration.
 
 Run: ``python bench/selection.py [--trials N] [--alpha A]``.  Figures are printed, never asserted.
 """
@@ -15,7 +17,8 @@ import time
 
 import numpy as np
 
-from aggregator.selection import SELECTORS, divergence
+from aggregator.selection import SELECTORS, divergence, gbp_cs, random_selection
+from edge_client.buffer import StreamBuffer
 
 F, BATCH = 62, 32
 
@@ -44,6 +47,49 @@ def _measure(names: list[str], k: int, n_fixed: int, n_select: int, trials: int,
     return {n: (float(np.median(times[n])), float(np.mean(divs[n]))) for n in names}
 
 
+def _table(title: str, results: dict[str, tuple[float, float]], base: str, label: str) -> None:
+    print(title)
+    print(f"{'selector':<12} {'ms/selection':>13} {'divergence':>11} {label:>11}")
+    ref = results[base][1]
+    for name, (t, d) in results.items():
+        print(f"{name:<12} {1e3 * t:>13.3f} {d:>11.4f} {d / ref:>11.3f}")
+
+
+def drift_study(seed: int, iterations: int = 300, devices: int = 36, classes: int = 10,
+                super_node: int = 10, n_random: int = 2) -> None:
+    """Devices' label mixes rotate over time; compare per-iteration GBP-CS with a frozen pick."""
+    rng = np.random.default_rng(seed)
+    base = rng.dirichlet(np.full(classes, 0.2), size=devices)
+    buffers = [StreamBuffer(256, classes, (1,), holdout_every=0) for _ in range(devices)]
+    frozen = None
+    rows = []
+    for t in range(iterations):
+        shift = (t * classes) // iterations  # each device's classes rotate once over the run
+        for k, buf in enumerate(buffers):
+            y = rng.choice(classes, 24, p=np.roll(base[k], shift * (k % 3 + 1)))
+            buf.push(np.zeros((24, 1), np.float32), y)
+        hists = np.array([b.next_batch_counts(BATCH) for b in buffers])
+        p_real = np.sum([b.seen_counts for b in buffers], axis=0)
+        fixed = list(rng.choice(devices, n_random, replace=False))
+        picked = [*gbp_cs(hists, p_real, super_node - n_random, fixed=fixed), *fixed]
+        rand = [*random_selection(hists, p_real, super_node - n_random, fixed=fixed, rng=rng),
+                *fixed]
+        if frozen is None:
+            frozen = picked
+        rows.append((divergence(hists, picked, p_real), divergence(hists, rand, p_real),
+                     divergence(hists, frozen, p_real)))
+        for k in picked:
+            buffers[k].next_batch(BATCH)  # the selected devices consume their batch
+    print(f"\ndrift study: {devices} devices, {classes} classes, label mixes rotating over "
+          f"{iterations} iterations, L = {super_node} ({n_random} random), StreamBuffer(256)")
+    print(f"{'iterations':<12} {'GBP-CS':>8} {'random':>8} {'frozen at t=0':>14}")
+    window = iterations // 6
+    for start in range(0, iterations, window):
+        part = np.array(rows[start:start + window])
+        g, r, f = part.mean(axis=0)
+        print(f"{start:>4}-{start + window - 1:<7} {g:>8.4f} {r:>8.4f} {f:>14.4f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=50)
@@ -52,24 +98,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    small = _measure(["brute_force", "gbp_cs", "greedy", "random"], 16, 2, 4, args.trials,
-                     args.alpha, args.seed)
-    print(f"reduced instances: F={F}, 16 candidates, L=6 (2 random + 4 picked), batch {BATCH}, "
-          f"Dirichlet({args.alpha}), {args.trials} trials")
-    print(f"{'selector':<12} {'ms/selection':>13} {'divergence':>11} {'x optimal':>10}")
-    opt = small["brute_force"][1]
-    for name, (t, d) in small.items():
-        print(f"{name:<12} {1e3 * t:>13.3f} {d:>11.4f} {d / opt:>10.3f}")
-
-    paper = _measure(["gbp_cs", "greedy", "random"], 36, 2, 8, args.trials, args.alpha,
-                     args.seed + 1)
-    print(f"\npaper scale: F={F}, 36 candidates, L=10 (2 random + 8 picked), batch {BATCH}")
-    print(f"{'selector':<12} {'ms/selection':>13} {'divergence':>11} {'x random':>10}")
-    rnd = paper["random"][1]
-    for name, (t, d) in paper.items():
-        print(f"{name:<12} {1e3 * t:>13.3f} {d:>11.4f} {d / rnd:>10.3f}")
-    print("\npaper (FedGS, FEMNIST, Python/MXNet): GBP-CS 15.4 ms at 0.036, brute force 979 s at "
-          "0.032 (optimum 0.028), random 0.083")
+    small = _measure(["brute_force", "gbp_cs", "greedy", "annealing", "random"], 16, 2, 4,
+                     args.trials, args.alpha, args.seed)
+    _table(f"reduced instances: F={F}, 16 candidates, L=6 (2 random + 4 picked), batch {BATCH}, "
+           f"Dirichlet({args.alpha}), {args.trials} trials", small, "brute_force", "x optimal")
+    paper = _measure(["gbp_cs", "greedy", "annealing", "random"], 36, 2, 8, args.trials,
+                     args.alpha, args.seed + 1)
+    _table(f"\npaper scale: F={F}, 36 candidates, L=10 (2 random + 8 picked), batch {BATCH}",
+           paper, "random", "x random")
+    print("\npaper (FedGS, FEMNIST, Python/MXNet): brute force 979 s at 0.032 (optimum 0.028), "
+          "genetic 1.0 s at 0.036, Monte Carlo 0.12 s at 0.040, GBP-CS 15.4 ms at 0.036, "
+          "random 0.1 ms at 0.083")
+    drift_study(args.seed)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,91 @@
+"""Named federation recipes for experiments, each built from the existing roles.
+
+Every recipe is a :class:`Strategy`: overrides of the device, station and cloud configs, and
+whether the fleet is flat (one station, the SAFL paper's setting) or hierarchical (one
+station per factory, FedGS's).  Compute per round is equal across recipes: a hierarchical
+round is ``T`` one-step iterations on super nodes of ``L`` devices per factory; a flat round
+is one iteration in which ``L x M`` random devices take ``T`` local steps each.
+
+Papers: FedAvg (McMahan et al., 2017); FedProx (Li et al., 2020); FedAvgM (Hsu et al.,
+2019); FedAdagrad, FedAdam, FedYogi (Reddi et al., 2021); IDA (Yeganeh et al., 2020);
+SAFL (Gradual FL with Simulated Annealing); FedGS (Li et al., 2022).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from edge_client.errors import ConfigError
+
+from .simulation import Strategy
+
+__all__ = ["RecipeSettings", "RECIPES", "build_strategy"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeSettings:
+    """The knobs recipes share (one experiment fixes them for every strategy)."""
+
+    factories: int
+    super_node: int  # L per factory
+    rand_per_group: int
+    sync_period: int  # T
+    temperature_rounds: float  # SAFL's L, in rounds
+    mix: float  # SAFL's eps
+    nu: float  # upload gate
+    prox_mu: float
+    server_lr: float  # adaptive server optimisers
+    momentum: float  # FedAvgM
+
+
+def _hier(s: RecipeSettings, selector: str, **device) -> Strategy:
+    return Strategy(selector, device={"mix": 1.0, "nu": 0.0, **device},
+                    station={"super_node_size": s.super_node, "rand_per_group": s.rand_per_group,
+                             "selector": selector, "sync_period": s.sync_period})
+
+
+def _flat(s: RecipeSettings, *, device=None, station=None, cloud=None) -> Strategy:
+    return Strategy("flat", flat=True,
+                    device={"mix": 1.0, "nu": 0.0, "local_steps": s.sync_period,
+                            **(device or {})},
+                    station={"super_node_size": s.super_node * s.factories, "rand_per_group": 0,
+                             "selector": "random", "sync_period": 1, **(station or {})},
+                    cloud=cloud or {})
+
+
+def _safl(s: RecipeSettings, hierarchical: bool, gated: bool) -> dict:
+    # t counts iterations: T per round in a hierarchy, one per round when flat.
+    per_round = s.sync_period if hierarchical else 1
+    return {"mix": s.mix, "temperature": s.temperature_rounds * per_round,
+            "nu": s.nu if gated else 0.0}
+
+
+def _adaptive(kind: str) -> Callable[[RecipeSettings], Strategy]:
+    return lambda s: _flat(s, cloud={"server_optimizer": kind, "server_lr": s.server_lr})
+
+
+RECIPES: dict[str, Callable[[RecipeSettings], Strategy]] = {
+    "fedgs": lambda s: _hier(s, "gbp_cs"),
+    "fedgs_random": lambda s: _hier(s, "random"),
+    "fedavg": lambda s: _flat(s),
+    "fedprox": lambda s: _flat(s, device={"prox_mu": s.prox_mu}),
+    "fedavgm": lambda s: _flat(s, cloud={"server_optimizer": "fedavgm", "server_lr": 1.0,
+                                         "beta1": s.momentum}),
+    "fedadagrad": _adaptive("fedadagrad"),
+    "fedadam": _adaptive("fedadam"),
+    "fedyogi": _adaptive("fedyogi"),
+    "ida": lambda s: _flat(s, station={"fusion": "ida"}),
+    "safl": lambda s: _flat(s, device=_safl(s, False, False)),
+    "safl_gated": lambda s: _flat(s, device=_safl(s, False, True)),
+    "safl_fedgs": lambda s: _hier(s, "gbp_cs", **_safl(s, True, True)),
+}
+
+
+def build_strategy(name: str, settings: RecipeSettings) -> Strategy:
+    """The recipe ``name`` with this experiment's settings, named ``name``."""
+    if name not in RECIPES:
+        raise ConfigError("strategies", f"unknown strategy {name!r}; known: {sorted(RECIPES)}")
+    built = RECIPES[name](settings)
+    return Strategy(name, device=built.device, station=built.station, cloud=built.cloud,
+                    flat=built.flat)
