@@ -3,7 +3,8 @@
 Each size runs in a fresh process: FedGS on Fashion-MNIST (Dirichlet 0.5), factories of 20
 devices, L = 5 (1 random), T = 2, devices of one backend sharing one trainer (a device's
 model lives in its flat vectors).  Peak and per-round resident memory come from
-/proc/self/status; "growth" is the RSS change per device between the first and last round.
+/proc/self/status; "growth" is the RSS change per device per round over the second half of
+the run, when every device has trained at least once.
 Sizes: 100 and 1,000 devices with the small CNN (torch), 10,000 with softmax regression
 (numpy).  Device buffers hold 64 samples and 16 held out.
 
@@ -55,15 +56,17 @@ print(json.dumps({"devices": n, "model": model, "steps": steps,
                   "steps_per_s": steps / (t_last - t_first),
                   "rss_mb": rss_last, "peak_mb": rss_mb()[1], "base_mb": base_rss,
                   "per_device_kb": 1024 * (rss_last - base_rss) / n,
+                  # From mid-run on, every device has trained (and holds its local model).
                   "growth_kb_per_device_per_round":
-                      1024 * (rss_last - per_round[1][2]) / n / max(1, rounds - 1),
+                      1024 * (rss_last - per_round[rounds // 2][2]) / n
+                      / max(1, rounds - rounds // 2),
                   "accuracy": result.final_accuracy}))
 """
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--sizes", default="100:small_cnn:torch,1000:small_cnn:torch,"
                         "10000:softmax:numpy")
     args = parser.parse_args()
