@@ -168,12 +168,15 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         dev.buffer.push(*source.read(spec.initial_samples))
         devices.append((dev, source, RoleRunner(dev, bus, _SIM_CLOCK)))
 
+    by_station: dict[str, list[tuple[Device, ReplaySource, RoleRunner]]] = {}
+    for entry in devices:
+        by_station.setdefault(entry[0].config.station, []).append(entry)
+
     def feed(topic: str, message: m.Message) -> None:
         # Each new iteration, the sensors of that factory have produced fresh samples.
-        for dev, source, runner in devices:
-            if dev.config.station == message.sender:
-                x, y = source.read(spec.arrivals_per_step * dev.config.local_steps)
-                runner.publish(dev.ingest(x, y, _SIM_CLOCK()))
+        for dev, source, runner in by_station.get(message.sender, ()):
+            x, y = source.read(spec.arrivals_per_step * dev.config.local_steps)
+            runner.publish(dev.ingest(x, y, _SIM_CLOCK()))
 
     rows: list[dict[str, Any]] = []
     x_eval, y_eval = data.x_test[:spec.eval_samples], data.y_test[:spec.eval_samples]
