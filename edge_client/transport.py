@@ -43,7 +43,12 @@ class LocalBus:
     """
 
     def __init__(self) -> None:
-        self._subs: list[tuple[str, Handler]] = []
+        # Exact topics are looked up, wildcard filters scanned; both keep subscription order
+        # (an index), which decides who sees a message first.  Simulated fleets of thousands
+        # of devices would otherwise match every message against every subscription.
+        self._exact: dict[str, list[tuple[int, Handler]]] = {}
+        self._wild: list[tuple[int, str, Handler]] = []
+        self._count = 0
         self._queue: deque[tuple[str, m.Message]] = deque()
         self.messages: Counter[str] = Counter()
         self.payload_bytes: Counter[str] = Counter()
@@ -58,16 +63,21 @@ class LocalBus:
         self._queue.append((topic, message))
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
-        self._subs.append((topic_filter, handler))
+        self._count += 1
+        if "+" in topic_filter or "#" in topic_filter:
+            self._wild.append((self._count, topic_filter, handler))
+        else:
+            self._exact.setdefault(topic_filter, []).append((self._count, handler))
 
     def deliver(self) -> int:
         """Deliver queued messages, and those they cause, until the queue is empty."""
         count = 0
         while self._queue:
             topic, message = self._queue.popleft()
-            for topic_filter, handler in list(self._subs):
-                if matches(topic_filter, topic):
-                    handler(topic, message)
+            handlers = list(self._exact.get(topic, ()))
+            handlers += [(i, h) for i, f, h in self._wild if matches(f, topic)]
+            for _, handler in sorted(handlers, key=lambda pair: pair[0]):
+                handler(topic, message)
             count += 1
         return count
 
