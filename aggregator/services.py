@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from edge_client import messages as m
-from edge_client.config import BrokerConfig, ModelConfig
+from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
 from edge_client.mqtt import MqttTransport
-from edge_client.service import StopFlag, serve
+from edge_client.service import StopFlag, serve, with_metrics
 from edge_client.sources.replay import load_arrays
 from edge_client.trainers import build_trainer, layout_hash
 from edge_client.transport import RoleRunner
@@ -61,6 +61,7 @@ class StationService:
     station: StationConfig
     model: ModelConfig
     broker: BrokerConfig
+    service: ServiceConfig = ServiceConfig()
 
     def run(self, stop: StopFlag | None = None) -> Station:
         trainer = _model_trainer(self.model)
@@ -87,10 +88,19 @@ class StationService:
                     "counters": dict(role.counters), "transport": dict(transport.counters)}
 
         topic = status_topic_json(cfg.fleet, "station", cfg.station_id)
-        serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-              hooks=(_summary_hook(transport, topic, summary),),
-              attach=lambda runner: runner.observers.append(note_start),
-              on_stop=lambda: transport.publish_json(topic, summary()))
+        metrics = with_metrics(self.service, "station", lambda: (
+            {**role.counters, **transport.counters},
+            {"round": role.round, "iteration": role.iteration,
+             "selected_devices": len(role.members),
+             "devices_online": len([d for d in role.stats if d not in role.offline])}))
+        try:
+            serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
+                  hooks=(_summary_hook(transport, topic, summary),),
+                  attach=lambda runner: runner.observers.append(note_start),
+                  on_stop=lambda: transport.publish_json(topic, summary()))
+        finally:
+            if metrics:
+                metrics.close()
         log.info("station %s finished: %s", cfg.station_id, summary())
         return role
 
@@ -100,6 +110,7 @@ class CloudService:
     cloud: CloudConfig
     model: ModelConfig
     broker: BrokerConfig
+    service: ServiceConfig = ServiceConfig()
     eval_path: str = ""
     out: str = ""
 
@@ -138,9 +149,17 @@ class CloudService:
             runner.observers.append(evaluate)
 
         topic = status_topic_json(cfg.fleet, "cloud", CLOUD_ID)
-        serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-              attach=attach, hooks=(_summary_hook(transport, topic, summary),), linger=1.0,
-              on_stop=lambda: transport.publish_json(topic, summary()))
+        metrics = with_metrics(self.service, "cloud", lambda: (
+            {**role.counters, **transport.counters},
+            {"round": role.round, "iteration": role.iteration,
+             "last_accuracy": rows[-1].get("accuracy") if rows else None}))
+        try:
+            serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
+                  attach=attach, hooks=(_summary_hook(transport, topic, summary),), linger=1.0,
+                  on_stop=lambda: transport.publish_json(topic, summary()))
+        finally:
+            if metrics:
+                metrics.close()
         if self.out:
             out = Path(self.out)
             out.mkdir(parents=True, exist_ok=True)

@@ -51,12 +51,14 @@ def _overrides(args: argparse.Namespace, **tables: dict[str, str]) -> dict[str, 
 
 
 def _device(args: argparse.Namespace) -> int:
-    from .config import BrokerConfig, DeviceConfig, ModelConfig, SourceConfig
+    from .config import BrokerConfig, DeviceConfig, ModelConfig, ServiceConfig, SourceConfig
     from .service import DeviceService, load_role_file
 
     cfg = load_role_file(args.config, {"device": DeviceConfig, "model": ModelConfig,
-                                       "source": SourceConfig, "broker": BrokerConfig},
+                                       "source": SourceConfig, "broker": BrokerConfig,
+                                       "service": ServiceConfig},
                          _overrides(args, broker={"broker": "url"},
+                                    service={"metrics_port": "metrics_port"},
                                     device={"device_id": "device_id", "station": "station"}))
     DeviceService(**cfg).run(exit_when_done=not args.keep_running)
     return 0
@@ -66,12 +68,13 @@ def _station(args: argparse.Namespace) -> int:
     from aggregator.config import StationConfig
     from aggregator.services import StationService
 
-    from .config import BrokerConfig, ModelConfig
+    from .config import BrokerConfig, ModelConfig, ServiceConfig
     from .service import load_role_file
 
     cfg = load_role_file(args.config, {"station": StationConfig, "model": ModelConfig,
-                                       "broker": BrokerConfig},
-                         _overrides(args, broker={"broker": "url"}))
+                                       "broker": BrokerConfig, "service": ServiceConfig},
+                         _overrides(args, broker={"broker": "url"},
+                                    service={"metrics_port": "metrics_port"}))
     StationService(**cfg).run()
     return 0
 
@@ -80,12 +83,13 @@ def _cloud(args: argparse.Namespace) -> int:
     from aggregator.config import CloudConfig
     from aggregator.services import CloudService
 
-    from .config import BrokerConfig, ModelConfig
+    from .config import BrokerConfig, ModelConfig, ServiceConfig
     from .service import load_role_file
 
     cfg = load_role_file(args.config, {"cloud": CloudConfig, "model": ModelConfig,
-                                       "broker": BrokerConfig},
-                         _overrides(args, broker={"broker": "url"}, cloud={"rounds": "rounds"}))
+                                       "broker": BrokerConfig, "service": ServiceConfig},
+                         _overrides(args, broker={"broker": "url"}, cloud={"rounds": "rounds"},
+                                    service={"metrics_port": "metrics_port"}))
     CloudService(**cfg, eval_path=args.eval or "", out=str(args.out or "")).run()
     return 0
 
@@ -135,6 +139,17 @@ reached it as rounds + 1. The scaling from the papers' settings is in `docs/expe
 """
 
 
+def _provision(args: argparse.Namespace) -> int:
+    from aggregator.provision import provision
+
+    created = provision(args.fleet, args.out, force=args.force, revoke=tuple(args.revoke),
+                        prefix=args.prefix)
+    print(f"provisioned {args.out}: CA {'created' if created['ca'] else 'kept'}, "
+          f"{len(created['credentials'])} new credentials"
+          + (f", revoked {', '.join(created['revoked'])}" if created["revoked"] else ""))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="safl", description="safl-edge: SAFL and FedGS "
                                      "federated learning for edge fleets")
@@ -160,6 +175,8 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", type=Path, required=True, help=f"the {name}'s TOML file")
         p.add_argument("--broker", default=None, help="mqtt://host:port (overrides [broker] url)")
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics on this port (overrides [service])")
         p.set_defaults(run=run)
         if name == "device":
             p.add_argument("--device-id", default=None)
@@ -187,6 +204,17 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--report", type=Path, default=None,
                      help="write a results.md with tables and claim verdicts")
     exp.set_defaults(run=_experiment)
+
+    prov = sub.add_parser("provision", help="CA, credentials, broker configs and role configs "
+                          "for a fleet file")
+    prov.add_argument("fleet", type=Path, help="the fleet TOML file")
+    prov.add_argument("--out", type=Path, required=True)
+    prov.add_argument("--revoke", action="append", default=[], metavar="ID",
+                      help="remove a device's or station's credential (repeatable)")
+    prov.add_argument("--prefix", type=Path, default=None,
+                      help="where the files will live on the hosts (default: --out)")
+    prov.add_argument("--force", action="store_true", help="start over: a new CA and credentials")
+    prov.set_defaults(run=_provision)
 
     broker = sub.add_parser("broker", help="the embedded amqtt broker on loopback (development)")
     broker.add_argument("--host", default="127.0.0.1")

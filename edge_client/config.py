@@ -320,3 +320,14 @@ class ModelConfig:
         if not self.input_shape or min(self.input_shape) < 1:
             raise ConfigError("input_shape", f"must be positive sizes, got {self.input_shape}")
         check_range("num_classes", self.num_classes, 2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """How a service shows itself (the ``[service]`` table): Prometheus metrics port (0: off)."""
+
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        check_range("metrics_port", self.metrics_port, 0, 65535)

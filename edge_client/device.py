@@ -9,6 +9,8 @@ sends a skip notice, as the upload gate decides (SPEC §3).  It never does I/O:
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from . import messages as m
@@ -49,6 +51,7 @@ class Device(RoleBase):
                                    holdout_every=config.holdout_every,
                                    holdout_capacity=config.holdout_capacity)
         self.finished = False  # the station sent the final model
+        self.last_train_s = 0.0
         self._next_hello = 0.0
         self._model: m.StationModel | None = None
         self._local: np.ndarray | None = None
@@ -119,6 +122,7 @@ class Device(RoleBase):
             granularity=cfg.granularity, layout=self._tensor_sizes)
         self.trainer.set_flat(start)
         consumed = 0
+        started = time.perf_counter()  # a measurement for metrics, not an input to SAFL
         for _ in range(cfg.local_steps):
             x, y = self.buffer.next_batch(cfg.batch_size)
             if not len(y):
@@ -134,6 +138,7 @@ class Device(RoleBase):
         if consumed == 0:
             self.counters["skipped.no_data"] += 1
             return [self._stats(model.round, t), m.SkipNotice(**header, gap=0.0)]
+        self.last_train_s = time.perf_counter() - started
         z = self.trainer.get_flat()
         self._local = z
         gap, upload = self._upload_gate(z, zbar)

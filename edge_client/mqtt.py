@@ -29,6 +29,7 @@ from . import messages as m
 from .codec import Reassembler, decode, encode, is_chunk, split
 from .config import BrokerConfig
 from .errors import MessageError, SaflError
+from .tls import check_pair
 from .topics import global_model_topic, matches, topic_for
 
 __all__ = ["MqttTransport", "ConnectError", "BrokerRefused"]
@@ -67,6 +68,8 @@ class MqttTransport:
     def __init__(self, config: BrokerConfig, *, client_id: str, fleet: str,
                  layout_hash: str = "", presence: m.Presence | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if config.cert:
+            check_pair(config.ca, config.cert, config.key)  # refuse bad files before connecting
         self.config, self.client_id, self.fleet = config, client_id, fleet
         self.layout_hash, self.presence, self.clock = layout_hash, presence, clock
         self.counters: Counter[str] = Counter()

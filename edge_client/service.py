@@ -23,11 +23,13 @@ from .config import (
     BrokerConfig,
     DeviceConfig,
     ModelConfig,
+    ServiceConfig,
     SourceConfig,
     load_config,
 )
 from .device import Device
 from .errors import ConfigError
+from .metrics import MetricsServer
 from .mqtt import MqttTransport
 from .role import Role
 from .sources import SourcePump, build_source, feed_device
@@ -36,7 +38,7 @@ from .topics import station_model_topic
 from .trainers import build_trainer, layout_hash
 from .transport import RoleRunner, Transport
 
-__all__ = ["serve", "StopFlag", "DeviceService", "load_role_file"]
+__all__ = ["serve", "StopFlag", "DeviceService", "load_role_file", "with_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,13 @@ def load_role_file(path: str | Path | None, tables: dict[str, type],
             for name, cls in tables.items()}
 
 
+def with_metrics(config: ServiceConfig, role: str, collect) -> MetricsServer | None:
+    """Start the Prometheus endpoint if the service config asks for one."""
+    if not config.metrics_port:
+        return None
+    return MetricsServer(config.metrics_port, role, collect, host=config.metrics_host)
+
+
 @dataclass
 class DeviceService:
     """A device: trainer, role, source and MQTT transport built from its TOML file."""
@@ -106,6 +115,7 @@ class DeviceService:
     model: ModelConfig
     source: SourceConfig
     broker: BrokerConfig
+    service: ServiceConfig = ServiceConfig()
 
     def build(self) -> tuple[Device, MqttTransport, dict[str, Any]]:
         """The role, its transport, and the ``serve`` keywords that feed it samples."""
@@ -147,7 +157,19 @@ class DeviceService:
 
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
         device, transport, feeding = self.build()
-        serve(device, transport, stop=stop or StopFlag(),
-              done=(lambda: device.finished) if exit_when_done else (lambda: False), **feeding)
+        metrics = with_metrics(self.service, "device", lambda: (
+            {**device.counters, **transport.counters},
+            {"round": device._model.round if device._model else 0,
+             "iteration": device._model.iteration if device._model else 0,
+             "train_step_seconds": device.last_train_s / max(1, device.config.local_steps),
+             "buffer_unread": device.buffer.unread,
+             "buffer_overwritten_unread": device.buffer.overwritten_unread}))
+        try:
+            serve(device, transport, stop=stop or StopFlag(),
+                  done=(lambda: device.finished) if exit_when_done else (lambda: False),
+                  **feeding)
+        finally:
+            if metrics:
+                metrics.close()
         log.info("device %s finished: %s", device.id, dict(device.metrics()))
         return device

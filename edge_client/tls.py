@@ -1,0 +1,42 @@
+"""Checks on a role's TLS files before it connects: expiry, key match, issuing CA."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ssl
+from pathlib import Path
+
+from .errors import ConfigError
+
+__all__ = ["check_pair"]
+
+
+def check_pair(ca: str, cert: str, key: str) -> None:
+    """Refuse, before connecting, a certificate that is expired, not yet valid, not signed by
+    the CA, or not matching its key.  Raises :class:`ConfigError` naming the key and file."""
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ConfigError("key", f"certificate {cert} does not match key {key}: "
+                          f"{exc.reason}") from exc
+    try:
+        from cryptography import x509
+    except ImportError:
+        return  # without cryptography only the pair is checked
+    leaf = x509.load_pem_x509_certificate(Path(cert).read_bytes())
+    now = dt.datetime.now(dt.timezone.utc)
+    if now > leaf.not_valid_after_utc:
+        raise ConfigError("cert", f"certificate {cert} expired on "
+                          f"{leaf.not_valid_after_utc:%Y-%m-%d}")
+    if now < leaf.not_valid_before_utc:
+        raise ConfigError("cert", f"certificate {cert} is not valid before "
+                          f"{leaf.not_valid_before_utc:%Y-%m-%d %H:%M}")
+    if ca:
+        authority = x509.load_pem_x509_certificate(Path(ca).read_bytes())
+        try:
+            leaf.verify_directly_issued_by(authority)
+        except Exception as exc:  # InvalidSignature, ValueError, TypeError: all mean "not ours"
+            raise ConfigError("cert", f"certificate {cert} is not signed by the CA in "
+                              f"{ca}") from exc
