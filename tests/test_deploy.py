@@ -122,6 +122,12 @@ def test_bridge_carries_station_reports_up_and_the_model_down(fleet):
         assert from_cloud[0].weights.size == 300_000
         for t in (cam, station, cloud):
             t.close()
+        # A device has no account on the cloud broker, where every station's traffic meets.
+        cam_cfg = _broker_cfg(out, out / "devices" / "cam1" / "device.toml")
+        on_cloud = BrokerConfig(**{**vars(cam_cfg), "url": f"mqtts://127.0.0.1:{ports['cloud']}",
+                                   "connect_timeout": 2})
+        with pytest.raises(BrokerRefused):
+            _transport(on_cloud, "cam1").connect()
     finally:
         station_broker.stop()
         cloud_broker.stop()

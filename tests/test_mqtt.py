@@ -14,7 +14,7 @@ import time
 import numpy as np
 import paho.mqtt.client as paho
 import pytest
-from brokers import Amqtt, Mosquitto, acl_lines
+from brokers import Amqtt, Mosquitto, acl_lines, free_port
 from paho.mqtt.enums import CallbackAPIVersion
 
 from aggregator.datasets import assign_groups, dirichlet_label_skew
@@ -289,8 +289,10 @@ def test_a_device_service_stops_cleanly_on_sigterm(tmp_path, digits):
         "model": {"name": "mlp", "input_shape": [8, 8], "num_classes": 10},
         "source": {"kind": "replay", "path": str(tmp_path / "d0.npz"), "loop": True},
         "broker": {"url": server.url, "username": "d0", "password": Mosquitto.PASSWORD}}))
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "device", "--config",
-                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             str(config), "--metrics-port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         cfg = BrokerConfig(url=server.url, username="tester", password=Mosquitto.PASSWORD)
         deadline = time.monotonic() + 20
@@ -298,6 +300,10 @@ def test_a_device_service_stops_cleanly_on_sigterm(tmp_path, digits):
             if fleet_status(cfg, "f", wait=0.3)["presence"].get(("dev", "d0")):
                 break
         assert fleet_status(cfg, "f", wait=0.3)["presence"][("dev", "d0")] is True
+        import urllib.request
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b'safl_messages_out_total{role="device"}' in body  # its stats went out
+        assert b'safl_buffer_unread{role="device"}' in body
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0, proc.stdout.read().decode()
         assert fleet_status(cfg, "f", wait=0.5)["presence"][("dev", "d0")] is False
