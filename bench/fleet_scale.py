@@ -1,7 +1,8 @@
 """Benchmark: simulation at scale: device-steps per second and memory per simulated device.
 
-Each size runs in a fresh process: FedGS on Fashion-MNIST (Dirichlet 0.5), factories of 20
-devices, L = 5 (1 random), T = 2, devices of one backend sharing one trainer (a device's
+Each size runs in a fresh process: FedGS on Fashion-MNIST (two label-sorted shards per device),
+factories of 20
+L = 5 (1 random), T = 2, devices of one backend sharing one trainer (a device's
 model lives in its flat vectors).  Peak and per-round resident memory come from
 /proc/self/status; "growth" is the RSS change per device per round over the second half of
 the run, when every device has trained at least once.
@@ -26,7 +27,7 @@ n, model, backend, rounds = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.
 if backend == "torch":
     import torch
     torch.set_num_threads(2)
-from aggregator.datasets import load_default, dirichlet_label_skew, assign_groups
+from aggregator.datasets import load_default, assign_groups
 from aggregator.simulation import FleetSpec, Strategy, run_federation
 
 def rss_mb():
@@ -37,7 +38,10 @@ def rss_mb():
 data, _ = load_default()
 base_rss, _ = rss_mb()
 rng = np.random.default_rng(0)
-parts = dirichlet_label_skew(data.y_train, n, 0.5, rng, min_size=1)
+# McMahan's shards: labels sorted, cut in 2n shards, two per device (works for any n).
+shards = np.array_split(np.argsort(data.y_train, kind="stable"), 2 * n)
+order = rng.permutation(2 * n)
+parts = [np.concatenate([shards[order[2 * k]], shards[order[2 * k + 1]]]) for k in range(n)]
 spec = FleetSpec(partitions=tuple(parts), groups=tuple(assign_groups(n, max(1, n // 20), rng)),
                  rounds=rounds, model=model, backends=(backend,), lr=0.05,
                  arrivals_per_step=8, initial_samples=32, eval_samples=500,
