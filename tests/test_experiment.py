@@ -93,3 +93,17 @@ def test_bad_experiment_configs_name_the_key(tmp_path):
         ExperimentConfig(name="x", strategies=("fedsgd",))
     with pytest.raises(ConfigError, match="super_node"):
         dataclasses.replace(ExperimentConfig(name="x"), super_node=50)
+
+
+@pytest.mark.slow
+def test_parallel_jobs_give_the_same_results(tmp_path):
+    from aggregator.experiment import result_rows, run_experiment
+
+    config = tmp_path / "two.toml"
+    config.write_text(open("experiments/quick.toml").read()
+                      + 'strategies = ["fedgs", "safl"]\n')
+    _, serial, _ = run_experiment(config, out=tmp_path / "serial", jobs=1)
+    _, parallel, _ = run_experiment(config, out=tmp_path / "parallel", jobs=2)
+    drop = ("wall_s",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in result_rows(serial, 0.5)] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in result_rows(parallel, 0.5)]
