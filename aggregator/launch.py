@@ -141,7 +141,7 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
                 for r, acc in found[seen:]:
                     progress(int(r), float(acc))
                 seen = len(found)
-            time.sleep(0.2)
+            time.sleep(0.05)
         if procs["cloud"].returncode != 0:
             raise SaflError(f"the cloud exited with {procs['cloud'].returncode}; "
                             f"see {logs / 'cloud.log'}")

@@ -127,7 +127,7 @@ def _forge_nan(frame: bytes, n_weights: int) -> bytes:
 
 @pytest.mark.slow
 def test_malformed_messages_are_counted_and_the_run_finishes(tmp_path, digits):
-    spec = _spec(digits, rounds=6)
+    spec = _spec(digits, rounds=16)
     plan = plan_fleet(STRATEGY, spec)
     server = _mosquitto(tmp_path, spec)
     fleet, st0 = plan.fleet, plan.stations[0]
@@ -158,8 +158,8 @@ def test_malformed_messages_are_counted_and_the_run_finishes(tmp_path, digits):
     def attack(procs) -> None:
         if sent or not (tmp_path / "run" / "logs" / "cloud.log").exists():
             return
-        if "round 2" not in (tmp_path / "run" / "logs" / "cloud.log").read_text():
-            return
+        if "round 1:" not in (tmp_path / "run" / "logs" / "cloud.log").read_text():
+            return  # attack while the fleet is running
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id="tester")
         client.username_pw_set("tester", Mosquitto.PASSWORD)
         client.connect("127.0.0.1", server.port)
@@ -193,7 +193,7 @@ def test_malformed_messages_are_counted_and_the_run_finishes(tmp_path, digits):
 
 @pytest.mark.slow
 def test_a_killed_device_leaves_selection_through_its_last_will(tmp_path, digits):
-    spec = _spec(digits, rounds=8)
+    spec = _spec(digits, rounds=16)
     plan = plan_fleet(STRATEGY, spec)
     victim = plan.stations[0]["devices"][0]
     server = _mosquitto(tmp_path, spec)
@@ -201,7 +201,7 @@ def test_a_killed_device_leaves_selection_through_its_last_will(tmp_path, digits
 
     def kill(procs) -> None:
         log = tmp_path / "run" / "logs" / "cloud.log"
-        if not killed and log.exists() and "round 2" in log.read_text():
+        if not killed and log.exists() and "round 1:" in log.read_text():
             procs[victim].send_signal(signal.SIGKILL)
             killed.append(victim)
 
