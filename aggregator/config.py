@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from edge_client.config import check_id, check_range
 from edge_client.errors import ConfigError
 
-from .fusion import FUSION_RULES, SERVER_OPTIMIZERS
+from .fusion import FUSION_RULES, build_server_optimizer
 from .selection import SELECTORS
 
 __all__ = ["StationConfig", "CloudConfig"]
@@ -86,5 +86,6 @@ class CloudConfig:
         check_range("min_stations", self.min_stations, 1, len(self.stations))
         if self.station_weighting not in ("samples", "equal"):
             raise ConfigError("station_weighting", "must be 'samples' or 'equal'")
-        if self.server_optimizer not in SERVER_OPTIMIZERS:
-            raise ConfigError("server_optimizer", f"must be one of {SERVER_OPTIMIZERS}")
+        # The optimiser owns its checks (kind, lr, betas, tau): build one to run them.
+        build_server_optimizer(self.server_optimizer, lr=self.server_lr, beta1=self.beta1,
+                               beta2=self.beta2, tau=self.tau)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -121,9 +122,14 @@ def _strategy(cfg: ExperimentConfig, name: str):
     return dataclasses.replace(s, device=device)
 
 
+@functools.lru_cache(maxsize=2)
+def _dataset(name: str) -> Dataset:
+    return load_dataset(name)  # once per process, not once per strategy
+
+
 def _run_one(args: tuple[ExperimentConfig, str, bool]) -> RunResult:
     cfg, name, show = args
-    data = load_dataset(cfg.dataset)
+    data = _dataset(cfg.dataset)
     return run_federation(data, _strategy(cfg, name), _fleet(cfg, data),
                           Progress(name, cfg.rounds) if show else None)
 

@@ -20,9 +20,8 @@ import numpy as np
 from edge_client import messages as m
 from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
 from edge_client.mqtt import MqttTransport
-from edge_client.service import StopFlag, serve, with_metrics
+from edge_client.service import StopFlag, model_trainer, role_transport, serve, with_metrics
 from edge_client.sources.replay import load_arrays
-from edge_client.trainers import build_trainer, layout_hash
 from edge_client.transport import RoleRunner
 
 from .cloud import CLOUD_ID, Cloud
@@ -40,20 +39,15 @@ def status_topic_json(fleet: str, role: str, participant: str) -> str:
     return base + "/summary"
 
 
-def _model_trainer(model: ModelConfig):
-    return build_trainer(model.name, backend=model.backend, input_shape=model.input_shape,
-                         num_classes=model.num_classes, lr=0.01, seed=model.seed,
-                         artifacts=model.artifacts or None)
-
-
-def _summary_hook(transport: MqttTransport, topic: str, fields, every: float = 1.0):
+def _summaries(transport: MqttTransport, topic: str, fields, every: float = 1.0) -> dict:
+    """``serve`` keywords that publish the retained summary every second and once at the end."""
     last = [0.0]
 
     def hook(runner: RoleRunner, now: float) -> None:
         if now - last[0] >= every:
             last[0] = now
             transport.publish_json(topic, fields())
-    return hook
+    return {"hooks": (hook,), "on_stop": lambda: transport.publish_json(topic, fields())}
 
 
 @dataclass
@@ -64,14 +58,12 @@ class StationService:
     service: ServiceConfig = ServiceConfig()
 
     def run(self, stop: StopFlag | None = None) -> Station:
-        trainer = _model_trainer(self.model)
+        trainer = model_trainer(self.model, lr=0.01)
         cfg = self.station
         role = Station(cfg, num_params=trainer.num_params, num_classes=self.model.num_classes,
                        rng=np.random.default_rng(cfg.seed))
-        presence = m.Presence(fleet=cfg.fleet, sender=cfg.station_id, round=0, iteration=0,
-                              role="station", online=True)
-        transport = MqttTransport(self.broker, client_id=cfg.station_id, fleet=cfg.fleet,
-                                  layout_hash=layout_hash(trainer.layout), presence=presence)
+        transport = role_transport(self.broker, fleet=cfg.fleet, role="station",
+                                   participant=cfg.station_id, trainer=trainer)
 
         first_model: list[float] = []
 
@@ -84,23 +76,17 @@ class StationService:
                     "cpu_s": round(time.process_time(), 3),
                     "cpu_startup_s": round(first_model[0], 3) if first_model else None,
                     "iteration": role.iteration, "devices": len(cfg.devices),
-                    "online": len([d for d in role.stats if d not in role.offline]),
+                    "online": role.online_devices,
                     "counters": dict(role.counters), "transport": dict(transport.counters)}
 
-        topic = status_topic_json(cfg.fleet, "station", cfg.station_id)
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
-             "selected_devices": len(role.members),
-             "devices_online": len([d for d in role.stats if d not in role.offline])}))
-        try:
-            serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-                  hooks=(_summary_hook(transport, topic, summary),),
-                  attach=lambda runner: runner.observers.append(note_start),
-                  on_stop=lambda: transport.publish_json(topic, summary()))
-        finally:
-            if metrics:
-                metrics.close()
+             "selected_devices": len(role.members), "devices_online": role.online_devices}))
+        serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
+              attach=lambda runner: runner.observers.append(note_start), metrics=metrics,
+              **_summaries(transport, status_topic_json(cfg.fleet, "station", cfg.station_id),
+                           summary))
         log.info("station %s finished: %s", cfg.station_id, summary())
         return role
 
@@ -115,13 +101,12 @@ class CloudService:
     out: str = ""
 
     def run(self, stop: StopFlag | None = None) -> tuple[Cloud, list[dict[str, Any]]]:
-        trainer = _model_trainer(self.model)
+        trainer = model_trainer(self.model, lr=0.01)
         cfg = self.cloud
         role = Cloud(cfg, initial_weights=trainer.get_flat(), num_classes=self.model.num_classes)
-        presence = m.Presence(fleet=cfg.fleet, sender=CLOUD_ID, round=0, iteration=0,
-                              role="cloud", online=True)
-        transport = MqttTransport(self.broker, client_id=f"{cfg.fleet}-cloud", fleet=cfg.fleet,
-                                  layout_hash=layout_hash(trainer.layout), presence=presence)
+        transport = role_transport(self.broker, fleet=cfg.fleet, role="cloud",
+                                   participant=CLOUD_ID, trainer=trainer,
+                                   client_id=f"{cfg.fleet}-cloud")
         rows: list[dict[str, Any]] = []
         test = load_arrays(self.eval_path, num_classes=self.model.num_classes) \
             if self.eval_path else None
@@ -148,18 +133,13 @@ class CloudService:
         def attach(runner: RoleRunner) -> None:
             runner.observers.append(evaluate)
 
-        topic = status_topic_json(cfg.fleet, "cloud", CLOUD_ID)
         metrics = with_metrics(self.service, "cloud", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
              "last_accuracy": rows[-1].get("accuracy") if rows else None}))
-        try:
-            serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-                  attach=attach, hooks=(_summary_hook(transport, topic, summary),), linger=1.0,
-                  on_stop=lambda: transport.publish_json(topic, summary()))
-        finally:
-            if metrics:
-                metrics.close()
+        serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
+              attach=attach, linger=1.0, metrics=metrics,
+              **_summaries(transport, status_topic_json(cfg.fleet, "cloud", CLOUD_ID), summary))
         if self.out:
             out = Path(self.out)
             out.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,11 @@ class Station(RoleBase):
     def id(self) -> str:
         return self.config.station_id
 
+    @property
+    def online_devices(self) -> int:
+        """Roster devices that reported and whose Last Will has not fired since."""
+        return sum(1 for d in self.stats if d not in self.offline)
+
     def subscriptions(self) -> list[str]:
         return station_topics(self.config.fleet, self.config.devices)
 

@@ -117,8 +117,8 @@ def decode(data: bytes, *, max_size: int) -> Frame:
             size = dt.itemsize * int(count)
             if offset + size > hlen + plen:
                 raise MessageError("wrong_length", f"array {name!r} runs past the payload")
-            fields[name] = np.frombuffer(body[offset:offset + size], dtype=dt).astype(
-                np.float32 if dt.kind == "f" and name == "weights" else dt.newbyteorder("="))
+            # A read-only view: the message constructor makes the one copy (and fp16 -> fp32).
+            fields[name] = np.frombuffer(body[offset:offset + size], dtype=dt)
             offset += size
         if offset != hlen + plen:
             raise MessageError("wrong_length", "payload is longer than its arrays")

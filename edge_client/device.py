@@ -62,9 +62,13 @@ class Device(RoleBase):
     def id(self) -> str:
         return self.config.device_id
 
-    def metrics(self) -> dict[str, int]:
-        """Counters plus the stream buffer's state (overwrites, unread, seen)."""
-        return {**self.counters, "buffer.overwritten_unread": self.buffer.overwritten_unread,
+    def metrics(self) -> dict[str, float]:
+        """Gauges beside ``counters``: model position, training step time, buffer state."""
+        model = self._model
+        return {"round": model.round if model else 0,
+                "iteration": model.iteration if model else 0,
+                "train_step_seconds": self.last_train_s / self.config.local_steps,
+                "buffer.overwritten_unread": self.buffer.overwritten_unread,
                 "buffer.unread": self.buffer.unread, "buffer.seen": self.buffer.samples_seen}
 
     def subscriptions(self) -> list[str]:

@@ -2,7 +2,8 @@
 
 A service hands :class:`MetricsServer` a function returning its counters and gauges; ``GET
 /metrics`` renders them in the Prometheus text format.  Names like ``rejected.bad_checksum``
-become ``safl_rejected_total{reason="bad_checksum"}``.
+become ``safl_rejected_total{reason="bad_checksum"}``; a gauge ``buffer.unread`` becomes
+``safl_buffer_unread``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ log = logging.getLogger(__name__)
 Collect = Callable[[], tuple[Mapping[str, float], Mapping[str, float]]]
 
 
-def _name(key: str) -> tuple[str, str]:
-    """Counter key -> (metric name, label text)."""
+def _name(key: str, labelled: bool) -> tuple[str, str]:
+    """Key -> (metric name, label text); a counter's ``a.b`` becomes ``a{reason|kind="b"}``."""
+    if not labelled:
+        return re.sub(r"[^a-zA-Z0-9_]", "_", key), ""
     base, _, reason = key.partition(".")
     base = re.sub(r"[^a-zA-Z0-9_]", "_", base)
     if reason:
@@ -39,7 +42,7 @@ def render(role: str, counters: Mapping[str, float], gauges: Mapping[str, float]
             value = values[key]
             if value is None:
                 continue
-            base, labels = _name(key)
+            base, labels = _name(key, kind == "counter")
             metric = f"safl_{base}{suffix}"
             if metric not in typed:
                 lines.append(f"# TYPE {metric} {kind}")

@@ -38,7 +38,8 @@ from .topics import station_model_topic
 from .trainers import build_trainer, layout_hash
 from .transport import RoleRunner, Transport
 
-__all__ = ["serve", "StopFlag", "DeviceService", "load_role_file", "with_metrics"]
+__all__ = ["serve", "StopFlag", "DeviceService", "load_role_file", "with_metrics",
+           "model_trainer", "role_transport"]
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,13 @@ def serve(role: Role, transport: Transport, *, stop: StopFlag,
           hooks: tuple[Callable[[RoleRunner, float], None], ...] = (),
           attach: Callable[[RoleRunner], None] | None = None,
           on_stop: Callable[[], None] | None = None,
+          metrics: MetricsServer | None = None,
           clock: Callable[[], float] = time.monotonic, idle_sleep: float = 0.05,
           linger: float = 0.5) -> RoleRunner:
     """Run ``role`` on ``transport`` until ``stop`` is set or ``done()`` is true.
 
     ``hooks`` run every loop turn; ``attach`` may add subscriptions that must see a
-    message after the role has.
+    message after the role has; ``metrics`` is closed with the service.
     """
     runner = RoleRunner(role, transport, clock)
     if attach is not None:
@@ -90,6 +92,8 @@ def serve(role: Role, transport: Transport, *, stop: StopFlag,
             on_stop()
     finally:
         transport.close()
+        if metrics is not None:
+            metrics.close()
     return runner
 
 
@@ -98,6 +102,23 @@ def load_role_file(path: str | Path | None, tables: dict[str, type],
     """Load several config tables of one role's TOML file, each with its overrides."""
     return {name: load_config(cls, name, path, overrides.get(name))
             for name, cls in tables.items()}
+
+
+def model_trainer(model: ModelConfig, lr: float):
+    """The trainer a role's ``[model]`` table describes (stations and the cloud use it for the
+    layout, the initial weights and evaluation, never for SGD)."""
+    return build_trainer(model.name, backend=model.backend, input_shape=model.input_shape,
+                         num_classes=model.num_classes, lr=lr, seed=model.seed,
+                         artifacts=model.artifacts or None)
+
+
+def role_transport(broker: BrokerConfig, *, fleet: str, role: str, participant: str,
+                   trainer, client_id: str | None = None) -> MqttTransport:
+    """The MQTT transport of one participant, with its presence and the model's layout."""
+    presence = m.Presence(fleet=fleet, sender=participant, round=0, iteration=0, role=role,
+                          online=True)
+    return MqttTransport(broker, client_id=client_id or participant, fleet=fleet,
+                         layout_hash=layout_hash(trainer.layout), presence=presence)
 
 
 def with_metrics(config: ServiceConfig, role: str, collect) -> MetricsServer | None:
@@ -120,15 +141,11 @@ class DeviceService:
     def build(self) -> tuple[Device, MqttTransport, dict[str, Any]]:
         """The role, its transport, and the ``serve`` keywords that feed it samples."""
         cfg, mc = self.device, self.model
-        trainer = build_trainer(mc.name, backend=mc.backend, input_shape=mc.input_shape,
-                                num_classes=mc.num_classes, lr=cfg.lr, seed=mc.seed,
-                                artifacts=mc.artifacts or None)
+        trainer = model_trainer(mc, cfg.lr)
         device = Device(cfg, trainer, num_classes=mc.num_classes, sample_shape=mc.input_shape,
                         rng=np.random.default_rng(cfg.seed))
-        presence = m.Presence(fleet=cfg.fleet, sender=cfg.device_id, round=0, iteration=0,
-                              role="dev", online=True)
-        transport = MqttTransport(self.broker, client_id=cfg.device_id, fleet=cfg.fleet,
-                                  layout_hash=layout_hash(trainer.layout), presence=presence)
+        transport = role_transport(self.broker, fleet=cfg.fleet, role="dev",
+                                   participant=cfg.device_id, trainer=trainer)
         source, drops = build_source(self.source, sample_shape=mc.input_shape,
                                      num_classes=mc.num_classes,
                                      rng=np.random.default_rng(self.source.seed))
@@ -158,18 +175,8 @@ class DeviceService:
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
         device, transport, feeding = self.build()
         metrics = with_metrics(self.service, "device", lambda: (
-            {**device.counters, **transport.counters},
-            {"round": device._model.round if device._model else 0,
-             "iteration": device._model.iteration if device._model else 0,
-             "train_step_seconds": device.last_train_s / max(1, device.config.local_steps),
-             "buffer_unread": device.buffer.unread,
-             "buffer_overwritten_unread": device.buffer.overwritten_unread}))
-        try:
-            serve(device, transport, stop=stop or StopFlag(),
-                  done=(lambda: device.finished) if exit_when_done else (lambda: False),
-                  **feeding)
-        finally:
-            if metrics:
-                metrics.close()
-        log.info("device %s finished: %s", device.id, dict(device.metrics()))
+            {**device.counters, **transport.counters}, device.metrics()))
+        serve(device, transport, stop=stop or StopFlag(), metrics=metrics,
+              done=(lambda: device.finished) if exit_when_done else (lambda: False), **feeding)
+        log.info("device %s finished: %s %s", device.id, dict(device.counters), device.metrics())
         return device
