@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from . import messages as m
 from .errors import MessageError
 
 __all__ = ["WIRE_VERSION", "Frame", "encode", "decode", "split", "is_chunk", "Reassembler",
-           "DEFAULT_CHUNK_SIZE"]
+           "DEFAULT_CHUNK_SIZE", "reseal"]
 
 WIRE_VERSION = 1
 MAGIC, CHUNK_MAGIC = b"SAFL", b"SAFC"
@@ -45,6 +46,9 @@ _CODES = {cls: code for code, cls in _TYPES.items()}
 _DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
 _WIRE_DTYPE = {"float32": "<f4", "float64": "<f8", "int64": "<i8"}
 MAX_HEADER = 64 * 1024
+_ARRAY_DTYPES = frozenset({"<f4", "<f2", "<f8", "<i8"})
+_MAX_ARRAYS = 8
+_HEX = re.compile(r"[0-9a-f]*")
 
 
 @dataclass(frozen=True)
@@ -99,38 +103,84 @@ def decode(data: bytes, *, max_size: int) -> Frame:
     body = memoryview(data)[_PREFIX.size:]
     if hashlib.sha256(data[:_FIXED] + body).digest() != digest:
         raise MessageError("bad_checksum", "sha256 of the frame does not match")
-    try:
-        header = json.loads(bytes(body[:hlen]))
-        fields, table = dict(header["fields"]), header["arrays"]
-        mid = bytes.fromhex(header["id"])
-        layout = str(header["layout"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise MessageError("bad_header", f"header is not the expected JSON: {exc!r}") from exc
-    offset = hlen
     cls = _TYPES[code]
-    names = {f.name for f in dataclasses.fields(cls)}
+    mid, layout, fields, table = _parse_header(bytes(body[:hlen]))
+    wanted = {name: np.dtype(dtype).str for name, dtype in cls._vectors}
+    if "weights" in wanted:
+        wanted["weights"] = _DTYPES[wdtype].str
+    offset = hlen
+    for name, dtype, count in table:
+        if wanted.get(name) != dtype or name in fields:
+            raise MessageError("bad_header", f"{cls.__name__} has no array {name!r} of dtype "
+                               f"{dtype!r} (or names it twice)")
+        size = np.dtype(dtype).itemsize * count
+        if offset + size > hlen + plen:
+            raise MessageError("wrong_length", f"array {name!r} runs past the payload")
+        # A read-only view: the message constructor makes the one copy (and fp16 -> fp32).
+        fields[name] = np.frombuffer(body[offset:offset + size], dtype=dtype)
+        offset += size
+    if offset != hlen + plen:
+        raise MessageError("wrong_length", "payload is longer than its arrays")
     try:
-        for name, dtype, count in table:
-            dt = np.dtype(dtype)
-            if dt.str not in {"<f4", "<f2", "<f8", "<i8"} or name not in names:
-                raise MessageError("bad_header", f"array {name!r} of dtype {dtype!r}")
-            size = dt.itemsize * int(count)
-            if offset + size > hlen + plen:
-                raise MessageError("wrong_length", f"array {name!r} runs past the payload")
-            # A read-only view: the message constructor makes the one copy (and fp16 -> fp32).
-            fields[name] = np.frombuffer(body[offset:offset + size], dtype=dt)
-            offset += size
-        if offset != hlen + plen:
-            raise MessageError("wrong_length", "payload is longer than its arrays")
-        for key, value in fields.items():
-            if isinstance(value, list):
-                fields[key] = tuple(value)
         message = cls(**fields)
-    except MessageError:
-        raise
-    except (TypeError, ValueError) as exc:
+    except TypeError as exc:  # a missing or unknown field
         raise MessageError("bad_header", f"fields do not fit {cls.__name__}: {exc}") from exc
     return Frame(message, mid, layout)
+
+
+def reseal(frame: bytes | bytearray) -> bytes:
+    """``frame`` with its checksum recomputed: fault injection and fuzzing edit frames and
+    must get past the checksum to reach the checks behind it."""
+    data = bytearray(frame)
+    if len(data) >= _PREFIX.size:
+        data[_FIXED:_PREFIX.size] = hashlib.sha256(bytes(data[:_FIXED] + data[_PREFIX.size:])
+                                                   ).digest()
+    return bytes(data)
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _parse_header(raw: bytes) -> tuple[bytes, str, dict, list[tuple[str, str, int]]]:
+    """The header's id, layout hash, scalar fields and array table, each checked for shape.
+
+    The header is flat by contract: scalars, and one list of ids (a super node).  Nesting,
+    NaN/Infinity, non-string keys and odd array tables are refused here, so nothing
+    downstream meets a type it does not expect.
+    """
+    try:
+        header = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise MessageError("bad_header", "header is nested too deeply") from exc
+    except ValueError as exc:  # includes UnicodeDecodeError and over-long integers
+        raise MessageError("bad_header", f"header is not JSON: {str(exc)[:120]}") from exc
+    if not isinstance(header, dict) or set(header) != {"id", "layout", "fields", "arrays"}:
+        raise MessageError("bad_header", "header needs exactly id, layout, fields and arrays")
+    mid, layout, fields, table = (header[k] for k in ("id", "layout", "fields", "arrays"))
+    if not (isinstance(mid, str) and _HEX.fullmatch(mid) and len(mid) == 32):
+        raise MessageError("bad_header", "message id must be 32 hex digits")
+    if not (isinstance(layout, str) and _HEX.fullmatch(layout or "0") and len(layout) <= 64):
+        raise MessageError("bad_header", "layout hash must be at most 64 hex digits")
+    if not isinstance(fields, dict):
+        raise MessageError("bad_header", "fields must be an object")
+    for key, value in fields.items():
+        flat = isinstance(value, (bool, int, float, str)) or (
+            isinstance(value, list) and all(isinstance(v, str) for v in value))
+        if not flat:
+            raise MessageError("bad_header", f"field {key[:40]!r} is nested")
+        if isinstance(value, list):
+            fields[key] = tuple(value)
+    if not isinstance(table, list) or len(table) > _MAX_ARRAYS:
+        raise MessageError("bad_header", "array table must be a short list")
+    for entry in table:
+        ok = (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+              and isinstance(entry[1], str) and entry[1] in _ARRAY_DTYPES
+              and type(entry[2]) is int and 0 <= entry[2] < 2**53)
+        if not ok:
+            raise MessageError("bad_header", f"array table entry {str(entry)[:80]} is not "
+                               "[name, dtype, count]")
+    return bytes.fromhex(mid), layout, fields, [tuple(e) for e in table]
 
 
 def split(frame: bytes, chunk_size: int) -> list[bytes]:

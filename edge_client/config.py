@@ -22,6 +22,7 @@ else:  # pragma: no cover - Python 3.10 (JetPack 6)
     import tomli as tomllib
 
 from .errors import ConfigError
+from .messages import ID_PATTERN, is_id
 
 __all__ = ["load_config", "from_mapping", "check_range", "check_id", "DeviceConfig"]
 
@@ -38,9 +39,10 @@ def check_range(key: str, value: float, low: float | None = None, high: float | 
 
 
 def check_id(key: str, value: str) -> None:
-    """Ids become MQTT topic levels: refuse empty ones and wildcard characters."""
-    if not isinstance(value, str) or not value or any(c in value for c in "/+#"):
-        raise ConfigError(key, f"must be a non-empty id without '/', '+' or '#', got {value!r}")
+    """Ids become MQTT topic levels: the one pattern messages check too (no '/', '+', '#')."""
+    if not is_id(value):
+        raise ConfigError(key, f"must be an id matching {ID_PATTERN.pattern} (letters, digits, "
+                          f"'_', '.', ':', '-'; no '/', '+' or '#'), got {value!r}")
 
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
@@ -324,10 +326,16 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
-    """How a service shows itself (the ``[service]`` table): Prometheus metrics port (0: off)."""
+    """How a service shows itself and keeps its state (the ``[service]`` table).
+
+    ``metrics_port`` serves Prometheus metrics (0: off).  ``state_dir`` is where the
+    cloud and stations checkpoint every round and resume from after a crash ("": no
+    checkpoints, a restart starts over; systemd units point it at StateDirectory).
+    """
 
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    state_dir: str = ""
 
     def __post_init__(self) -> None:
         check_range("metrics_port", self.metrics_port, 0, 65535)

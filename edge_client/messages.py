@@ -10,6 +10,9 @@ counter-ready ``reason``.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import typing
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,10 +32,71 @@ __all__ = [
     "StationUpdate",
     "GlobalModel",
     "Presence",
+    "Refusal",
     "payload_nbytes",
+    "ID_PATTERN",
+    "MAX_INT",
+    "is_id",
 ]
 
 PROTOCOL_VERSION = 1
+# Ids become MQTT topic levels: no wildcards, no '/', nothing a shell or a log mangles.
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+# Integers must survive a JSON round trip through any decoder (IEEE doubles are exact below).
+MAX_INT = 2**53
+MAX_MEMBERS = 4096  # a super node larger than any roster we support
+
+
+def is_id(value: object) -> bool:
+    """True for a string that is a valid participant or fleet id."""
+    return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None
+
+
+def _check_scalar(cls: type, name: str, hint: object, value: object) -> object:
+    """Check one header field against its annotation; return the value in its canonical type."""
+    if hint is bool:
+        if isinstance(value, (bool, np.bool_)):
+            return bool(value)
+    elif hint is int:
+        if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+            if 0 <= int(value) < MAX_INT:
+                return int(value)
+            raise MessageError("out_of_range", f"{cls.__name__}.{name} is outside [0, 2^53)")
+    elif hint is float:
+        if isinstance(value, (int, float, np.integer, np.floating)) \
+                and not isinstance(value, (bool, np.bool_)):
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+            if math.isfinite(number):
+                return number
+            raise MessageError("non_finite", f"{cls.__name__}.{name} is not a finite float")
+    elif hint is str:
+        if is_id(value):
+            return value
+        raise MessageError("bad_id", f"{cls.__name__}.{name} = {str(value)[:80]!r} does not "
+                           f"match {ID_PATTERN.pattern}")
+    elif typing.get_origin(hint) is tuple:
+        if isinstance(value, (tuple, list)) and len(value) <= MAX_MEMBERS \
+                and all(is_id(v) for v in value):
+            return tuple(value)
+        raise MessageError("bad_id", f"{cls.__name__}.{name} must be a list of ids")
+    raise MessageError("bad_field", f"{cls.__name__}.{name} must be {getattr(hint, '__name__', hint)}"
+                       f", got {type(value).__name__}")
+
+
+_SCALARS: dict[type, tuple[tuple[str, object], ...]] = {}
+
+
+def _scalar_fields(cls: type) -> tuple[tuple[str, object], ...]:
+    """(name, type) of a message class's non-array fields, resolved once per class."""
+    if cls not in _SCALARS:
+        hints = typing.get_type_hints(cls)
+        arrays = {n for n, _ in cls._vectors}
+        _SCALARS[cls] = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls)
+                              if f.name not in arrays)
+    return _SCALARS[cls]
 
 
 def _frozen_vector(name: str, value: object, dtype: type) -> np.ndarray:
@@ -61,12 +125,13 @@ class Message:
     _vectors: ClassVar[tuple[tuple[str, type], ...]] = ()
 
     def __post_init__(self) -> None:
+        # Every scalar is checked for type and range before the message can exist, so no
+        # role ever sees a float round, a negative count or an id with a wildcard in it.
+        for name, hint in _scalar_fields(type(self)):
+            object.__setattr__(self, name,
+                               _check_scalar(type(self), name, hint, getattr(self, name)))
         if self.version != PROTOCOL_VERSION:
             raise MessageError("version", f"protocol version {self.version} unsupported")
-        if not self.fleet or not self.sender:
-            raise MessageError("header", "fleet and sender must be non-empty")
-        if self.round < 0 or self.iteration < 0:
-            raise MessageError("header", "round and iteration must be >= 0")
         for name, dtype in self._vectors:
             object.__setattr__(self, name, _frozen_vector(name, getattr(self, name), dtype))
 
@@ -159,6 +224,20 @@ class Presence(Message):
         super().__post_init__()
         if self.role not in ("cloud", "station", "dev"):
             raise MessageError("header", f"presence role {self.role!r} unknown")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refusal(Message):
+    """Transport -> role, never on the wire: a frame on ``sender``'s topic was refused.
+
+    The broker's ACL ties a topic to its participant, so the topic names who sent a
+    frame even when the frame itself is garbage; a station counts the refusal as that
+    member's answer instead of waiting out the deadline for it.
+    """
+
+    reason: str
+    role: str  # "dev" or "station": the topic level the refused frame came in under
+    leaf: str  # the last topic level: "update", "stats", ...
 
 
 def payload_nbytes(message: Message) -> int:

@@ -3,9 +3,10 @@
 QoS 1 with persistent sessions, MQTT 5 where the broker speaks it (else 3.1.1),
 reconnects with jittered exponential backoff inside the transport, a retained
 presence per participant with a Last Will saying offline, and the wire codec
-with chunking.  Inbound frames are queued by paho's network thread and decoded
-in :meth:`deliver` on the caller's thread, so roles stay single-threaded.
-Every rejected frame is logged once and counted by reason; none stops the service.
+with chunking.  Inbound frames are queued by paho's network thread and admitted
+(:class:`~edge_client.admission.Admission`) in :meth:`deliver` on the caller's
+thread, so roles stay single-threaded.  No frame and no handler error stops the
+service: each is counted by reason.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import random
 import socket
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 
 import paho.mqtt.client as paho
@@ -26,9 +27,10 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from . import messages as m
-from .codec import Reassembler, decode, encode, is_chunk, split
+from .admission import Admission
+from .codec import encode, split
 from .config import BrokerConfig
-from .errors import MessageError, SaflError
+from .errors import SaflError
 from .tls import check_pair
 from .topics import global_model_topic, matches, topic_for
 
@@ -63,11 +65,13 @@ class MqttTransport:
         Frames of another fleet or model layout are refused.
     presence : Presence, optional
         This participant's online status; its offline twin becomes the Last Will.
+    num_params : int
+        Length of every weights vector admitted (0: not checked).
     """
 
     def __init__(self, config: BrokerConfig, *, client_id: str, fleet: str,
                  layout_hash: str = "", presence: m.Presence | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 num_params: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         if config.cert:
             check_pair(config.ca, config.cert, config.key)  # refuse bad files before connecting
         self.config, self.client_id, self.fleet = config, client_id, fleet
@@ -75,10 +79,11 @@ class MqttTransport:
         self.counters: Counter[str] = Counter()
         self._subs: list[tuple[str, Handler]] = []
         self._inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
-        self._seen: OrderedDict[bytes, None] = OrderedDict()
-        self._reassembler = Reassembler(max_size=config.max_message,
-                                        memory_cap=config.reassembly_memory,
-                                        timeout=config.chunk_timeout)
+        self.admission = Admission(fleet=fleet, layout_hash=layout_hash, num_params=num_params,
+                                   max_message=config.max_message,
+                                   reassembly_memory=config.reassembly_memory,
+                                   chunk_timeout=config.chunk_timeout, owner=client_id,
+                                   counters=self.counters)
         self._connected = threading.Event()
         self._arrived = threading.Event()
         self._stop = threading.Event()
@@ -244,23 +249,17 @@ class MqttTransport:
                                                retain=True)
 
     def deliver(self) -> int:
-        """Decode queued frames and call their handlers; returns how many were delivered."""
+        """Admit queued frames and call their handlers; returns how many were delivered."""
         delivered = 0
         self._arrived.clear()
         now = self.clock()
-        self._reassembler.expire(now)
+        self.admission.expire(now)
         while True:
             try:
                 topic, payload = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            self.counters["bytes_in"] += len(payload)
-            try:
-                message = self._accept(topic, payload, now)
-            except MessageError as exc:
-                self.counters[f"rejected.{exc.reason}"] += 1
-                log.warning("%s rejected a frame on %s: %s", self.client_id, topic, exc)
-                continue
+            message = self.admission.admit(topic, payload, now)
             if message is None:
                 continue
             for topic_filter, handler in list(self._subs):
@@ -268,40 +267,10 @@ class MqttTransport:
                     try:
                         handler(topic, message)
                     except Exception:  # a handler bug must not stop the service
-                        self.counters["handler_errors"] += 1
+                        self.counters["rejected.internal"] += 1
                         log.exception("handler failed on %s", topic)
             delivered += 1
-        for key, value in self._reassembler.counters.items():
-            self.counters[key] = value
         return delivered
-
-    def _accept(self, topic: str, payload: bytes, now: float) -> m.Message | None:
-        if topic.endswith(("/manifest", "/summary")):
-            return None
-        if is_chunk(payload):
-            payload = self._reassembler.add(topic, payload, now)
-            if payload is None:
-                return None
-        frame = decode(payload, max_size=self.config.max_message)
-        msg = frame.message
-        if msg.fleet != self.fleet:
-            raise MessageError("wrong_fleet", f"fleet {msg.fleet!r}")
-        if self.layout_hash and frame.layout_hash and frame.layout_hash != self.layout_hash:
-            raise MessageError("wrong_layout", f"layout {frame.layout_hash}, expected "
-                               f"{self.layout_hash}")
-        if topic_for(msg) != topic:
-            # The ACL confines each client to its own topics; a sender field that disagrees
-            # with the topic is an impersonation attempt.
-            raise MessageError("topic_mismatch", f"{type(msg).__name__} from {msg.sender!r} "
-                               f"on {topic}")
-        if frame.message_id in self._seen:
-            self.counters["duplicates"] += 1
-            return None
-        self._seen[frame.message_id] = None
-        while len(self._seen) > 8192:
-            self._seen.popitem(last=False)
-        self.counters["messages_in"] += 1
-        return msg
 
     def close(self) -> None:
         """Flush what was published, say offline (retained), disconnect, stop the thread."""

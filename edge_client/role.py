@@ -1,7 +1,8 @@
 """What every role (device, station, cloud) shares: the protocol and rejection counting.
 
-A role never raises on bad input: it logs one line, counts it under
-``rejected.<reason>`` and leaves its accepted state untouched.
+A role never raises on bad input: it counts it under ``rejected.<reason>``, logs
+it at most once a minute per sender and reason, and leaves its accepted state
+untouched.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections import Counter
 from typing import Protocol
 
 from . import messages as m
+from .admission import LogLimiter
 from .errors import SaflError
 
 __all__ = ["Role", "RoleBase"]
@@ -28,6 +30,8 @@ class RoleBase:
 
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
+        self._limiter = LogLimiter()
+        self._sender = ""  # of the message being handled, for rate-limited logging
 
     @property
     def id(self) -> str:
@@ -41,17 +45,19 @@ class RoleBase:
 
     def handle(self, message: m.Message, now: float) -> list[m.Message]:
         """React to one message; bad input is counted and dropped, never raised."""
+        self._sender = message.sender
         try:
             return self._handle(message, now)
         except SaflError as exc:
-            return self._reject(type(exc).__name__, str(exc))
+            return self._reject(getattr(exc, "reason", type(exc).__name__), str(exc))
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         raise NotImplementedError
 
     def _reject(self, reason: str, detail: str) -> list[m.Message]:
         self.counters[f"rejected.{reason}"] += 1
-        logging.getLogger(type(self).__module__).warning(
-            "%s %s dropped a message (%s): %s", type(self).__name__.lower(), self.id, reason,
-            detail)
+        if self._limiter.allow(self._sender, reason):
+            logging.getLogger(type(self).__module__).warning(
+                "%s %s dropped a message from %s (%s): %s", type(self).__name__.lower(),
+                self.id, self._sender or "?", reason, detail)
         return []

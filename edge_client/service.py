@@ -80,7 +80,11 @@ def serve(role: Role, transport: Transport, *, stop: StopFlag,
             busy = transport.deliver()
             runner.tick()
             for hook in hooks:
-                hook(runner, clock())
+                try:
+                    hook(runner, clock())
+                except Exception:  # feeding or reporting failed once: count it, keep serving
+                    runner.count_error("errors.tick")
+                    log.exception("a service hook failed")
             if not busy:
                 wait = getattr(transport, "wait", None)  # wake as soon as a frame arrives
                 wait(idle_sleep) if wait else time.sleep(idle_sleep)
@@ -118,7 +122,8 @@ def role_transport(broker: BrokerConfig, *, fleet: str, role: str, participant: 
     presence = m.Presence(fleet=fleet, sender=participant, round=0, iteration=0, role=role,
                           online=True)
     return MqttTransport(broker, client_id=client_id or participant, fleet=fleet,
-                         layout_hash=layout_hash(trainer.layout), presence=presence)
+                         layout_hash=layout_hash(trainer.layout), presence=presence,
+                         num_params=trainer.num_params)
 
 
 def with_metrics(config: ServiceConfig, role: str, collect) -> MetricsServer | None:

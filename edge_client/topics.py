@@ -17,6 +17,7 @@ __all__ = [
     "station_model_topic",
     "global_model_topic",
     "status_topic",
+    "participant_of",
 ]
 
 
@@ -43,6 +44,8 @@ def topic_for(message: m.Message) -> str:
         return global_model_topic(message.fleet)
     if isinstance(message, m.Presence):
         return status_topic(message.fleet, message.role, message.sender)
+    if isinstance(message, m.Refusal):  # delivered locally where the refused frame came in
+        return f"{root}/{message.role}/{message.sender}/{message.leaf}"
     raise TypeError(f"no topic for {type(message).__name__}")
 
 
@@ -64,8 +67,10 @@ def status_topic(fleet: str, role: str, participant: str) -> str:
 
 
 def device_topics(fleet: str, station: str) -> list[str]:
-    """What a device of ``station`` subscribes to."""
-    return [station_model_topic(fleet, station), f"{_root(fleet)}/station/{station}/select"]
+    """What a device of ``station`` subscribes to (its presence too: a station that comes
+    back online is asking for stats)."""
+    return [station_model_topic(fleet, station), f"{_root(fleet)}/station/{station}/select",
+            status_topic(fleet, "station", station)]
 
 
 def station_topics(fleet: str, devices: list[str] | tuple[str, ...]) -> list[str]:
@@ -77,7 +82,7 @@ def station_topics(fleet: str, devices: list[str] | tuple[str, ...]) -> list[str
     """
     root = _root(fleet)
     return [f"{root}/dev/+/stats", f"{root}/dev/+/status", global_model_topic(fleet),
-            *(f"{root}/dev/{d}/update" for d in devices)]
+            status_topic(fleet, "cloud", "cloud"), *(f"{root}/dev/{d}/update" for d in devices)]
 
 
 def cloud_topics(fleet: str) -> list[str]:
@@ -95,3 +100,16 @@ def matches(topic_filter: str, topic: str) -> bool:
         if i >= len(tparts) or (part != "+" and part != tparts[i]):
             return False
     return len(fparts) == len(tparts)
+
+
+def participant_of(topic: str, fleet: str) -> tuple[str, str, str] | None:
+    """``(role, id, leaf)`` of a participant's own topic in ``fleet``, else None.
+
+    The broker's ACL lets only that participant write there, so the topic names the
+    sender of a frame even when the frame cannot be decoded.
+    """
+    parts = topic.split("/")
+    if len(parts) == 5 and parts[0] == "safl" and parts[1] == fleet \
+            and parts[2] in ("dev", "station") and m.is_id(parts[3]):
+        return parts[2], parts[3], parts[4]
+    return None

@@ -103,7 +103,20 @@ class RoleRunner:
         self.publish(self.role.start(self.clock()))
 
     def tick(self) -> None:
-        self.publish(self.role.tick(self.clock()))
+        """One tick of the role; an error in it is counted (``errors.tick``), never raised."""
+        try:
+            out = self.role.tick(self.clock())
+        except Exception:  # the last line: a service never exits because of one tick
+            self.count_error("errors.tick")
+            log.exception("%s failed in tick", type(self.role).__name__)
+            return
+        self.publish(out)
+
+    def count_error(self, key: str) -> None:
+        self.errors += 1
+        counters = getattr(self.role, "counters", None)
+        if counters is not None:
+            counters[key] += 1
 
     def publish(self, out: list[m.Message]) -> None:
         for message in out:
@@ -114,10 +127,10 @@ class RoleRunner:
     def _on_message(self, topic: str, message: m.Message) -> None:
         try:
             out = self.role.handle(message, self.clock())
-        except SaflError as exc:
+        except Exception:
             # Roles count their own rejections; this is the last line that keeps a service up.
-            self.errors += 1
-            log.error("%s failed on %s from %s: %s", type(self.role).__name__,
-                      type(message).__name__, topic, exc)
+            self.count_error("rejected.internal")
+            log.exception("%s failed on %s from %s", type(self.role).__name__,
+                          type(message).__name__, topic)
             return
         self.publish(out)

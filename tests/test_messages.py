@@ -38,9 +38,16 @@ def test_source_array_changes_do_not_leak_into_a_message():
     (dict(weights=np.array([1.0, np.nan])), "non_finite"),
     (dict(weights=np.array([1.0, np.inf])), "non_finite"),
     (dict(weights=np.ones((2, 2))), "wrong_shape"),
-    (dict(fleet=""), "header"),
-    (dict(iteration=-1), "header"),
+    (dict(fleet=""), "bad_id"),
+    (dict(iteration=-1), "out_of_range"),
     (dict(version=99), "version"),
+    (dict(round=1.0), "bad_field"),
+    (dict(round=2**53), "out_of_range"),
+    (dict(num_samples=True), "bad_field"),
+    (dict(num_samples=-1), "out_of_range"),
+    (dict(sender="a/b"), "bad_id"),
+    (dict(sender="+"), "bad_id"),
+    (dict(station=7), "bad_id"),
 ])
 def test_malformed_messages_are_refused_with_a_reason(kw, reason):
     with pytest.raises(MessageError) as err:
