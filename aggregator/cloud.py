@@ -5,18 +5,26 @@ It waits for every station's label counts, broadcasts round 0 with
 stations' ``w^m`` (weighted by the samples they consumed, or equally as in the
 FedGS reference code), applies the server optimiser and broadcasts the next
 global model, marked ``final`` after ``R`` rounds.  Transport-free.
+
+A station's sample count is a claim: over the run, a station cannot have trained on
+more samples than its devices saw, so its cumulative count is clipped to its reported
+seen total.  ``snapshot``/``restore`` let the service resume after a crash; when a
+station's presence comes back, the cloud repeats the current global model to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from edge_client import messages as m
+from edge_client.errors import ShapeError
 from edge_client.role import RoleBase
 from edge_client.topics import cloud_topics
 
 from .config import CloudConfig
-from .fusion import build_server_optimizer, fedavg
+from .fusion import FUSION_RULES, build_server_optimizer
 
 __all__ = ["Cloud", "CLOUD_ID"]
 
@@ -41,6 +49,7 @@ class Cloud(RoleBase):
         self.deadline = float("inf")
         self._counts: dict[str, np.ndarray] = {}
         self._updates: dict[str, m.StationUpdate] = {}
+        self._consumed: dict[str, int] = {}  # samples each station claimed over the run
         self.offline: set[str] = set()
 
     @property
@@ -58,6 +67,36 @@ class Cloud(RoleBase):
             return np.full(self.num_classes, 1.0 / self.num_classes)
         return total / total.sum()
 
+    def start(self, now: float) -> list[m.Message]:
+        """A cloud resumed from a checkpoint repeats its current global model."""
+        if self.state == "joining":
+            return []
+        self.deadline = now + self.config.round_timeout
+        return [self._global_model()]
+
+    def snapshot(self) -> tuple[dict[str, np.ndarray], dict]:
+        """Arrays and scalars that :meth:`restore` needs to continue bit for bit."""
+        arrays = {"weights": self.weights,
+                  **{f"opt_{k}": v for k, v in self.optimizer.state().items()},
+                  **{f"counts_{s}": c for s, c in self._counts.items()}}
+        meta = {"role": "cloud", "state": self.state, "round": self.round,
+                "iteration": self.iteration, "consumed": self._consumed,
+                "counters": dict(self.counters)}
+        return arrays, meta
+
+    def restore(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
+        """Continue from a :meth:`snapshot` taken when a round was broadcast."""
+        if meta.get("role") != "cloud" or arrays["weights"].shape != self.weights.shape:
+            raise ShapeError("the checkpoint is not this cloud's (role or model size differ)")
+        self.weights = np.array(arrays["weights"], dtype=np.float32)
+        self.optimizer.load_state({k[4:]: v for k, v in arrays.items() if k.startswith("opt_")})
+        self._counts = {k[7:]: np.array(v) for k, v in arrays.items()
+                        if k.startswith("counts_") and k[7:] in self.config.stations}
+        self.state, self.round, self.iteration = meta["state"], meta["round"], meta["iteration"]
+        self._consumed = {k: int(v) for k, v in meta["consumed"].items()}
+        self.counters.update(meta["counters"])
+        self._updates = {}
+
     def tick(self, now: float) -> list[m.Message]:
         """Close the round at its deadline if a quorum of stations reported."""
         if self.state == "collecting" and now >= self.deadline:
@@ -73,6 +112,8 @@ class Cloud(RoleBase):
             return self._reject("wrong_fleet", f"fleet {message.fleet!r}")
         if isinstance(message, m.Presence):
             return self._on_presence(message, now)
+        if isinstance(message, m.Refusal):
+            return []  # counted by the transport; the station repeats its upload on presence
         if not isinstance(message, (m.StationStats, m.StationUpdate)):
             return self._reject("unexpected_type", type(message).__name__)
         if message.sender not in self.config.stations:
@@ -92,16 +133,33 @@ class Cloud(RoleBase):
         if message.sender in self._updates:
             self.counters["duplicates"] += 1
             return []
-        self._updates[message.sender] = message
         self._counts[message.sender] = np.array(message.seen_counts)
+        self._updates[message.sender] = self._plausible_count(message)
         self.offline.discard(message.sender)
         if all(s in self._updates or s in self.offline for s in self.config.stations):
             return self._close_round(now)
         return []
 
+    def _plausible_count(self, msg: m.StationUpdate) -> m.StationUpdate:
+        """Clip a station's claimed samples to what its devices can have seen."""
+        before = self._consumed.get(msg.sender, 0)
+        room = max(0, int(msg.seen_counts.sum()) - before)
+        if msg.num_samples > room:
+            self.counters["clipped.station_samples"] += 1
+            msg = dataclasses.replace(msg, num_samples=room)
+        self._consumed[msg.sender] = before + msg.num_samples
+        return msg
+
     def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
-        if msg.role != "station" or msg.sender not in self.config.stations or msg.online:
+        if msg.role != "station" or msg.sender not in self.config.stations:
             return []
+        if msg.online:
+            self.offline.discard(msg.sender)
+            if self.state == "joining" or msg.sender in self._updates:
+                return []
+            # A (re)started station may have missed this round's model: repeat it.
+            self.counters["rebroadcasts"] += 1
+            return [self._global_model()]
         self.offline.add(msg.sender)
         self.counters["stations_offline"] += 1
         waiting = [s for s in self.config.stations
@@ -116,8 +174,8 @@ class Cloud(RoleBase):
         if ups:
             # A round in which no station consumed data still averages, equally.
             equal = self.config.station_weighting == "equal" or not any(u.num_samples for u in ups)
-            fused = fedavg([u.weights for u in ups],
-                           [1.0 if equal else u.num_samples for u in ups])
+            fused = FUSION_RULES[self.config.fusion](
+                [u.weights for u in ups], [1.0 if equal else u.num_samples for u in ups])
             self.weights = self.optimizer.step(self.weights, fused)
             self.iteration = max(u.iteration for u in ups)
         self._updates = {}
@@ -128,6 +186,9 @@ class Cloud(RoleBase):
         final = self.round >= self.config.rounds
         self.state = "done" if final else "collecting"
         self.deadline = now + self.config.round_timeout
-        return [m.GlobalModel(fleet=self.config.fleet, sender=CLOUD_ID, round=self.round,
-                              iteration=self.iteration, weights=self.weights,
-                              p_real=self.p_real, final=final)]
+        return [self._global_model()]
+
+    def _global_model(self) -> m.GlobalModel:
+        return m.GlobalModel(fleet=self.config.fleet, sender=CLOUD_ID, round=self.round,
+                             iteration=self.iteration, weights=self.weights,
+                             p_real=self.p_real, final=self.state == "done")

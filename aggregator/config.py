@@ -41,6 +41,24 @@ class StationConfig:
     gbp_max_iter: int = 100
     seed: int = 0  # of the random part of each super node
     hello_interval: float = 2.0  # seconds between join repeats until the cloud answers
+    # What the station knows of its devices' settings; an update may claim at most
+    # local_steps x batch_size samples, a next-batch histogram at most batch_size.
+    batch_size: int = 32
+    local_steps: int = 1
+    lr: float = 0.05
+    # Update-distance guard (docs/reliability.md): a fixed bound on ||z - w^m||, or (0) an
+    # adaptive one, update_norm_factor x the median accepted distance; before 8 updates,
+    # lr x local_steps x grad_norm_bound.  Both 0: off.
+    update_norm_bound: float = 0.0
+    update_norm_factor: float = 10.0
+    grad_norm_bound: float = 100.0
+    # Seen-count claims: growth per station iteration (and the most a device may claim while
+    # the roster's median is small), and the multiple of the roster's median it may reach.
+    max_seen_rate: int = 1024
+    seen_share: float = 4.0
+    # Share of the last share_window super nodes one device may sit in; 0: 1.5 L / roster.
+    max_selection_share: float = 0.0
+    share_window: int = 20
 
     def __post_init__(self) -> None:
         check_id("station_id", self.station_id)
@@ -54,6 +72,19 @@ class StationConfig:
         check_range("gbp_max_iter", self.gbp_max_iter, 0)
         check_range("min_devices", self.min_devices, 0, len(self.devices))
         check_range("hello_interval", self.hello_interval, 0, low_open=True)
+        check_range("batch_size", self.batch_size, 1)
+        check_range("local_steps", self.local_steps, 1)
+        check_range("lr", self.lr, 0, low_open=True)
+        check_range("update_norm_bound", self.update_norm_bound, 0)
+        check_range("update_norm_factor", self.update_norm_factor, 0)
+        check_range("grad_norm_bound", self.grad_norm_bound, 0, low_open=True)
+        check_range("max_seen_rate", self.max_seen_rate, 1)
+        check_range("seen_share", self.seen_share, 1)
+        check_range("max_selection_share", self.max_selection_share, 0, 1)
+        check_range("share_window", self.share_window, 1)
+        if self.max_selection_share == 0:
+            object.__setattr__(self, "max_selection_share",
+                               min(1.0, 1.5 * self.super_node_size / len(self.devices)))
         if self.min_devices == 0:
             object.__setattr__(self, "min_devices", len(self.devices))
         if self.selector not in SELECTORS:
@@ -72,6 +103,7 @@ class CloudConfig:
     round_timeout: float = 600.0
     min_stations: int = 1
     station_weighting: str = "samples"  # or "equal", as the FedGS reference code does
+    fusion: str = "fedavg"  # external sync rule; a robust one bounds a compromised station
     server_optimizer: str = "none"
     server_lr: float = 1.0
     beta1: float = 0.9
@@ -84,6 +116,8 @@ class CloudConfig:
         check_range("rounds", self.rounds, 1)
         check_range("round_timeout", self.round_timeout, 0, low_open=True)
         check_range("min_stations", self.min_stations, 1, len(self.stations))
+        if self.fusion not in FUSION_RULES:
+            raise ConfigError("fusion", f"must be one of {sorted(FUSION_RULES)}")
         if self.station_weighting not in ("samples", "equal"):
             raise ConfigError("station_weighting", "must be 'samples' or 'equal'")
         # The optimiser owns its checks (kind, lr, betas, tau): build one to run them.

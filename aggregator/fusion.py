@@ -17,8 +17,8 @@ import numpy as np
 from edge_client.config import check_range
 from edge_client.errors import ConfigError, ShapeError
 
-__all__ = ["FUSION_RULES", "SERVER_OPTIMIZERS", "fedavg", "ida", "ServerOptimizer",
-           "build_server_optimizer"]
+__all__ = ["FUSION_RULES", "SERVER_OPTIMIZERS", "fedavg", "ida", "median", "trimmed_mean",
+           "krum", "multi_krum", "ServerOptimizer", "build_server_optimizer"]
 
 # Keeps IDA's inverse distance finite for an update equal to the mean.
 IDA_GUARD = 1e-8
@@ -59,9 +59,65 @@ def ida(models: Sequence[np.ndarray], num_samples: Sequence[float]) -> np.ndarra
     return ((eta / eta.sum()) @ stack).astype(np.float32)
 
 
+# Byzantine-robust rules: one compromised participant must not move the fused model far.
+# They ignore the reported sample counts (a count is a claim), except Multi-Krum, which
+# weights the updates it keeps by their (station-verified) counts.
+TRIM_FRACTION = 0.2  # trimmed mean drops this share of values at each end (at least one)
+
+
+def median(models: Sequence[np.ndarray], num_samples: Sequence[float]) -> np.ndarray:
+    """Coordinate-wise median (Yin et al., "Byzantine-Robust Distributed Learning", ICML 2018)."""
+    stack, _ = _stack(models, num_samples)
+    return np.median(stack, axis=0).astype(np.float32)
+
+
+def trimmed_mean(models: Sequence[np.ndarray], num_samples: Sequence[float]) -> np.ndarray:
+    """Coordinate-wise mean after dropping the ``TRIM_FRACTION`` largest and smallest values
+    (Yin et al., 2018); with three or more models at least one is dropped at each end."""
+    stack, _ = _stack(models, num_samples)
+    n = len(stack)
+    k = max(1, int(TRIM_FRACTION * n)) if n >= 3 else 0
+    return np.sort(stack, axis=0)[k:n - k].mean(axis=0, dtype=np.float64).astype(np.float32)
+
+
+def _krum_scores(stack: np.ndarray) -> tuple[np.ndarray, int]:
+    """Krum scores: each model's summed squared distance to its ``n - f - 2`` nearest others,
+    with ``f = (n - 3) // 2`` the most Byzantine models Krum tolerates among ``n``."""
+    n = len(stack)
+    f = max(0, (n - 3) // 2)
+    s64 = stack.astype(np.float64)
+    sq = (s64 * s64).sum(axis=1)
+    dist = np.maximum(sq[:, None] + sq[None, :] - 2.0 * (s64 @ s64.T), 0.0)
+    np.fill_diagonal(dist, np.inf)
+    k = max(1, n - f - 2)
+    nearest = np.sort(dist, axis=1)[:, :min(k, n - 1)] if n > 1 else np.zeros((1, 1))
+    return nearest.sum(axis=1), f
+
+
+def krum(models: Sequence[np.ndarray], num_samples: Sequence[float]) -> np.ndarray:
+    """The one model closest to its neighbours (Blanchard et al., "Machine Learning with
+    Adversaries: Byzantine Tolerant Gradient Descent", NeurIPS 2017)."""
+    stack, _ = _stack(models, num_samples)
+    scores, _ = _krum_scores(stack)
+    return stack[int(np.argmin(scores))].copy()
+
+
+def multi_krum(models: Sequence[np.ndarray], num_samples: Sequence[float]) -> np.ndarray:
+    """FedAvg over the ``n - f`` best Krum scores (Blanchard et al., 2017; El Mhamdi et al.,
+    2018)."""
+    stack, w = _stack(models, num_samples)
+    scores, f = _krum_scores(stack)
+    keep = np.argsort(scores, kind="stable")[:len(stack) - f]
+    return fedavg(stack[keep], w[keep] if w[keep].sum() > 0 else np.ones(len(keep)))
+
+
 FUSION_RULES: dict[str, Callable[[Sequence[np.ndarray], Sequence[float]], np.ndarray]] = {
     "fedavg": fedavg,
     "ida": ida,
+    "median": median,
+    "trimmed_mean": trimmed_mean,
+    "krum": krum,
+    "multi_krum": multi_krum,
 }
 
 
@@ -91,6 +147,15 @@ class ServerOptimizer:
         check_range("tau", self.tau, 0, low_open=True)
         self._m: np.ndarray | None = None
         self._v: np.ndarray | None = None
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The moments, for a checkpoint (empty before the first step)."""
+        return {} if self._m is None else {"m": self._m, "v": self._v}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        if state:
+            self._m = np.array(state["m"], dtype=np.float64)
+            self._v = np.array(state["v"], dtype=np.float64)
 
     def step(self, current: np.ndarray, fused: np.ndarray) -> np.ndarray:
         """Return the next global model; ``current`` and ``fused`` are left untouched."""

@@ -7,6 +7,7 @@ iterations pass, and records the global model's test accuracy each round.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from edge_client import messages as m
+from edge_client.admission import Admission
 from edge_client.config import DeviceConfig, from_mapping
 from edge_client.device import Device
 from edge_client.errors import SaflError
@@ -23,6 +25,7 @@ from edge_client.topics import global_model_topic, station_model_topic
 from edge_client.trainers import build_trainer, layout_hash
 from edge_client.transport import LocalBus, RoleRunner
 
+from .attacks import install
 from .cloud import Cloud
 from .config import CloudConfig, StationConfig
 from .datasets import Dataset
@@ -63,6 +66,9 @@ class FleetSpec:
     # Devices of one backend share one trainer: a device's model lives in its flat vectors,
     # the trainer is only compute.  Memory per simulated device then excludes the model.
     share_trainers: bool = False
+    # Compromised devices (by number) and what they send (aggregator.attacks.ATTACKS).
+    attack: str = "none"
+    attackers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -100,6 +106,9 @@ class FleetPlan:
     replay_seeds: list[int]
 
 
+_DEVICE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DeviceConfig)}
+
+
 def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
     """Ids, rosters and integer seeds of a fleet: one source of truth for sim and processes."""
     n_dev = len(spec.partitions)
@@ -111,9 +120,14 @@ def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
     cloud = {"fleet": fleet, "stations": tuple(station_ids), "rounds": spec.rounds,
              **strategy.cloud}
     stations, devices, replay = [], [], [0] * n_dev
+    # The station bounds its devices' claims by their settings, so it is told them.
+    device_values = {"lr": spec.lr, **strategy.device}
+    known = {k: device_values.get(k, _DEVICE_DEFAULTS[k])
+             for k in ("batch_size", "local_steps", "lr")}
     for g, (sid, members) in enumerate(zip(station_ids, groups, strict=True)):
         stations.append({"fleet": fleet, "station_id": sid, "seed": seeds[-1 - g],
-                         "devices": tuple(_device_id(k) for k in members), **strategy.station})
+                         "devices": tuple(_device_id(k) for k in members), **known,
+                         **strategy.station})
         for k in members:
             devices.append({"device_id": _device_id(k), "station": sid, "lr": spec.lr,
                             "seed": seeds[3 * k], **strategy.device, "fleet": fleet,
@@ -152,6 +166,7 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         runners.append(RoleRunner(station, bus, _SIM_CLOCK))
 
     devices: list[tuple[Device, ReplaySource, RoleRunner]] = []
+    admissions: list[Admission] = []
     shared: dict[str, Any] = {}
     for values in plan.devices:
         cfg = from_mapping(DeviceConfig, _public(values))
@@ -166,7 +181,15 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         source = ReplaySource(data.x_train[idx], data.y_train[idx],
                               np.random.default_rng(plan.replay_seeds[k]))
         dev.buffer.push(*source.read(spec.initial_samples))
-        devices.append((dev, source, RoleRunner(dev, bus, _SIM_CLOCK)))
+        runner = RoleRunner(dev, bus, _SIM_CLOCK)
+        if k in spec.attackers and spec.attack != "none":
+            # What the station's transport does with a forged frame (counted with the roles).
+            admission = Admission(fleet=fleet, layout_hash=federation_layout,
+                                  num_params=evaluator.num_params, max_message=1 << 30,
+                                  reassembly_memory=1 << 30, chunk_timeout=60.0)
+            install(runner, spec.attack, admission, bus)
+            admissions.append(admission)
+        devices.append((dev, source, runner))
 
     by_station: dict[str, list[tuple[Device, ReplaySource, RoleRunner]]] = {}
     for entry in devices:
@@ -207,7 +230,8 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         raise SaflError(f"federation stalled in round {cloud.round} (cloud {cloud.state}); "
                         f"station states {[r.role.state for r in runners[1:]]}")
     counters: dict[str, int] = {}
-    for role in [cloud, *(r.role for r in runners[1:]), *(d for d, _, _ in devices)]:
+    for role in [cloud, *(r.role for r in runners[1:]), *(d for d, _, _ in devices),
+                 *admissions]:
         for key, value in role.counters.items():
             counters[key] = counters.get(key, 0) + value
     return RunResult(strategy.name, rows, counters, time.perf_counter() - started)

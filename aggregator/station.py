@@ -6,21 +6,30 @@ at random, the rest by the configured selector, GBP-CS by default, against
 ``w^m = sum_k (n_k / n) z_k`` (internal synchronisation).  Every ``T``
 iterations it uploads ``w^m`` to the cloud and waits for the global model
 (external synchronisation).  Replies past the deadline are dropped and counted.
+
+Every report is a claim (:mod:`aggregator.trust`): an update's sample count and its
+distance from ``w^m`` are bounded, histograms must fit the batch, seen counts may
+grow only so fast, and a device's seats in recent super nodes are capped.  A refused
+reply counts as that member's answer.  ``snapshot``/``restore`` let the service
+resume after a crash; the cloud's and each device's presence drive re-announcement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 
 from edge_client import messages as m
+from edge_client.errors import ShapeError
 from edge_client.role import RoleBase
 from edge_client.topics import station_topics
 
 from .config import StationConfig
 from .fusion import FUSION_RULES
 from .selection import SELECTORS
+from .trust import NormGuard, ShareCap, bound_seen_counts
 
 __all__ = ["Station"]
 
@@ -31,7 +40,9 @@ class Station(RoleBase):
     """Base station ``m`` (one factory).
 
     States: ``joining`` (waiting for every device's first stats), ``waiting``
-    (for the global model), ``collecting`` (replies of a super node), ``done``.
+    (for the global model), ``collecting`` (replies of a super node), ``starved``
+    (fewer devices online than the quorum: it waits, up to ``iteration_timeout``,
+    instead of closing iterations without training), ``done``.
     """
 
     def __init__(self, config: StationConfig, *, num_params: int, num_classes: int,
@@ -51,8 +62,13 @@ class Station(RoleBase):
         self.members: tuple[str, ...] = ()
         self.deadline = 0.0
         self._next_hello = 0.0
-        self._replies: dict[str, m.DeviceUpdate | m.SkipNotice] = {}
+        self._replies: dict[str, m.Message] = {}  # DeviceUpdate, SkipNotice or Refusal
         self._consumed = 0
+        self._upload: m.StationUpdate | None = None  # sent, not yet answered by a global model
+        self._seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
+        self.guard = NormGuard(bound=config.update_norm_bound, factor=config.update_norm_factor,
+                               initial=config.lr * config.local_steps * config.grad_norm_bound)
+        self.share = ShareCap(config.share_window, config.max_selection_share)
 
     @property
     def id(self) -> str:
@@ -66,12 +82,71 @@ class Station(RoleBase):
     def subscriptions(self) -> list[str]:
         return station_topics(self.config.fleet, self.config.devices)
 
+    def start(self, now: float) -> list[m.Message]:
+        """A station resumed from a checkpoint repeats its upload or begins the iteration."""
+        if self.state == "waiting" and self.weights is not None:
+            return self._reannounce()
+        if self.state in ("collecting", "starved"):
+            self.state = "resuming"
+            return self._begin_iteration(now)
+        return []
+
+    def snapshot(self) -> tuple[dict[str, np.ndarray], dict]:
+        """Arrays and scalars that :meth:`restore` needs; taken at round boundaries."""
+        arrays: dict[str, np.ndarray] = {}
+        if self.weights is not None:
+            arrays["weights"] = self.weights
+        if self.p_real is not None:
+            arrays["p_real"] = self.p_real
+        for d, st in self.stats.items():
+            arrays[f"seen_{d}"], arrays[f"next_{d}"] = st.seen_counts, st.next_batch_counts
+        meta = {"role": "station", "id": self.id, "state": self.state, "round": self.round,
+                "iteration": self.iteration, "consumed": self._consumed,
+                "upload_samples": None if self._upload is None else self._upload.num_samples,
+                "seen_at": self._seen_at, "norms": self.guard.state(),
+                "recent": self.share.state(), "rng": self.rng.bit_generator.state,
+                "counters": dict(self.counters)}
+        return arrays, meta
+
+    def restore(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
+        """Continue from a :meth:`snapshot`; call :meth:`start` next."""
+        if meta.get("role") != "station" or meta.get("id") != self.id:
+            raise ShapeError("the checkpoint is not this station's")
+        if "weights" in arrays and arrays["weights"].size != self.num_params:
+            raise ShapeError("the checkpoint's model has another size")
+        cfg = self.config
+        self.weights = np.array(arrays["weights"]) if "weights" in arrays else None
+        self.p_real = np.array(arrays["p_real"]) if "p_real" in arrays else None
+        for d in cfg.devices:
+            if f"seen_{d}" in arrays:
+                self.stats[d] = m.DeviceStats(fleet=cfg.fleet, sender=d, round=0, iteration=0,
+                                              station=self.id, seen_counts=arrays[f"seen_{d}"],
+                                              next_batch_counts=arrays[f"next_{d}"])
+        self.state, self.round, self.iteration = meta["state"], meta["round"], meta["iteration"]
+        self._consumed = int(meta["consumed"])
+        self._seen_at = {d: int(i) for d, i in meta["seen_at"].items() if d in cfg.devices}
+        self.guard.restore(meta["norms"])
+        self.share.restore(meta["recent"])
+        self.rng.bit_generator.state = meta["rng"]
+        self.counters.update(meta["counters"])
+        if self.state == "waiting" and meta["upload_samples"] is not None:
+            self._upload = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
+                                           iteration=self.iteration, weights=self.weights,
+                                           num_samples=meta["upload_samples"],
+                                           seen_counts=self._seen_counts())
+
     def tick(self, now: float) -> list[m.Message]:
         """Close the iteration at its deadline; repeat the join until the cloud answers."""
         if self.state == "waiting" and self.weights is None and now >= self._next_hello:
             self._next_hello = now + self.config.hello_interval
             self.counters["hellos"] += 1
             return [self._station_stats()]
+        if self.state == "starved" and now >= self.deadline:
+            self.counters["iterations_without_data"] += 1
+            log.warning("station %s: iteration %d closes untrained, %d devices online < quorum "
+                        "%d", self.id, self.iteration, self.online_devices, self.config.min_quorum)
+            self.members, self._replies = (), {}
+            return self._close_iteration(now)
         if self.state == "collecting" and now >= self.deadline:
             missing = len(self.members) - len(self._replies)
             self.counters["replies_missed"] += missing
@@ -88,6 +163,8 @@ class Station(RoleBase):
             return self._on_global(message, now)
         if isinstance(message, m.Presence):
             return self._on_presence(message, now)
+        if isinstance(message, m.Refusal):
+            return self._on_refusal(message, now)
         if not isinstance(message, (m.DeviceStats, m.DeviceUpdate, m.SkipNotice)):
             return self._reject("unexpected_type", type(message).__name__)
         if message.station != self.id:
@@ -98,28 +175,75 @@ class Station(RoleBase):
             return self._on_stats(message, now)
         return self._on_reply(message, now)
 
+    def _on_refusal(self, msg: m.Refusal, now: float) -> list[m.Message]:
+        """The transport refused a member's frame: its answer for this iteration."""
+        if msg.role != "dev" or msg.leaf != "update" or self.state != "collecting" \
+                or msg.sender not in self.members or msg.sender in self._replies:
+            return []
+        return self._refused_reply(msg.sender, now)
+
+    def _refused_reply(self, device: str, now: float) -> list[m.Message]:
+        self._replies[device] = m.Refusal(fleet=self.config.fleet, sender=device, round=0,
+                                          iteration=0, reason="refused", role="dev",
+                                          leaf="update")
+        self.counters["refused_replies"] += 1
+        if self._awaited() == 0:
+            return self._close_iteration(now)
+        return []
+
     def _on_stats(self, msg: m.DeviceStats, now: float) -> list[m.Message]:
         if {msg.seen_counts.size, msg.next_batch_counts.size} != {self.num_classes}:
             return self._reject("wrong_length", f"histograms of width {msg.seen_counts.size}, "
                                 f"expected {self.num_classes}")
+        if msg.next_batch_counts.sum() > self.config.batch_size:
+            return self._reject("bad_histogram", f"next batch of {msg.next_batch_counts.sum()} "
+                                f"samples, the batch size is {self.config.batch_size}")
+        msg = self._plausible_seen(msg)
         joined = msg.sender not in self.stats or msg.sender in self.offline
         self.stats[msg.sender] = msg
+        self._seen_at[msg.sender] = self.iteration
         self.offline.discard(msg.sender)
         if self.state == "joining" and len(self.stats) >= self.config.min_devices:
             self.state = "waiting"
             self._next_hello = now + self.config.hello_interval
             return [self._station_stats()]
+        out: list[m.Message] = []
         if joined and self.weights is not None:
             # A late joiner gets the current model; it is selectable from now on.
             self.counters["late_joins"] += 1
-            return [self._model_message()]
-        return []
+            out.append(self._model_message())
+        if self.state == "starved" and self._ready_count() >= self.config.min_quorum:
+            out += self._begin_iteration(now)
+        return out
+
+    def _plausible_seen(self, msg: m.DeviceStats) -> m.DeviceStats:
+        """Seen counts bounded in growth and share (a claim of 10^15 samples must not decide
+        ``P_real``); the clipped counts are what the station keeps and sums."""
+        cfg = self.config
+        prev = self.stats.get(msg.sender)
+        elapsed = max(1, self.iteration - self._seen_at.get(msg.sender, self.iteration))
+        others = [int(s.seen_counts.sum()) for d, s in self.stats.items() if d != msg.sender]
+        counts, clipped = bound_seen_counts(
+            msg.seen_counts, int(prev.seen_counts.sum()) if prev else 0,
+            cfg.max_seen_rate * elapsed, others, cfg.seen_share, cfg.max_seen_rate)
+        if not clipped:
+            return msg
+        self.counters["clipped.seen_counts"] += 1
+        return dataclasses.replace(msg, seen_counts=counts)
 
     def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
+        if msg.role == "cloud" and msg.online:
+            return self._reannounce()
         if msg.role != "dev" or msg.sender not in self.config.devices:
             return []
         if msg.online:
-            return []  # selectable again from its next stats report
+            # Back after a Last Will (a broker restart fires them all): selectable again.
+            if msg.sender in self.offline:
+                self.offline.discard(msg.sender)
+                self.counters["devices_back_online"] += 1
+                if self.state == "starved" and self._ready_count() >= self.config.min_quorum:
+                    return self._begin_iteration(now)
+            return []
         self.offline.add(msg.sender)
         self.counters["devices_offline"] += 1
         if self.state == "collecting" and msg.sender in self.members \
@@ -142,12 +266,14 @@ class Station(RoleBase):
         if msg.sender in self._replies:
             self.counters["duplicates"] += 1
             return []
-        if isinstance(msg, m.DeviceUpdate) and msg.weights.size != self.num_params:
-            return self._reject("wrong_length", f"{msg.weights.size} weights, expected "
-                                f"{self.num_params}")
         if now > self.deadline:
             self.counters["late_replies"] += 1
             return []
+        if isinstance(msg, m.DeviceUpdate):
+            problem = self._implausible(msg)
+            if problem:
+                self._reject(*problem)
+                return self._refused_reply(msg.sender, now)
         self._replies[msg.sender] = msg
         kind = "updates" if isinstance(msg, m.DeviceUpdate) else "skips"
         self.counters[f"received_{kind}"] += 1
@@ -155,13 +281,32 @@ class Station(RoleBase):
             return self._close_iteration(now)
         return []
 
+    def _implausible(self, msg: m.DeviceUpdate) -> tuple[str, str] | None:
+        """Why an update cannot be fused (its counts and size are claims), or None."""
+        cfg = self.config
+        if msg.weights.size != self.num_params:
+            return "wrong_length", f"{msg.weights.size} weights, expected {self.num_params}"
+        most = cfg.local_steps * cfg.batch_size
+        if not 1 <= msg.num_samples <= most:
+            return "bad_count", (f"claims {msg.num_samples} samples; a device trains on 1.."
+                                 f"{most} (local_steps x batch_size) per iteration")
+        accepted, distance = self.guard.check(msg.weights, self.weights)
+        if not accepted:
+            return "update_norm", (f"moved the model {distance:.4g} from w^m, the bound is "
+                                   f"{self.guard.limit:.4g}")
+        return None
+
     def _on_global(self, msg: m.GlobalModel, now: float) -> list[m.Message]:
         if msg.sender != "cloud":
             return self._reject("unknown_sender", f"global model from {msg.sender!r}")
         if msg.weights.size != self.num_params or msg.p_real.size != self.num_classes:
             return self._reject("wrong_length", "global model or P_real of the wrong size")
         if self.weights is not None and msg.round <= self.round:
+            if msg.round == self.round:
+                self.counters["duplicates"] += 1  # repeated after a restart: applied already
+                return []
             return self._reject("stale_iteration", f"global round {msg.round} already applied")
+        self._upload = None
         self.weights = np.array(msg.weights)
         self.p_real = np.array(msg.p_real)
         self.round, self.iteration = msg.round, msg.iteration
@@ -170,10 +315,28 @@ class Station(RoleBase):
             return [self._model_message(final=True)]
         return self._begin_iteration(now)
 
+    def _ready(self) -> list[str]:
+        return [d for d in self.config.devices if d in self.stats and d not in self.offline
+                and self.stats[d].next_batch_counts.any()]
+
+    def _ready_count(self) -> int:
+        return len(self._ready())
+
     def _begin_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config
-        ready = [d for d in cfg.devices if d in self.stats and d not in self.offline
-                 and self.stats[d].next_batch_counts.any()]
+        ready = self._ready()
+        if len(ready) < cfg.min_quorum:
+            if self.state == "starved":
+                return []
+            log.warning("station %s: %d devices ready, quorum %d: waiting up to %.0f s",
+                        self.id, len(ready), cfg.min_quorum, cfg.iteration_timeout)
+            self.state, self.deadline = "starved", now + cfg.iteration_timeout
+            self.members, self._replies = (), {}
+            return [self._model_message()]  # devices that wake on a model report again
+        capped = [d for d in ready if self.share.eligible(d)]
+        if len(capped) < len(ready):
+            self.counters["selection_share_capped"] += len(ready) - len(capped)
+            ready = capped if len(capped) >= cfg.min_quorum else ready
         size = min(cfg.super_node_size, len(ready))
         hists = np.array([self.stats[d].next_batch_counts for d in ready], dtype=np.float64)
         n_random = min(cfg.rand_per_group, size)
@@ -182,6 +345,7 @@ class Station(RoleBase):
                                          size - n_random, fixed=fixed, rng=self.rng,
                                          max_iter=cfg.gbp_max_iter) if ready else []
         self.members = tuple(sorted(ready[i] for i in [*fixed, *picked]))
+        self.share.record(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
         self._replies = {}
         self.deadline = now + cfg.iteration_timeout
@@ -209,11 +373,19 @@ class Station(RoleBase):
         if self.iteration % cfg.sync_period:
             return self._begin_iteration(now)
         self.state = "waiting"
-        update = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
-                                 iteration=self.iteration, weights=self.weights,
-                                 num_samples=self._consumed, seen_counts=self._seen_counts())
+        self._upload = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
+                                       iteration=self.iteration, weights=self.weights,
+                                       num_samples=self._consumed,
+                                       seen_counts=self._seen_counts())
         self._consumed = 0
-        return [update]
+        return [self._upload]
+
+    def _reannounce(self) -> list[m.Message]:
+        """The cloud (re)appeared: tell it our counts, and repeat an unanswered upload."""
+        if self.state == "joining":
+            return []
+        self.counters["reannouncements"] += 1
+        return [self._station_stats(), *([self._upload] if self._upload is not None else [])]
 
     def _station_stats(self) -> m.StationStats:
         return m.StationStats(fleet=self.config.fleet, sender=self.id, round=0, iteration=0,

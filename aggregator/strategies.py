@@ -8,7 +8,8 @@ is one iteration in which ``L x M`` random devices take ``T`` local steps each.
 
 Papers: FedAvg (McMahan et al., 2017); FedProx (Li et al., 2020); FedAvgM (Hsu et al.,
 2019); FedAdagrad, FedAdam, FedYogi (Reddi et al., 2021); IDA (Yeganeh et al., 2020);
-SAFL (Gradual FL with Simulated Annealing); FedGS (Li et al., 2022).
+SAFL (Gradual FL with Simulated Annealing); FedGS (Li et al., 2022); coordinate-wise median
+and trimmed mean (Yin et al., 2018); Krum and Multi-Krum (Blanchard et al., 2017).
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ RECIPES: dict[str, Callable[[RecipeSettings], Strategy]] = {
     "fedadam": _adaptive("fedadam"),
     "fedyogi": _adaptive("fedyogi"),
     "ida": lambda s: _flat(s, station={"fusion": "ida"}),
+    # Byzantine-robust fusion at the station (aggregator/fusion.py cites each paper), and
+    # FedAvg with the update-distance guard off, to show what the guard prevents.
+    "median": lambda s: _flat(s, station={"fusion": "median"}),
+    "trimmed_mean": lambda s: _flat(s, station={"fusion": "trimmed_mean"}),
+    "krum": lambda s: _flat(s, station={"fusion": "krum"}),
+    "multi_krum": lambda s: _flat(s, station={"fusion": "multi_krum"}),
+    "fedavg_unguarded": lambda s: _flat(s, station={"update_norm_factor": 0.0}),
     "safl": lambda s: _flat(s, device=_safl(s, False, False)),
     "safl_gated": lambda s: _flat(s, device=_safl(s, False, True)),
     "safl_fedgs": lambda s: _hier(s, "gbp_cs", **_safl(s, True, True)),

@@ -105,7 +105,8 @@ class Admission:
         finally:
             self._sync()
 
-    def _refuse(self, topic: str, reason: str, detail: str, logged: bool = False) -> m.Message | None:
+    def _refuse(self, topic: str, reason: str, detail: str,
+                logged: bool = False) -> m.Message | None:
         self.counters[f"rejected.{reason}"] += 1
         who = participant_of(topic, self.fleet)
         if not logged and self.limiter.allow(who[1] if who else topic, reason):

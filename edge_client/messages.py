@@ -82,8 +82,9 @@ def _check_scalar(cls: type, name: str, hint: object, value: object) -> object:
                 and all(is_id(v) for v in value):
             return tuple(value)
         raise MessageError("bad_id", f"{cls.__name__}.{name} must be a list of ids")
-    raise MessageError("bad_field", f"{cls.__name__}.{name} must be {getattr(hint, '__name__', hint)}"
-                       f", got {type(value).__name__}")
+    kind = getattr(hint, "__name__", hint)
+    raise MessageError("bad_field", f"{cls.__name__}.{name} must be {kind}, got "
+                       f"{type(value).__name__}")
 
 
 _SCALARS: dict[type, tuple[tuple[str, object], ...]] = {}

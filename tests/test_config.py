@@ -48,7 +48,7 @@ def test_missing_file_is_a_config_error(tmp_path):
     (dict(super_node_size=5), "super_node_size"),  # more than the 3 devices it has
     (dict(rand_per_group=4), "rand_per_group"),
     (dict(selector="magic"), "selector"),
-    (dict(fusion="median"), "fusion"),
+    (dict(fusion="mean"), "fusion"),
     (dict(devices=("a", "a", "b")), "devices"),
     (dict(sync_period=0), "sync_period"),
 ])

@@ -6,7 +6,6 @@ reference, so equal accuracy shows the MQTT path runs the same code.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import signal
 import time
@@ -17,6 +16,7 @@ import pytest
 from brokers import Amqtt, Mosquitto, acl_lines, free_port
 from paho.mqtt.enums import CallbackAPIVersion
 
+from aggregator.attacks import forge_nan
 from aggregator.datasets import assign_groups, dirichlet_label_skew
 from aggregator.demo import demo_strategies
 from aggregator.launch import launch_fleet
@@ -116,15 +116,6 @@ def test_broker_refuses_wrong_password(tmp_path):
         server.stop()
 
 
-def _forge_nan(frame: bytes, n_weights: int) -> bytes:
-    """The frame with one weight set to NaN and its checksum recomputed."""
-    data = bytearray(frame)
-    start = len(data) - n_weights * 4
-    data[start:start + 4] = np.array([np.nan], np.float32).tobytes()
-    data[20:52] = hashlib.sha256(bytes(data[:20] + data[52:])).digest()
-    return bytes(data)
-
-
 @pytest.mark.slow
 def test_malformed_messages_are_counted_and_the_run_finishes(tmp_path, digits):
     spec = _spec(digits, rounds=16)
@@ -144,7 +135,7 @@ def test_malformed_messages_are_counted_and_the_run_finishes(tmp_path, digits):
         (encode(update(fleet="other")), "wrong_fleet"),
         (encode(update(), layout_hash="0123456789abcdef"), "wrong_layout"),
         (good[:100] + bytes([good[100] ^ 0xFF]) + good[101:], "bad_checksum"),
-        (_forge_nan(good, n), "non_finite"),
+        (forge_nan(good, n), "non_finite"),
         (good[:-7], "wrong_length"),
         (b"\x00" * (3 << 20), "oversize"),
         (encode(update(iteration=9999)), "stale_iteration"),
@@ -155,7 +146,7 @@ def test_malformed_messages_are_counted_and_the_run_finishes(tmp_path, digits):
                              next_batch_counts=np.ones(10, int))
     sent = []
 
-    def attack(procs) -> None:
+    def attack(running) -> None:
         if sent or not (tmp_path / "run" / "logs" / "cloud.log").exists():
             return
         if "round 1:" not in (tmp_path / "run" / "logs" / "cloud.log").read_text():
@@ -199,10 +190,9 @@ def test_a_killed_device_leaves_selection_through_its_last_will(tmp_path, digits
     server = _mosquitto(tmp_path, spec)
     killed = []
 
-    def kill(procs) -> None:
-        log = tmp_path / "run" / "logs" / "cloud.log"
-        if not killed and log.exists() and "round 1:" in log.read_text():
-            procs[victim].send_signal(signal.SIGKILL)
+    def kill(fleet) -> None:
+        if not killed and "round 1:" in fleet.cloud_log():
+            fleet.procs[victim].send_signal(signal.SIGKILL)
             killed.append(victim)
 
     try:

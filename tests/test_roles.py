@@ -91,7 +91,7 @@ def test_gated_devices_are_counted_not_waited_for(digits):
 def _station(n=3, **kw):
     cfg = StationConfig(fleet="t", station_id="s", devices=tuple(f"d{k}" for k in range(n)),
                         **{"super_node_size": n, "rand_per_group": 0, "sync_period": 2,
-                           "iteration_timeout": 10.0, **kw})
+                           "iteration_timeout": 10.0, "update_norm_factor": 0.0, **kw})
     return Station(cfg, num_params=4, num_classes=2, rng=np.random.default_rng(0))
 
 

@@ -1,0 +1,222 @@
+"""Bounded trust: robust fusion, the update guard, seen-count and selection caps, and the
+station and cloud refusing what one compromised participant claims."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aggregator.attacks import tamper
+from aggregator.cloud import Cloud
+from aggregator.config import CloudConfig, StationConfig
+from aggregator.fusion import krum, median, multi_krum, trimmed_mean
+from aggregator.station import Station
+from aggregator.trust import NormGuard, ShareCap, bound_seen_counts
+from edge_client import messages as m
+
+# -- robust fusion rules, hand-computed --------------------------------------------------
+
+
+def test_median_and_trimmed_mean_ignore_one_outlier_and_the_counts():
+    models = [np.array([1.0, 2.0]), np.array([2.0, 4.0]), np.array([3.0, 6.0]),
+              np.array([1e6, -1e6])]
+    np.testing.assert_allclose(median(models, [1, 1, 1, 10**12]), [2.5, 3.0])
+    # Four models: one dropped at each end per coordinate.
+    np.testing.assert_allclose(trimmed_mean(models, [1, 1, 1, 10**12]), [2.5, 3.0])
+    np.testing.assert_allclose(trimmed_mean(models[:2], [1, 1]), [1.5, 3.0])  # too few to trim
+
+
+def test_krum_picks_the_model_closest_to_its_neighbours():
+    models = [np.array([0.0, 0.0]), np.array([1.0, 0.0]), np.array([0.0, 1.2]),
+              np.array([0.4, 0.4]), np.array([50.0, 50.0])]
+    np.testing.assert_allclose(krum(models, [1] * 5), [0.4, 0.4])
+    # n = 5 tolerates f = 1: Multi-Krum averages the 4 best, by their counts.
+    fused = multi_krum(models, [1, 1, 1, 1, 1])
+    np.testing.assert_allclose(fused, np.mean(models[:4], axis=0), rtol=1e-6)
+
+
+# -- the guards ---------------------------------------------------------------------------
+
+
+def test_norm_guard_starts_from_its_initial_bound_then_follows_the_median():
+    guard = NormGuard(bound=0.0, factor=10.0, initial=5.0, warmup=3)
+    start = np.zeros(4)
+    assert guard.check(np.full(4, 3.0), start) == (False, 6.0)  # above the initial 5
+    for _ in range(3):
+        assert guard.check(np.full(4, 0.5), start)[0]  # distance 1
+    assert guard.limit == 10.0
+    assert not guard.check(np.full(4, 5.5), start)[0]
+    assert NormGuard(bound=2.0, factor=10.0, initial=5.0).limit == 2.0
+    assert NormGuard(bound=0.0, factor=0.0, initial=5.0).limit == float("inf")
+
+
+def test_seen_counts_grow_at_a_bounded_rate_and_share():
+    counts = np.array([10**15, 0, 0])
+    got, clipped = bound_seen_counts(counts, previous_total=100, allowance=50,
+                                     roster_totals=[100, 120, 90], share=4.0, floor=50)
+    assert clipped and got.sum() <= 150 and got[1] == 0
+    honest, clipped = bound_seen_counts(np.array([60, 60, 20]), 100, 50, [100, 120], 4.0, 50)
+    assert not clipped and honest.sum() == 140
+    # However slowly it grows, a device cannot outweigh 4 median devices.
+    got, _ = bound_seen_counts(np.array([5000, 0, 0]), 4900, 50, [100, 100, 100], 4.0, 50)
+    assert got.sum() <= 400
+    # While the fleet is young the floor lets a device start with a full allowance.
+    got, clipped = bound_seen_counts(np.array([40, 0, 0]), 0, 50, [1, 2], 4.0, 50)
+    assert not clipped
+
+
+def test_share_cap_takes_a_device_out_of_selection_after_its_seats():
+    cap = ShareCap(window=10, max_share=0.5)
+    for _ in range(5):
+        assert cap.eligible("d0")
+        cap.record(("d0", "d1"))
+    assert not cap.eligible("d0") and cap.eligible("d2")
+    for _ in range(10):
+        cap.record(("d2",))
+    assert cap.eligible("d0")  # its seats left the window
+
+
+# -- the station: claims refused, refusals count as answers -------------------------------
+
+
+def _station(n=3, **kw):
+    cfg = StationConfig(fleet="t", station_id="s", devices=tuple(f"d{k}" for k in range(n)),
+                        **{"super_node_size": n, "rand_per_group": 0, "sync_period": 2,
+                           "iteration_timeout": 10.0, "batch_size": 8, "local_steps": 2, **kw})
+    return Station(cfg, num_params=4, num_classes=2, rng=np.random.default_rng(0))
+
+
+def _stats(did, seen=(500, 500), nxt=(4, 4)):
+    return m.DeviceStats(fleet="t", sender=did, round=0, iteration=0, station="s",
+                         seen_counts=np.array(seen), next_batch_counts=np.array(nxt))
+
+
+def _start(st):
+    for d in st.config.devices:
+        st.handle(_stats(d), 0.0)
+    return st.handle(m.GlobalModel(fleet="t", sender="cloud", round=0, iteration=0,
+                                   weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
+
+
+def _upd(did, w=0.1, n=16, it=0):
+    return m.DeviceUpdate(fleet="t", sender=did, round=0, iteration=it, station="s",
+                          weights=np.full(4, w), num_samples=n)
+
+
+def test_an_inflated_count_is_refused_and_the_iteration_does_not_wait_for_it():
+    st = _station()
+    _start(st)
+    st.handle(_upd("d0", 0.1), 1.0)
+    st.handle(_upd("d1", 0.3), 1.0)
+    inflated = tamper(_upd("d2", 0.2), "inflate")
+    assert inflated.num_samples == 10**12
+    st.handle(inflated, 1.0)
+    # Closed at once (no deadline wait), fused without the liar.
+    assert st.iteration == 1 and st.counters["rejected.bad_count"] == 1
+    assert st.counters["refused_replies"] == 1 and st.counters["replies_missed"] == 0
+    np.testing.assert_allclose(st.weights, 0.2)
+    st.handle(_upd("d0", n=17, it=1), 2.0)  # 2 steps x batch 8 is the most there can be
+    assert st.counters["rejected.bad_count"] == 2
+
+
+def test_a_scaled_update_is_refused_by_the_distance_guard():
+    st = _station()
+    _start(st)
+    st.handle(_upd("d0", 0.1), 1.0)
+    st.handle(_upd("d1", 0.3), 1.0)
+    st.handle(tamper(_upd("d2", 0.2), "scale"), 1.0)
+    assert st.counters["rejected.update_norm"] == 1 and st.iteration == 1
+    np.testing.assert_allclose(st.weights, 0.2)
+
+
+def test_a_transport_refusal_closes_the_iteration_for_that_member():
+    st = _station()
+    _start(st)
+    st.handle(_upd("d0", 0.1), 1.0)
+    st.handle(_upd("d1", 0.3), 1.0)
+    st.handle(m.Refusal(fleet="t", sender="d2", round=0, iteration=0, reason="non_finite",
+                        role="dev", leaf="update"), 1.0)
+    assert st.iteration == 1 and st.counters["refused_replies"] == 1
+    np.testing.assert_allclose(st.weights, 0.2)
+
+
+def test_histograms_larger_than_a_batch_are_refused():
+    st = _station()
+    st.handle(_stats("d0", nxt=(8, 1)), 0.0)
+    assert st.counters["rejected.bad_histogram"] == 1 and "d0" not in st.stats
+
+
+def test_a_huge_seen_claim_cannot_make_p_real_one_class():
+    st = _station(n=4)
+    _start(st)
+    st.handle(tamper(_stats("d0"), "seen"), 1.0)
+    seen = st._seen_counts()
+    assert st.counters["clipped.seen_counts"] == 1
+    # It counts as at most seen_share (4) median devices: 4 of 7 devices' worth of samples.
+    assert seen.sum() <= 4 * 1000 + 3 * 1000 and seen[0] / seen.sum() < 0.8
+
+
+def test_a_lying_histogram_cannot_buy_every_selection():
+    n, size = 10, 3
+    st = _station(n=n, super_node_size=size, rand_per_group=0, sync_period=1000,
+                  share_window=20, update_norm_factor=0.0)
+    rng = np.random.default_rng(0)
+    for d in st.config.devices:  # honest devices hold skewed next batches
+        c = int(rng.integers(0, 9))
+        st.handle(_stats(d, nxt=(c, 8 - c)), 0.0)
+    st.handle(m.GlobalModel(fleet="t", sender="cloud", round=0, iteration=0,
+                            weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
+    seats = {d: 0 for d in st.config.devices}
+    for it in range(200):
+        st.handle(tamper(_stats("d0", nxt=(3, 5)), "balanced"), 0.0)  # "perfectly balanced"
+        for d in st.members:
+            seats[d] += 1
+        for d in st.members:
+            st.handle(_upd(d, 0.0, n=8, it=it), 0.0)
+    cap = st.config.max_selection_share
+    assert cap == pytest.approx(1.5 * size / n)
+    assert seats["d0"] <= cap * 200 + st.config.share_window
+    assert st.counters["selection_share_capped"] > 0
+
+
+def test_a_station_below_quorum_waits_instead_of_closing_empty_iterations():
+    st = _station(min_quorum=2, min_devices=1)
+    st.handle(_stats("d0"), 0.0)
+    out = st.handle(m.GlobalModel(fleet="t", sender="cloud", round=0, iteration=0,
+                                  weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
+    assert st.state == "starved" and not any(isinstance(x, m.Selection) for x in out)
+    assert st.tick(5.0) == [] and st.iteration == 0
+    out = st.handle(_stats("d1"), 6.0)  # a second device: the quorum is there
+    assert st.state == "collecting" and any(isinstance(x, m.Selection) for x in out)
+
+
+def test_a_device_back_after_its_last_will_is_selectable_again():
+    st = _station(min_quorum=3)
+    _start(st)
+    offline = m.Presence(fleet="t", sender="d2", round=0, iteration=0, role="dev", online=False)
+    st.handle(offline, 1.0)
+    for d in ("d0", "d1"):
+        st.handle(_upd(d), 1.0)
+    assert st.state == "starved"  # 2 ready < quorum 3
+    st.handle(m.Presence(fleet="t", sender="d2", round=0, iteration=0, role="dev",
+                         online=True), 2.0)
+    assert st.state == "collecting" and st.counters["devices_back_online"] == 1
+
+
+# -- the cloud ----------------------------------------------------------------------------
+
+
+def test_the_cloud_clips_a_station_count_to_what_its_devices_saw():
+    cloud = Cloud(CloudConfig(fleet="t", stations=("a", "b"), rounds=3),
+                  initial_weights=np.zeros(4), num_classes=2)
+    for s in ("a", "b"):
+        cloud.handle(m.StationStats(fleet="t", sender=s, round=0, iteration=0,
+                                    seen_counts=np.array([50, 50])), 0.0)
+
+    def up(s, w, n):
+        return m.StationUpdate(fleet="t", sender=s, round=0, iteration=5, weights=np.full(4, w),
+                               num_samples=n, seen_counts=np.array([50, 50]))
+    cloud.handle(up("a", 1.0, 100), 0.0)
+    out = cloud.handle(up("b", 3.0, 10**12), 0.0)
+    assert cloud.counters["clipped.station_samples"] == 1
+    np.testing.assert_allclose(out[0].weights, 2.0)  # 100 vs at most 100: equal weight
