@@ -85,6 +85,7 @@ def markdown_section(title: str, command: str, config: dict[str, Any],
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join("-" if r[k] in (None, "") else str(r[k]) for k in keys) + " |"
               for r in rows]
-    lines += ["", "| claim | verdict | evidence |", "|---|---|---|"]
-    lines += [f"| {c.claim} | **{c.verdict}** | {c.evidence} |" for c in claims]
+    if claims:
+        lines += ["", "| claim | verdict | evidence |", "|---|---|---|"]
+        lines += [f"| {c.claim} | **{c.verdict}** | {c.evidence} |" for c in claims]
     return "\n".join(lines) + "\n"

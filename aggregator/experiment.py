@@ -24,6 +24,7 @@ import numpy as np
 from edge_client.config import check_range, load_config
 from edge_client.errors import ConfigError
 
+from .attacks import ATTACKS
 from .datasets import (
     Dataset,
     assign_groups,
@@ -35,7 +36,8 @@ from .report import Progress, format_table, plot_accuracy, write_metrics
 from .simulation import FleetSpec, RunResult, run_federation
 from .strategies import RECIPES, RecipeSettings, build_strategy
 
-__all__ = ["ExperimentConfig", "run_experiment", "result_rows", "FULL_SCALE"]
+__all__ = ["ExperimentConfig", "run_experiment", "load_experiment", "result_rows",
+           "merge_seeds", "FULL_SCALE"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,11 @@ log = logging.getLogger(__name__)
 FULL_SCALE = {"factories": 10, "devices_per_factory": 36, "super_node": 10,
               "rand_per_group": 2, "sync_period": 50, "rounds": 500, "lr": 0.01,
               "batch_size": 32, "model": "femnist_cnn", "backend": "torch"}
+
+
+# The robustness recipes are for attack studies; a plain experiment runs the papers' set.
+DEFAULT_STRATEGIES = tuple(r for r in RECIPES if r not in (
+    "median", "trimmed_mean", "krum", "multi_krum", "fedavg_unguarded"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +84,11 @@ class ExperimentConfig:
     server_lr: float = 0.03
     momentum: float = 0.9
     seed: int = 0
-    strategies: tuple[str, ...] = tuple(RECIPES)
+    seeds: int = 1  # runs per strategy, seeds seed, seed+1, ...: tables give mean and sd
+    # What the compromised devices send (aggregator.attacks): one report section per attack.
+    attacks: tuple[str, ...] = ("none",)
+    attackers: int = 1  # how many devices are compromised under an attack
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
 
     def __post_init__(self) -> None:
         if self.partition not in ("dirichlet", "safl"):
@@ -88,6 +99,10 @@ class ExperimentConfig:
         check_range("super_node", self.super_node, 1, self.devices_per_factory)
         check_range("rand_per_group", self.rand_per_group, 0, self.super_node)
         check_range("target_accuracy", self.target_accuracy, 0, 1)
+        if not self.attacks or any(a not in ATTACKS for a in self.attacks):
+            raise ConfigError("attacks", f"must list some of {ATTACKS}")
+        check_range("seeds", self.seeds, 1)
+        check_range("attackers", self.attackers, 0, self.factories * self.devices_per_factory)
         unknown = [s for s in self.strategies if s not in RECIPES]
         if unknown or not self.strategies:
             raise ConfigError("strategies", f"unknown {unknown}; known: {sorted(RECIPES)}")
@@ -101,8 +116,8 @@ class ExperimentConfig:
                               momentum=self.momentum)
 
 
-def _fleet(cfg: ExperimentConfig, data: Dataset) -> FleetSpec:
-    rng = np.random.default_rng(cfg.seed)
+def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> FleetSpec:
+    rng = np.random.default_rng(seed)
     n = cfg.factories * cfg.devices_per_factory
     if cfg.partition == "dirichlet":
         parts = dirichlet_label_skew(data.y_train, n, cfg.alpha, rng, min_size=cfg.batch_size)
@@ -111,9 +126,10 @@ def _fleet(cfg: ExperimentConfig, data: Dataset) -> FleetSpec:
                            classes_per_multi=cfg.classes_per_multi)
     return FleetSpec(partitions=tuple(parts), groups=tuple(assign_groups(n, cfg.factories, rng)),
                      rounds=cfg.rounds, model=cfg.model, backends=(cfg.backend,), lr=cfg.lr,
-                     seed=cfg.seed, arrivals_per_step=cfg.arrivals_per_step,
+                     seed=seed, arrivals_per_step=cfg.arrivals_per_step,
                      initial_samples=cfg.initial_samples, eval_samples=cfg.eval_samples,
-                     share_trainers=True)
+                     share_trainers=True, attack=attack,
+                     attackers=tuple(range(cfg.attackers)) if attack != "none" else ())
 
 
 def _strategy(cfg: ExperimentConfig, name: str):
@@ -127,11 +143,36 @@ def _dataset(name: str) -> Dataset:
     return load_dataset(name)  # once per process, not once per strategy
 
 
-def _run_one(args: tuple[ExperimentConfig, str, bool]) -> RunResult:
-    cfg, name, show = args
+def _run_one(args: tuple[ExperimentConfig, str, int, str, bool]) -> RunResult:
+    cfg, name, seed, attack, show = args
     data = _dataset(cfg.dataset)
-    return run_federation(data, _strategy(cfg, name), _fleet(cfg, data),
+    return run_federation(data, _strategy(cfg, name), _fleet(cfg, data, seed, attack),
                           Progress(name, cfg.rounds) if show else None)
+
+
+def merge_seeds(results: list[RunResult]) -> list[RunResult]:
+    """One result per strategy: accuracy and loss averaged over its seeds per round, with
+    ``accuracy_sd`` (sample standard deviation) beside them."""
+    by: dict[str, list[RunResult]] = {}
+    for r in results:
+        by.setdefault(r.strategy, []).append(r)
+    merged = []
+    for name, runs in by.items():
+        if len(runs) == 1:
+            merged.append(runs[0])
+            continue
+        rows = []
+        for i, row in enumerate(runs[0].rows):
+            acc = [r.rows[i]["accuracy"] for r in runs]
+            rows.append({**row, "accuracy": float(np.mean(acc)),
+                         "accuracy_sd": float(np.std(acc, ddof=1)),
+                         "loss": float(np.mean([r.rows[i]["loss"] for r in runs]))})
+        counters: dict[str, int] = {}
+        for r in runs:
+            for key, value in r.counters.items():
+                counters[key] = counters.get(key, 0) + value
+        merged.append(RunResult(name, rows, counters, sum(r.wall_s for r in runs)))
+    return merged
 
 
 def _rounds_to(rows: list[dict[str, Any]], target: float) -> int | None:
@@ -143,14 +184,17 @@ def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]
     out = []
     for r in results:
         last = r.rows[-1]
+        refused = sum(v for k, v in r.counters.items() if k.startswith(("rejected.", "clipped.")))
         out.append({"strategy": r.strategy, "final_accuracy": round(r.final_accuracy, 4),
+                    **({"final_sd": round(last["accuracy_sd"], 4)} if "accuracy_sd" in last
+                       else {}),
                     "best_accuracy": round(r.best_accuracy, 4),
                     f"rounds_to_{target:g}": _rounds_to(r.rows, target),
                     "uploads": last["uploads"], "skips": last["skips"],
                     "mb_up": round((last["bytes_device_up"] + last["bytes_station_up"]) / 1e6, 1),
                     "mb_down": round((last["bytes_device_down"] + last["bytes_station_down"])
                                      / 1e6, 1),
-                    "wall_s": round(r.wall_s, 1)})
+                    "refused": refused, "wall_s": round(r.wall_s, 1)})
     return out
 
 
@@ -174,17 +218,26 @@ def _plot_vs_bytes(results: list[RunResult], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def load_experiment(path: str | Path, full: bool = False) -> ExperimentConfig:
+    """The ``[experiment]`` table of ``path`` (with the papers' unscaled values if ``full``)."""
+    return load_config(ExperimentConfig, "experiment", path, dict(FULL_SCALE) if full else {})
+
+
 def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
-                   full: bool = False) -> tuple[ExperimentConfig, list[RunResult], Path]:
-    """Run every strategy of an experiment file; returns the results and the output folder."""
-    overrides = dict(FULL_SCALE) if full else {}
-    cfg = load_config(ExperimentConfig, "experiment", path, overrides)
+                   full: bool = False, attack: str | None = None,
+                   ) -> tuple[ExperimentConfig, list[RunResult], Path]:
+    """Run every strategy of an experiment file (over its seeds, under one ``attack``, by
+    default its first); returns the config, one merged result per strategy, the folder."""
+    cfg = load_experiment(path, full)
+    attack = attack or cfg.attacks[0]
+    label = cfg.name + ("" if attack == "none" else f" under attack '{attack}'")
     out = Path(out or Path("runs") / f"{cfg.name}{'-full' if full else ''}")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"experiment {cfg.name}: {len(cfg.strategies)} strategies, {cfg.factories} factories x "
-          f"{cfg.devices_per_factory} devices, {cfg.rounds} rounds, {cfg.model} on "
-          f"{cfg.dataset}, {jobs} job(s)", file=sys.stderr)
-    tasks = [(cfg, name, jobs == 1) for name in cfg.strategies]
+    print(f"experiment {label}: {len(cfg.strategies)} strategies x {cfg.seeds} seed(s), "
+          f"{cfg.factories} factories x {cfg.devices_per_factory} devices, {cfg.rounds} rounds, "
+          f"{cfg.model} on {cfg.dataset}, {jobs} job(s)", file=sys.stderr)
+    tasks = [(cfg, name, cfg.seed + k, attack, jobs == 1)
+             for name in cfg.strategies for k in range(cfg.seeds)]
     if jobs == 1:
         results = [_run_one(t) for t in tasks]
     else:
@@ -194,13 +247,14 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
                 print(f"{r.strategy:<14} final {r.final_accuracy:.4f} ({r.wall_s:.0f} s)",
                       file=sys.stderr)
                 results.append(r)
+    results = merge_seeds(results)
     rows = result_rows(results, cfg.target_accuracy)
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     write_metrics(results, out)
-    title = f"{cfg.name}: {cfg.dataset}, {cfg.partition}"
+    title = f"{label}: {cfg.dataset}, {cfg.partition}"
     plot_accuracy(results, out / "accuracy.png", title)
     _plot_vs_bytes(results, out / "accuracy_vs_bytes.png", title)
     (out / "config.toml").write_text(Path(path).read_text())

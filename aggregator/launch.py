@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import csv
 import re
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from edge_client.errors import SaflError
 from .datasets import Dataset
 from .simulation import FleetSpec, Strategy, _public, plan_fleet
 
-__all__ = ["write_fleet", "launch_fleet", "toml_text"]
+__all__ = ["write_fleet", "launch_fleet", "toml_text", "Fleet"]
 
 _ROUND = re.compile(r"round (\d+): accuracy ([0-9.]+)")
 
@@ -70,14 +72,16 @@ def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpe
                 **(broker_extra or {})}
 
     paths = {}
+    service = {"state_dir": str(run_dir / "state")}  # the aggregators resume after a crash
     cloud = run_dir / "cloud.toml"
     cloud.write_text(toml_text({"cloud": plan.cloud, "model": model(spec.backends[0]),
-                                "broker": broker("cloud")}))
+                                "broker": broker("cloud"), "service": service}))
     paths["cloud"] = cloud
     for values in plan.stations:
         path = run_dir / f"{values['station_id']}.toml"
         path.write_text(toml_text({"station": values, "model": model(spec.backends[0]),
-                                   "broker": broker(values["station_id"])}))
+                                   "broker": broker(values["station_id"]),
+                                   "service": service}))
         paths[values["station_id"]] = path
     for values in plan.devices:
         k, did = values["_k"], values["device_id"]
@@ -95,35 +99,55 @@ def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpe
     return paths
 
 
+@dataclass
+class Fleet:
+    """The running processes of a launched fleet, for fault injection."""
+
+    procs: dict[str, subprocess.Popen]
+    restart: Callable[[str], None]
+    logs: Path
+
+    def cloud_log(self) -> str:
+        path = self.logs / "cloud.log"
+        return path.read_text() if path.exists() else ""
+
+
 def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpec,
                  broker_url: str, *, credentials: Callable[[str], tuple[str, str]] | None = None,
                  broker_extra: dict[str, Any] | None = None, timeout: float = 900.0,
                  progress: Callable[[int, float], None] | None = None,
-                 during: Callable[[dict[str, subprocess.Popen]], None] | None = None,
+                 during: Callable[[Fleet], None] | None = None,
+                 commands: dict[str, list[str]] | None = None,
                  ) -> list[dict[str, Any]]:
     """Run one strategy as separate processes; returns the cloud's per-round metrics.
 
-    ``during`` is called every poll with the running processes (tests use it to
-    inject faults).
+    ``during`` is called every poll with a :class:`Fleet` (tests use it to inject
+    faults: kill a process, restart it).  ``commands`` replaces the command line of
+    named participants (tests run hostile devices that way).
     """
     paths = write_fleet(run_dir, data, strategy, spec, broker_url, credentials, broker_extra)
+    # A launch is a new run: checkpoints and metrics of an earlier one in this folder go.
+    shutil.rmtree(run_dir / "state", ignore_errors=True)
+    (run_dir / "metrics.csv").unlink(missing_ok=True)
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     cli = [sys.executable, "-m", "edge_client.cli"]
     procs: dict[str, subprocess.Popen] = {}
-
-    def start(name: str, args: list[str]) -> None:
-        with open(logs / f"{name}.log", "w") as log:
-            procs[name] = subprocess.Popen(cli + args, stdout=log, stderr=subprocess.STDOUT)
-
-    start("cloud", ["-v", "cloud", "--config", str(paths["cloud"]), "--eval",
-                    str(paths["_test"]), "--out", str(run_dir)])
+    argv: dict[str, list[str]] = {"cloud": cli + ["-v", "cloud", "--config", str(paths["cloud"]),
+                                                  "--eval", str(paths["_test"]),
+                                                  "--out", str(run_dir)]}
     for name, path in paths.items():
-        if name.startswith("st"):
-            start(name, ["station", "--config", str(path)])
-    for name, path in paths.items():
-        if name.startswith("dev"):
-            start(name, ["device", "--config", str(path)])
+        if name.startswith(("st", "dev")):
+            role = "station" if name.startswith("st") else "device"
+            argv[name] = (commands or {}).get(name, cli + ["-v", role]) + ["--config", str(path)]
+
+    def start(name: str) -> None:
+        with open(logs / f"{name}.log", "a") as log:  # a restart appends
+            procs[name] = subprocess.Popen(argv[name], stdout=log, stderr=subprocess.STDOUT)
+
+    for name in argv:
+        start(name)
+    fleet = Fleet(procs, start, logs)
     deadline = time.monotonic() + timeout
     seen = 0
     try:
@@ -132,7 +156,7 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
                 raise SaflError(f"the fleet did not finish within {timeout:.0f} s; "
                                 f"logs in {logs}")
             if during:
-                during(procs)
+                during(fleet)
             dead = [n for n, p in procs.items() if p.poll() not in (None, 0, -9, -15)]
             if dead:
                 raise SaflError(f"{', '.join(dead)} exited with an error; logs in {logs}")

@@ -1,13 +1,16 @@
 """The base-station and cloud services: their roles on MQTT, built from TOML files.
 
 The cloud service can evaluate each global model on a held-out ``.npz`` test set
-and writes ``metrics.csv``; both publish a small retained JSON status that
-``safl status`` reads.
+and appends each round to ``metrics.csv`` as it goes; both publish a small retained
+JSON status that ``safl status`` reads.  With ``[service] state_dir`` set, both
+checkpoint their role at every round boundary, before the round's message goes out,
+and resume from it on start.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import logging
 import time
@@ -24,6 +27,7 @@ from edge_client.service import StopFlag, model_trainer, role_transport, serve, 
 from edge_client.sources.replay import load_arrays
 from edge_client.transport import RoleRunner
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .cloud import CLOUD_ID, Cloud
 from .config import CloudConfig, StationConfig
 from .station import Station
@@ -48,6 +52,53 @@ def _summaries(transport: MqttTransport, topic: str, fields, every: float = 1.0)
             last[0] = now
             transport.publish_json(topic, fields())
     return {"hooks": (hook,), "on_stop": lambda: transport.publish_json(topic, fields())}
+
+
+def _checkpointing(role: Cloud | Station, state_dir: str, name: str, due) -> list:
+    """Resume ``role`` from ``state_dir/name`` if a checkpoint is there; return the observers
+    that write a new one whenever the role is about to send a message ``due`` accepts."""
+    if not state_dir:
+        log.info("%s: no [service] state_dir, so no checkpoints: a restart starts over", name)
+        return []
+    path = Path(state_dir) / f"{name}.ckpt.npz"
+    started = time.perf_counter()
+    found = load_checkpoint(path)
+    if found is not None:
+        role.restore(*found)
+        digest = hashlib.sha256(found[0]["weights"].tobytes()).hexdigest() \
+            if "weights" in found[0] else "-"
+        log.warning("%s resumed from %s: round %d, iteration %d, state %s, model sha256 %s "
+                    "(read in %.3f s)", name, path, role.round, role.iteration, role.state,
+                    digest, time.perf_counter() - started)
+
+    def observe(message: m.Message) -> None:
+        if due(message):
+            save_checkpoint(path, *role.snapshot())
+    return [observe]
+
+
+class _MetricsLog:
+    """``metrics.csv``, one row appended and flushed per round; a restart appends."""
+
+    def __init__(self, folder: str) -> None:
+        self.path = Path(folder) / "metrics.csv" if folder else None
+        self.last_round = -1
+        if self.path is not None and self.path.exists():
+            with open(self.path, newline="") as fh:
+                rounds = [int(r["round"]) for r in csv.DictReader(fh) if r.get("round")]
+            self.last_round = max(rounds, default=-1)
+
+    def append(self, row: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        with open(self.path, "a", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(row))
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+        self.last_round = row["round"]
 
 
 @dataclass
@@ -83,8 +134,13 @@ class StationService:
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
              "selected_devices": len(role.members), "devices_online": role.online_devices}))
+        # Round boundaries: the upload that ends a round, the model that begins one.
+        checkpoint = _checkpointing(role, self.service.state_dir, cfg.station_id, lambda msg: (
+            isinstance(msg, m.StationUpdate) or isinstance(msg, m.StationModel)
+            and msg.iteration % cfg.sync_period == 0))
         serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-              attach=lambda runner: runner.observers.append(note_start), metrics=metrics,
+              attach=lambda runner: runner.observers.extend([*checkpoint, note_start]),
+              metrics=metrics,
               **_summaries(transport, status_topic_json(cfg.fleet, "station", cfg.station_id),
                            summary))
         log.info("station %s finished: %s", cfg.station_id, summary())
@@ -108,13 +164,16 @@ class CloudService:
                                    participant=CLOUD_ID, trainer=trainer,
                                    client_id=f"{cfg.fleet}-cloud")
         rows: list[dict[str, Any]] = []
+        log_rows = _MetricsLog(self.out)
+        checkpoint = _checkpointing(role, self.service.state_dir, "cloud",
+                                    lambda msg: isinstance(msg, m.GlobalModel))
         test = load_arrays(self.eval_path, num_classes=self.model.num_classes) \
             if self.eval_path else None
         started = time.perf_counter()
 
         def evaluate(message: m.Message) -> None:
-            if not isinstance(message, m.GlobalModel):
-                return
+            if not isinstance(message, m.GlobalModel) or message.round <= log_rows.last_round:
+                return  # a model repeated after a restart was scored before it
             row = {"round": message.round, "iteration": message.iteration,
                    "wall_s": round(time.perf_counter() - started, 3)}
             if test is not None:
@@ -122,6 +181,7 @@ class CloudService:
                 row["loss"], row["accuracy"] = trainer.evaluate(*test)
                 log.info("round %d: accuracy %.4f", message.round, row["accuracy"])
             rows.append(row)
+            log_rows.append(row)
 
         def summary() -> dict[str, Any]:
             last = rows[-1] if rows else {}
@@ -131,7 +191,7 @@ class CloudService:
                     "transport": dict(transport.counters)}
 
         def attach(runner: RoleRunner) -> None:
-            runner.observers.append(evaluate)
+            runner.observers.extend([*checkpoint, evaluate])
 
         metrics = with_metrics(self.service, "cloud", lambda: (
             {**role.counters, **transport.counters},
@@ -143,10 +203,5 @@ class CloudService:
         if self.out:
             out = Path(self.out)
             out.mkdir(parents=True, exist_ok=True)
-            if rows:
-                with open(out / "metrics.csv", "w", newline="") as fh:
-                    writer = csv.DictWriter(fh, fieldnames=list(rows[-1]))
-                    writer.writeheader()
-                    writer.writerows(rows)
             (out / "cloud.json").write_text(json.dumps(summary(), indent=2) + "\n")
         return role, rows

@@ -74,7 +74,8 @@ def _station(args: argparse.Namespace) -> int:
     cfg = load_role_file(args.config, {"station": StationConfig, "model": ModelConfig,
                                        "broker": BrokerConfig, "service": ServiceConfig},
                          _overrides(args, broker={"broker": "url"},
-                                    service={"metrics_port": "metrics_port"}))
+                                    service={"metrics_port": "metrics_port",
+                                             "state_dir": "state_dir"}))
     StationService(**cfg).run()
     return 0
 
@@ -89,7 +90,8 @@ def _cloud(args: argparse.Namespace) -> int:
     cfg = load_role_file(args.config, {"cloud": CloudConfig, "model": ModelConfig,
                                        "broker": BrokerConfig, "service": ServiceConfig},
                          _overrides(args, broker={"broker": "url"}, cloud={"rounds": "rounds"},
-                                    service={"metrics_port": "metrics_port"}))
+                                    service={"metrics_port": "metrics_port",
+                                             "state_dir": "state_dir"}))
     CloudService(**cfg, eval_path=args.eval or "", out=str(args.out or "")).run()
     return 0
 
@@ -106,21 +108,29 @@ def _status(args: argparse.Namespace) -> int:
 
 def _experiment(args: argparse.Namespace) -> int:
     from aggregator.claims import assess_claims, markdown_section
-    from aggregator.experiment import result_rows, run_experiment
+    from aggregator.experiment import load_experiment, result_rows, run_experiment
 
     sections = []
     for config in args.configs:
         out = args.out / config.stem if args.out and len(args.configs) > 1 else args.out
-        cfg, results, folder = run_experiment(config, out=out, jobs=args.jobs, full=args.full)
-        rows = result_rows(results, cfg.target_accuracy)
-        claims = assess_claims(rows, cfg.target_accuracy, cfg.rounds)
-        for c in claims:
-            print(f"{c.verdict:>15}: {c.claim} ({c.evidence})")
-        command = f"safl experiment {config}" + (" --full" if args.full else "") + (
-            f" --jobs {args.jobs}" if args.jobs > 1 else "")
-        settings = {k: v for k, v in vars(cfg).items() if k not in ("name", "strategies")}
-        sections.append(markdown_section(cfg.name, command, settings, rows, claims))
-        print(f"wrote {folder}/results.csv, metrics.csv, accuracy.png, accuracy_vs_bytes.png")
+        attacks = load_experiment(config, args.full).attacks
+        for attack in attacks:
+            folder_out = out / attack if out and len(attacks) > 1 else out
+            cfg, results, folder = run_experiment(config, out=folder_out, jobs=args.jobs,
+                                                  full=args.full, attack=attack)
+            rows = result_rows(results, cfg.target_accuracy)
+            claims = assess_claims(rows, cfg.target_accuracy, cfg.rounds) \
+                if attack == "none" else []
+            for c in claims:
+                print(f"{c.verdict:>15}: {c.claim} ({c.evidence})")
+            command = f"safl experiment {config}" + (" --full" if args.full else "") + (
+                f" --jobs {args.jobs}" if args.jobs > 1 else "")
+            settings = {k: v for k, v in vars(cfg).items()
+                        if k not in ("name", "strategies", "attacks")}
+            title = cfg.name + ("" if attack == "none" else f": attack '{attack}'")
+            sections.append(markdown_section(title, command, settings, rows, claims))
+            print(f"wrote {folder}/results.csv, metrics.csv, accuracy.png, "
+                  "accuracy_vs_bytes.png")
     if args.report:
         args.report.write_text(REPORT_HEAD + "\n".join(sections))
         print(f"wrote {args.report}")
@@ -183,6 +193,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--station", default=None)
             p.add_argument("--keep-running", action="store_true",
                            help="stay connected after the federation's final model")
+        if name in ("station", "cloud"):
+            p.add_argument("--state-dir", default=None, help="checkpoint every round here and "
+                           "resume from it on start (overrides [service] state_dir)")
         if name == "cloud":
             p.add_argument("--rounds", type=int, default=None)
             p.add_argument("--eval", default=None, help=".npz test set (x, y) to score rounds")

@@ -54,6 +54,7 @@ class Device(RoleBase):
         self.last_train_s = 0.0
         self._next_hello = 0.0
         self._model: m.StationModel | None = None
+        self._accept_any_iteration = False  # set when the station's presence comes back
         self._local: np.ndarray | None = None
         self._reported_next: np.ndarray | None = None
         self._tensor_sizes = [int(np.prod(shape)) for _, shape in trainer.layout]
@@ -100,12 +101,18 @@ class Device(RoleBase):
             return self._reject("wrong_fleet", f"fleet {message.fleet!r}")
         if message.sender != self.config.station:
             return self._reject("unknown_sender", f"{message.sender!r} is not my station")
+        if isinstance(message, m.Presence):
+            return self._on_station_presence(message, now)
         if isinstance(message, m.StationModel):
             if message.weights.size != self.trainer.num_params:
                 return self._reject("wrong_length", f"{message.weights.size} weights, model has "
                                     f"{self.trainer.num_params}")
-            if self._model is not None and message.iteration < self._model.iteration:
+            if self._model is not None and message.iteration < self._model.iteration \
+                    and not self._accept_any_iteration:
                 return self._reject("stale_iteration", f"model of iteration {message.iteration}")
+            if self._accept_any_iteration and message.iteration < self._model.iteration:
+                self.counters["station_rewinds"] += 1  # it resumed from an older checkpoint
+            self._accept_any_iteration = False
             self._model = message
             self.finished = message.final
             return []
@@ -117,6 +124,15 @@ class Device(RoleBase):
                                     "that iteration's model")
             return self._train_and_reply(self._model)
         return self._reject("unexpected_type", type(message).__name__)
+
+    def _on_station_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
+        """The station (re)appeared: it may have restarted from an older checkpoint, so the
+        next model it sends is accepted whatever its iteration, and it gets our stats."""
+        if not msg.online or msg.role != "station":
+            return []
+        self._accept_any_iteration = self._model is not None
+        model = self._model
+        return [self._stats(model.round if model else 0, model.iteration if model else 0)]
 
     def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
         cfg, t = self.config, model.iteration

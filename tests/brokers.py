@@ -71,7 +71,8 @@ class Mosquitto(_BrokerProcess):
     PASSWORD = "secret"
 
     def __init__(self, folder: Path, users: list[str], acl: list[str], *,
-                 message_size_limit: int = 0, tls: dict[str, Path] | None = None) -> None:
+                 message_size_limit: int = 0, tls: dict[str, Path] | None = None,
+                 persistence: bool = False) -> None:
         self.folder, self.port = Path(folder), free_port()
         passwd, aclfile, conf = (self.folder / n for n in ("passwd", "acl", "mosquitto.conf"))
         passwd.write_text("")
@@ -80,7 +81,9 @@ class Mosquitto(_BrokerProcess):
                            check=True, capture_output=True)
         aclfile.write_text("\n".join(acl) + "\n")
         lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous false",
-                 f"password_file {passwd}", f"acl_file {aclfile}", "persistence false",
+                 f"password_file {passwd}", f"acl_file {aclfile}",
+                 f"persistence {'true' if persistence else 'false'}",
+                 f"persistence_location {self.folder}/",
                  "max_queued_messages 10000", "set_tcp_nodelay true", "log_dest stderr",
                  "log_type error"]
         if os.geteuid() == 0:

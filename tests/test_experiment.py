@@ -10,9 +10,9 @@ import pytest
 
 from aggregator.claims import assess_claims
 from aggregator.datasets import assign_groups, dirichlet_label_skew, safl_split
-from aggregator.experiment import ExperimentConfig
+from aggregator.experiment import DEFAULT_STRATEGIES, ExperimentConfig
 from aggregator.simulation import FleetSpec, plan_fleet, run_federation
-from aggregator.strategies import RECIPES, build_strategy
+from aggregator.strategies import build_strategy
 from edge_client.cli import main
 from edge_client.errors import ConfigError
 
@@ -78,7 +78,7 @@ def test_quick_experiment_writes_results_and_report(tmp_path, capsys):
     assert main(["experiment", "experiments/quick.toml", "--out", str(tmp_path / "run"),
                  "--report", str(report)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "run" / "results.csv")))
-    assert [r["strategy"] for r in rows] == list(RECIPES)
+    assert [r["strategy"] for r in rows] == list(DEFAULT_STRATEGIES)
     for name in ("metrics.csv", "accuracy.png", "accuracy_vs_bytes.png", "config.toml"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     text = report.read_text()

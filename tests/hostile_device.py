@@ -1,0 +1,40 @@
+"""A compromised device process for the fault tests: the real device service, with every
+message it sends rewritten by :func:`aggregator.attacks.tamper`.
+
+    python tests/hostile_device.py ATTACK --config device.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from aggregator.attacks import tamper
+from edge_client.config import BrokerConfig, DeviceConfig, ModelConfig, ServiceConfig, SourceConfig
+from edge_client.service import DeviceService, StopFlag, load_role_file, serve
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("attack")
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    cfg = load_role_file(args.config, {"device": DeviceConfig, "model": ModelConfig,
+                                       "source": SourceConfig, "broker": BrokerConfig,
+                                       "service": ServiceConfig}, {})
+    device, transport, feeding = DeviceService(**cfg).build()
+    honest = transport.publish
+
+    def publish(topic, message):
+        sent = tamper(message, args.attack)
+        if isinstance(sent, bytes):  # a forged frame: straight onto the wire
+            transport._client.publish(topic, sent, qos=1)
+        else:
+            honest(topic, sent)
+    transport.publish = publish
+    serve(device, transport, stop=StopFlag(), done=lambda: device.finished, **feeding)
+
+
+if __name__ == "__main__":
+    main()

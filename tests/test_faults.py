@@ -1,0 +1,150 @@
+"""Faults on a real Mosquitto, one OS process per role: hostile device processes, ``kill -9``
+of the cloud and of a station with a restart, and broker restarts with persistence on and
+off.  Every run must finish all its rounds with the global model's accuracy within 2 points
+of the honest, uninterrupted in-process run of the same plan (the MQTT path reproduces that
+run round by round, see test_mqtt.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from brokers import Mosquitto, acl_lines
+
+from aggregator.checkpoint import load_checkpoint
+from aggregator.datasets import assign_groups, dirichlet_label_skew
+from aggregator.launch import launch_fleet
+from aggregator.simulation import FleetSpec, Strategy, plan_fleet, run_federation
+from aggregator.status import fleet_status
+from edge_client.config import BrokerConfig
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("mosquitto") is None,
+                                 reason="Mosquitto is installed by .ci/run")]
+
+# FedGS on 12 devices in 2 factories; a lost reply costs at most a 5 s deadline.
+STRATEGY = Strategy("fedgs", device={"mix": 1.0, "nu": 0.0},
+                    station={"super_node_size": 3, "rand_per_group": 1, "selector": "gbp_cs",
+                             "sync_period": 3, "iteration_timeout": 5.0})
+HOSTILE = str(Path(__file__).parent / "hostile_device.py")
+
+
+def _spec(digits) -> FleetSpec:
+    rng = np.random.default_rng(0)
+    return FleetSpec(partitions=tuple(dirichlet_label_skew(digits.y_train, 12, 1.0, rng)),
+                     groups=tuple(assign_groups(12, 2, rng)), rounds=24, lr=0.3,
+                     arrivals_per_step=48, initial_samples=64)
+
+
+@pytest.fixture(scope="module")
+def honest(digits) -> float:
+    return run_federation(digits, STRATEGY, _spec(digits)).final_accuracy
+
+
+def _broker(tmp_path, spec, **kw) -> Mosquitto:
+    plan = plan_fleet(STRATEGY, spec)
+    stations = {s["station_id"]: list(s["devices"]) for s in plan.stations}
+    users = ["cloud", "tester", *stations, *(d for ds in stations.values() for d in ds)]
+    return Mosquitto(tmp_path, users, acl_lines(plan.fleet, stations), **kw)
+
+
+def _launch(tmp_path, digits, server, spec, **kw):
+    return launch_fleet(tmp_path / "run", digits, STRATEGY, spec, server.url,
+                        credentials=lambda user: (user, Mosquitto.PASSWORD), timeout=300, **kw)
+
+
+def _finished(rows, spec, honest, label):
+    accuracy = rows[-1]["accuracy"]
+    print(f"\n{label}: final accuracy {accuracy:.4f}, honest run {honest:.4f}, "
+          f"diff {100 * (accuracy - honest):+.1f} points")
+    assert [r["round"] for r in rows] == list(range(spec.rounds + 1))  # each round once
+    assert abs(accuracy - honest) <= 0.02
+
+
+@pytest.mark.parametrize("attack, reason", [("scale", "rejected.update_norm"),
+                                            ("inflate", "rejected.bad_count"),
+                                            ("nan", "rejected.non_finite")])
+def test_a_hostile_device_is_refused_and_does_not_steer_the_model(tmp_path, digits, honest,
+                                                                   attack, reason, capsys):
+    spec = _spec(digits)
+    plan = plan_fleet(STRATEGY, spec)
+    victim = plan.stations[0]["devices"][0]
+    server = _broker(tmp_path, spec)
+    try:
+        rows = _launch(tmp_path, digits, server, spec,
+                       commands={victim: [sys.executable, HOSTILE, attack]})
+        status = fleet_status(BrokerConfig(url=server.url, username="tester",
+                                           password=Mosquitto.PASSWORD), plan.fleet)
+    finally:
+        server.stop()
+    st0 = status["summary"]["st0"]
+    counters = {**st0["counters"], **st0["transport"]}
+    with capsys.disabled():
+        print(f"\n{attack}: {counters.get(reason, 0)} refused ({reason}), "
+              f"{counters.get('refused_replies', 0)} counted as answers, "
+              f"{counters.get('replies_missed', 0)} deadlines missed")
+        _finished(rows, spec, honest, f"attack {attack}")
+    assert counters.get(reason, 0) >= 1 and counters.get("refused_replies", 0) >= 1
+    assert counters.get("replies_missed", 0) == 0  # a refusal is an answer: no deadline wait
+
+
+@pytest.mark.parametrize("victim", ["cloud", "st0"])
+def test_an_aggregator_killed_mid_run_resumes_from_its_checkpoint(tmp_path, digits, honest,
+                                                                   victim, capsys):
+    spec = _spec(digits)
+    server = _broker(tmp_path, spec)
+    checkpoint = tmp_path / "run" / "state" / f"{victim}.ckpt.npz"
+    log = tmp_path / "run" / "logs" / f"{victim}.log"
+    events: dict[str, object] = {}
+
+    def fault(fleet) -> None:
+        if "killed" not in events and "round 6:" in fleet.cloud_log():
+            fleet.procs[victim].send_signal(signal.SIGKILL)
+            fleet.procs[victim].wait()
+            arrays, meta = load_checkpoint(checkpoint)
+            events.update(killed=True, round=meta["round"],
+                          sha=hashlib.sha256(arrays["weights"].tobytes()).hexdigest())
+            events["restarted"] = time.monotonic()
+            fleet.restart(victim)
+        if "restarted" in events and "resumed_s" not in events \
+                and "resumed from" in log.read_text():
+            events["resumed_s"] = time.monotonic() - events["restarted"]
+
+    try:
+        rows = _launch(tmp_path, digits, server, spec, during=fault)
+    finally:
+        server.stop()
+    text = log.read_text()
+    with capsys.disabled():
+        print(f"\n{victim} killed at round {events['round']}, resumed (process start to "
+              f"checkpoint restored) in {events.get('resumed_s', float('nan')):.2f} s")
+        _finished(rows, spec, honest, f"kill -9 {victim}")
+    assert f"model sha256 {events['sha']}" in text  # bit for bit what was checkpointed
+
+
+@pytest.mark.parametrize("persistence", [True, False])
+def test_a_broker_restart_is_survived(tmp_path, digits, honest, persistence, capsys):
+    spec = _spec(digits)
+    server = _broker(tmp_path, spec, persistence=persistence)
+    restarted = []
+
+    def fault(fleet) -> None:
+        if not restarted and "round 6:" in fleet.cloud_log():
+            server.stop()
+            time.sleep(1.0)
+            server.start()
+            restarted.append(True)
+
+    try:
+        rows = _launch(tmp_path, digits, server, spec, during=fault)
+    finally:
+        server.stop()
+    with capsys.disabled():
+        _finished(rows, spec, honest, f"broker restart, persistence {persistence}")
+    assert restarted

@@ -1,0 +1,145 @@
+"""Crash and restart: atomic checkpoints, roles that resume bit for bit, and presence that
+drives re-announcement between device, station and cloud."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aggregator.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from aggregator.cloud import Cloud
+from aggregator.config import CloudConfig, StationConfig
+from aggregator.station import Station
+from edge_client import messages as m
+from edge_client.config import DeviceConfig
+from edge_client.device import Device
+from edge_client.trainers import build_trainer
+
+
+def test_checkpoints_round_trip_atomically_and_refuse_a_corrupt_file(tmp_path):
+    path = tmp_path / "state" / "cloud.ckpt.npz"
+    assert load_checkpoint(path) is None
+    w = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    save_checkpoint(path, {"weights": w}, {"round": 3, "rng": {"state": 2**100}})
+    save_checkpoint(path, {"weights": w + 1}, {"round": 4, "rng": {"state": 2**100}})
+    arrays, meta = load_checkpoint(path)
+    assert np.array_equal(arrays["weights"], w + 1) and meta["round"] == 4
+    assert meta["rng"]["state"] == 2**100
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left over
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_checkpoint(path)
+
+
+def _cloud(w0, optimizer="fedavgm"):
+    cfg = CloudConfig(fleet="t", stations=("a", "b"), rounds=4, server_optimizer=optimizer,
+                      server_lr=1.0)
+    return Cloud(cfg, initial_weights=w0, num_classes=2)
+
+
+def _station_update(s, r, w, n=10):
+    return m.StationUpdate(fleet="t", sender=s, round=r, iteration=5 * (r + 1),
+                           weights=w, num_samples=n, seen_counts=np.array([400, 400]))
+
+
+def _play(cloud, rounds, rng_seed=1):
+    rng = np.random.default_rng(rng_seed)
+    out = []
+    for r in rounds:
+        for s in ("a", "b"):
+            out = cloud.handle(_station_update(s, r, rng.normal(size=8).astype(np.float32)), 0.0)
+    return out
+
+
+def test_a_restored_cloud_continues_bit_for_bit():
+    w0 = np.zeros(8, np.float32)
+    original = _cloud(w0)
+    for s in ("a", "b"):
+        original.handle(m.StationStats(fleet="t", sender=s, round=0, iteration=0,
+                                       seen_counts=np.array([400, 400])), 0.0)
+    _play(original, [0])
+    arrays, meta = original.snapshot()  # taken as round 1 is broadcast
+    snapshot_weights = arrays["weights"].copy()
+    final = _play(original, [1, 2], rng_seed=2)[0]
+
+    resumed = _cloud(np.ones(8, np.float32))
+    resumed.restore(arrays, meta)
+    repeat = resumed.start(0.0)
+    assert repeat[0].round == 1 and repeat[0].weights.tobytes() == snapshot_weights.tobytes()
+    again = _play(resumed, [1, 2], rng_seed=2)[0]
+    assert again.round == final.round == 3
+    assert again.weights.tobytes() == final.weights.tobytes()  # momentum state came back too
+
+
+def test_a_cloud_repeats_its_model_to_a_station_that_comes_back():
+    cloud = _cloud(np.zeros(8, np.float32))
+    for s in ("a", "b"):
+        cloud.handle(m.StationStats(fleet="t", sender=s, round=0, iteration=0,
+                                    seen_counts=np.array([400, 400])), 0.0)
+    back = m.Presence(fleet="t", sender="a", round=0, iteration=0, role="station", online=True)
+    out = cloud.handle(back, 1.0)
+    assert [type(x) for x in out] == [m.GlobalModel] and out[0].round == 0
+    assert cloud.counters["rebroadcasts"] == 1
+
+
+def _station():
+    cfg = StationConfig(fleet="t", station_id="s", devices=("d0", "d1"), super_node_size=2,
+                        rand_per_group=0, sync_period=1, batch_size=8)
+    return Station(cfg, num_params=4, num_classes=2, rng=np.random.default_rng(0))
+
+
+def test_a_restored_station_repeats_its_unanswered_upload_and_reannounces():
+    st = _station()
+    for d in ("d0", "d1"):
+        st.handle(m.DeviceStats(fleet="t", sender=d, round=0, iteration=0, station="s",
+                                seen_counts=np.array([40, 40]),
+                                next_batch_counts=np.array([4, 4])), 0.0)
+    st.handle(m.GlobalModel(fleet="t", sender="cloud", round=0, iteration=0,
+                            weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
+    for d in ("d0", "d1"):
+        out = st.handle(m.DeviceUpdate(fleet="t", sender=d, round=0, iteration=0, station="s",
+                                       weights=np.full(4, 0.1), num_samples=8), 0.0)
+    upload = out[0]
+    assert isinstance(upload, m.StationUpdate) and st.state == "waiting"
+    arrays, meta = st.snapshot()
+
+    resumed = _station()
+    resumed.restore(arrays, meta)
+    again = resumed.start(0.0)
+    assert [type(x) for x in again] == [m.StationStats, m.StationUpdate]
+    assert again[1].weights.tobytes() == upload.weights.tobytes()
+    assert again[1].num_samples == upload.num_samples == 16
+    assert resumed.rng.bit_generator.state == st.rng.bit_generator.state
+    cloud_back = m.Presence(fleet="t", sender="cloud", round=0, iteration=0, role="cloud",
+                            online=True)
+    assert [type(x) for x in resumed.handle(cloud_back, 1.0)] == [m.StationStats,
+                                                                  m.StationUpdate]
+    # The repeated global model of a round already applied is a duplicate, not an error.
+    resumed.handle(m.GlobalModel(fleet="t", sender="cloud", round=1, iteration=1,
+                                 weights=np.zeros(4), p_real=[0.5, 0.5]), 2.0)
+    resumed.handle(m.GlobalModel(fleet="t", sender="cloud", round=1, iteration=1,
+                                 weights=np.zeros(4), p_real=[0.5, 0.5]), 2.0)
+    assert resumed.counters["duplicates"] == 1
+    assert not any(k.startswith("rejected.") for k in resumed.counters)
+
+
+def test_a_device_follows_its_station_back_to_an_older_iteration(digits):
+    trainer = build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.1, seed=0)
+    dev = Device(DeviceConfig(device_id="d0", station="s", fleet="t"), trainer,
+                 num_classes=10, sample_shape=(8, 8), rng=np.random.default_rng(0))
+    dev.buffer.push(digits.x_train[:100], digits.y_train[:100])
+
+    def model(it):
+        return m.StationModel(fleet="t", sender="s", round=0, iteration=it,
+                              weights=trainer.get_flat())
+    dev.handle(model(7), 0.0)
+    dev.handle(model(3), 0.0)
+    assert dev.counters["rejected.stale_iteration"] == 1  # an old model out of order
+    out = dev.handle(m.Presence(fleet="t", sender="s", round=0, iteration=0, role="station",
+                                online=True), 1.0)
+    assert [type(x) for x in out] == [m.DeviceStats]  # the station asked for stats
+    dev.handle(model(3), 1.0)  # it resumed from an older checkpoint
+    assert dev.counters["station_rewinds"] == 1
+    out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=3, members=("d0",),
+                                 deadline=10.0), 1.0)
+    assert any(isinstance(x, m.DeviceUpdate) and x.iteration == 3 for x in out)
