@@ -127,7 +127,7 @@ class StationService:
                     "cpu_s": round(time.process_time(), 3),
                     "cpu_startup_s": round(first_model[0], 3) if first_model else None,
                     "iteration": role.iteration, "devices": len(cfg.devices),
-                    "online": role.online_devices,
+                    "online": role.online_devices, "quorum": cfg.min_quorum,
                     "counters": dict(role.counters), "transport": dict(transport.counters)}
 
         metrics = with_metrics(self.service, "station", lambda: (

@@ -88,4 +88,9 @@ def format_status(found: dict, fleet: str) -> str:
                      f"{str(doc.get('online', '?')) + '/' + str(doc.get('devices', '?')):>7} "
                      f"{counters.get('received_updates', 0):>8} "
                      f"{counters.get('received_skips', 0):>6} {rejected:>9}")
+    for sid in stations:
+        doc = found["summary"].get(sid, {})
+        if doc.get("state") == "starved":
+            lines.append(f"{sid} waits for devices: {doc.get('online', '?')} online, "
+                         f"quorum {doc.get('quorum', '?')}")
     return "\n".join(lines)

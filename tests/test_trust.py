@@ -186,6 +186,10 @@ def test_a_station_below_quorum_waits_instead_of_closing_empty_iterations():
                                   weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
     assert st.state == "starved" and not any(isinstance(x, m.Selection) for x in out)
     assert st.tick(5.0) == [] and st.iteration == 0
+    from aggregator.status import format_status
+    found = {"presence": {("station", "s"): True}, "summary": {"s": {
+        "state": st.state, "online": st.online_devices, "devices": 3, "quorum": 2}}}
+    assert "s waits for devices: 1 online, quorum 2" in format_status(found, "t")
     out = st.handle(_stats("d1"), 6.0)  # a second device: the quorum is there
     assert st.state == "collecting" and any(isinstance(x, m.Selection) for x in out)
 
