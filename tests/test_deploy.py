@@ -300,7 +300,10 @@ def _unit(path: Path) -> dict[str, dict[str, list[str]]]:
 def test_systemd_units_are_sandboxed_and_restart(role):
     unit = _unit(DEPLOY / "systemd" / f"safl-{role}.service")
     service = unit["Service"]
-    assert service["ExecStart"] == [f"/opt/safl/bin/safl {role} --config /etc/safl/{role}.toml"]
+    # Aggregators checkpoint under their StateDirectory so a restart resumes.
+    resume = " --state-dir /var/lib/safl/state" if role != "device" else ""
+    assert service["ExecStart"] == [
+        f"/opt/safl/bin/safl {role} --config /etc/safl/{role}.toml{resume}"]
     assert service["Restart"] == ["on-failure"] and service["User"] == ["safl"]
     assert service["StateDirectory"] == ["safl"] and service["ReadWritePaths"] == ["/var/lib/safl"]
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "RestrictNamespaces"):
