@@ -1,0 +1,179 @@
+"""Provisioned identities on real Mosquitto: a certificate is its participant, a revoked one
+fails the handshake, secrets are 0600, retained messages are bounded, the monitor reads
+status only.  Each test is one attack of someone holding one device's files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+
+import numpy as np
+import paho.mqtt.client as paho
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+from test_deploy import Broker, _broker_cfg, _transport, _update, fleet  # noqa: F401
+
+from aggregator.provision import MAX_PACKET, provision
+from edge_client import messages as m
+from edge_client.config import BrokerConfig
+from edge_client.mqtt import ConnectError
+from edge_client.topics import topic_for
+
+pytest.importorskip("cryptography")
+needs_mosquitto = pytest.mark.skipif(shutil.which("mosquitto") is None,
+                                     reason="Mosquitto is installed by .ci/run")
+
+
+def _pump(transports, seconds=1.5):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for t in transports:
+            t.deliver()
+        time.sleep(0.02)
+
+
+def _cfg(out, *parts, **changes) -> BrokerConfig:
+    base = _broker_cfg(out, out.joinpath(*parts))
+    return BrokerConfig(**{**vars(base), **changes})
+
+
+def _raw(cfg: BrokerConfig, port: int, client_id: str) -> paho.Client:
+    """A bare paho client with a provisioned certificate: it does what our transport never
+    would (retained floods, wildcard reads)."""
+    client = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id)
+    client.tls_set(ca_certs=cfg.ca, certfile=cfg.cert, keyfile=cfg.key)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    return client
+
+
+@pytest.fixture
+def factory(fleet):  # noqa: F811
+    """The provisioned fleet with factory st0's broker running."""
+    _, out, ports = fleet
+    broker = Broker(out / "stations" / "st0" / "broker" / "mosquitto.conf", ports["st0"])
+    yield out, ports, broker
+    broker.stop()
+
+
+@needs_mosquitto
+def test_a_certificate_acts_only_as_its_own_participant(factory):
+    out, ports, _ = factory
+    station = _transport(_cfg(out, "stations", "st0", "station.toml"), "st0")
+    got = []
+    station.subscribe("safl/plant/dev/+/update", lambda t, msg: got.append(msg.sender))
+    station.connect()
+    # cam1's certificate, with cam2's and the station's names as usernames.
+    posers = [_transport(_cfg(out, "devices", "cam1", "device.toml", username=name,
+                              password="anything"), f"poser-{name}")
+              for name in ("cam2", "st0")]
+    for t in posers:
+        t.connect()
+    time.sleep(0.3)
+    posers[0]._client.publish("safl/plant/dev/cam2/update", b"as cam2", qos=1)
+    forged = m.StationModel(fleet="plant", sender="st0", round=0, iteration=0,
+                            weights=np.zeros(8))
+    posers[1].publish(topic_for(forged), forged)
+    posers[1].publish(topic_for(_update("cam1")), _update("cam1"))  # what cam1 may do
+    _pump([station, *posers])
+    assert got == ["cam1"]  # the broker granted the certificate's name, not the username
+    for t in (station, *posers):
+        t.close()
+
+
+@needs_mosquitto
+def test_a_revoked_certificate_is_refused_at_the_handshake(fleet, tmp_path):  # noqa: F811
+    path, out, ports = fleet
+    kept = tmp_path / "stolen"
+    shutil.copytree(out / "devices" / "cam2", kept)
+    provision(path, out, revoke=("cam2",))
+    broker = Broker(out / "stations" / "st0" / "broker" / "mosquitto.conf", ports["st0"])
+    try:
+        stolen = BrokerConfig(url=f"mqtts://127.0.0.1:{ports['st0']}",
+                              ca=str(out / "ca" / "ca.pem"), cert=str(kept / "client.pem"),
+                              key=str(kept / "client.key"), connect_timeout=2)
+        with pytest.raises(ConnectError):
+            _transport(stolen, "cam2").connect()
+        honest = _transport(_cfg(out, "devices", "cam1", "device.toml"), "cam1")
+        honest.connect()  # the CRL refuses only what it lists
+        honest.close()
+    finally:
+        broker.stop()
+    assert "crlfile" in (out / "stations" / "st0" / "broker" / "mosquitto.conf").read_text()
+
+
+def test_every_secret_is_0600_and_every_folder_0700(fleet):  # noqa: F811
+    _, out, _ = fleet
+    secrets = 0
+    for p in [out, *out.rglob("*")]:
+        mode = stat.S_IMODE(p.stat().st_mode)
+        if p.is_dir():
+            assert mode == 0o700, (p, oct(mode))
+            continue
+        text = p.read_bytes()
+        if b"PRIVATE KEY" in text or p.name == "state.json":
+            secrets += 1
+            assert mode == 0o600, (p, oct(mode))
+        assert b"password" not in text.lower() or p.suffix == ".conf", p  # none are written
+    assert secrets >= 12  # CA, 3 broker servers, cloud, monitor, 2 stations, 3 devices, state
+    assert not list(out.rglob("passwd")) and not list(out.rglob(".*.tmp"))
+
+
+def _rss_kb(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+@needs_mosquitto
+def test_a_device_can_park_only_a_bounded_amount_of_retained_data(factory, capsys):
+    out, ports, broker = factory
+    client = _raw(_cfg(out, "devices", "cam1", "device.toml"), ports["st0"], "cam1-hoarder")
+    time.sleep(0.3)
+    before = _rss_kb(broker.proc.pid)
+    body = os.urandom(MAX_PACKET - 1024)  # as large as the broker accepts
+    for i in range(100):  # 100 retained messages, on its own prefix and its own topics
+        leaf = ("stats", "update", "status")[i % 3] if i % 2 else f"hoard{i}"
+        client.publish(f"safl/plant/dev/cam1/{leaf}", body, qos=1, retain=True)
+    client.publish("safl/plant/dev/cam1/big", os.urandom(900_000), qos=1, retain=True)
+    time.sleep(2.0)
+    after = _rss_kb(broker.proc.pid)
+    client.loop_stop()
+    client.disconnect()
+    grown = after - before
+    with capsys.disabled():
+        print(f"\nfactory broker RSS {before} kB -> {after} kB after 100 retained "
+              f"{len(body)} B messages and one 900 kB: +{grown} kB (bound 3 x {MAX_PACKET} B)")
+    assert grown < 3 * MAX_PACKET // 1024 + 4096  # three topics' worth, plus allocator slack
+
+
+@needs_mosquitto
+def test_the_monitor_reads_presence_and_summaries_never_models(factory):
+    out, ports, _ = factory
+    station = _transport(_cfg(out, "stations", "st0", "station.toml"), "st0")
+    cam = _transport(_cfg(out, "devices", "cam1", "device.toml"), "cam1")
+    monitor = _raw(_cfg(out, "monitor", "status-st0.toml"), ports["st0"], "monitor")
+    seen = []
+    monitor.on_message = lambda c, u, msg: seen.append(msg.topic)
+    monitor.subscribe("safl/plant/#", qos=1)
+    for t in (station, cam):
+        t.connect()
+    time.sleep(0.3)
+    cam.publish(topic_for(_update("cam1")), _update("cam1"))
+    online = m.Presence(fleet="plant", sender="cam1", round=0, iteration=0, role="dev",
+                        online=True)
+    cam.publish(topic_for(online), online)
+    model = m.StationModel(fleet="plant", sender="st0", round=0, iteration=0,
+                           weights=np.zeros(8))
+    station.publish(topic_for(model), model)
+    station.publish_json("safl/plant/station/st0/summary", {"state": "collecting"})
+    time.sleep(1.0)
+    monitor.loop_stop()
+    monitor.disconnect()
+    for t in (station, cam):
+        t.close()
+    assert "safl/plant/station/st0/summary" in seen and "safl/plant/dev/cam1/status" in seen
+    assert not any(t.endswith(("/update", "/model", "/select", "/stats")) for t in seen), seen
