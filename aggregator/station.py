@@ -212,9 +212,7 @@ class Station(RoleBase):
             # A late joiner gets the current model; it is selectable from now on.
             self.counters["late_joins"] += 1
             out.append(self._model_message())
-        if self.state == "starved" and self._ready_count() >= self.config.min_quorum:
-            out += self._begin_iteration(now)
-        return out
+        return out + self._unstarve(now)
 
     def _plausible_seen(self, msg: m.DeviceStats) -> m.DeviceStats:
         """Seen counts bounded in growth and share (a claim of 10^15 samples must not decide
@@ -241,8 +239,7 @@ class Station(RoleBase):
             if msg.sender in self.offline:
                 self.offline.discard(msg.sender)
                 self.counters["devices_back_online"] += 1
-                if self.state == "starved" and self._ready_count() >= self.config.min_quorum:
-                    return self._begin_iteration(now)
+                return self._unstarve(now)
             return []
         self.offline.add(msg.sender)
         self.counters["devices_offline"] += 1
@@ -319,20 +316,25 @@ class Station(RoleBase):
         return [d for d in self.config.devices if d in self.stats and d not in self.offline
                 and self.stats[d].next_batch_counts.any()]
 
-    def _ready_count(self) -> int:
-        return len(self._ready())
+    def _unstarve(self, now: float) -> list[m.Message]:
+        """A starved station begins its iteration as soon as a quorum is ready."""
+        if self.state == "starved" and len(self._ready()) >= self.config.min_quorum:
+            return self._begin_iteration(now)
+        return []
 
     def _begin_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config
         ready = self._ready()
         if len(ready) < cfg.min_quorum:
-            if self.state == "starved":
-                return []
-            log.warning("station %s: %d devices ready, quorum %d: waiting up to %.0f s",
-                        self.id, len(ready), cfg.min_quorum, cfg.iteration_timeout)
+            # Wait for devices, each iteration up to its timeout, rather than close it untrained.
+            newly = self.state != "starved"
+            if newly:
+                log.warning("station %s: %d devices ready, quorum %d: waiting up to %.0f s an "
+                            "iteration", self.id, len(ready), cfg.min_quorum,
+                            cfg.iteration_timeout)
             self.state, self.deadline = "starved", now + cfg.iteration_timeout
             self.members, self._replies = (), {}
-            return [self._model_message()]  # devices that wake on a model report again
+            return [self._model_message()] if newly else []  # wakes paced devices
         capped = [d for d in ready if self.share.eligible(d)]
         if len(capped) < len(ready):
             self.counters["selection_share_capped"] += len(ready) - len(capped)

@@ -186,11 +186,14 @@ def test_a_station_below_quorum_waits_instead_of_closing_empty_iterations():
                                   weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
     assert st.state == "starved" and not any(isinstance(x, m.Selection) for x in out)
     assert st.tick(5.0) == [] and st.iteration == 0
+    st.tick(10.0)  # the timeout closes this iteration untrained, and the next one waits again
+    assert st.iteration == 1 and st.state == "starved" and st.deadline == 20.0
+    assert st.tick(15.0) == [] and st.iteration == 1
     from aggregator.status import format_status
     found = {"presence": {("station", "s"): True}, "summary": {"s": {
         "state": st.state, "online": st.online_devices, "devices": 3, "quorum": 2}}}
     assert "s waits for devices: 1 online, quorum 2" in format_status(found, "t")
-    out = st.handle(_stats("d1"), 6.0)  # a second device: the quorum is there
+    out = st.handle(_stats("d1"), 16.0)  # a second device: the quorum is there
     assert st.state == "collecting" and any(isinstance(x, m.Selection) for x in out)
 
 
