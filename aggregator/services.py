@@ -72,8 +72,13 @@ def _checkpointing(role: Cloud | Station, state_dir: str, name: str, due) -> lis
                     digest, time.perf_counter() - started)
 
     def observe(message: m.Message) -> None:
-        if due(message):
+        if not due(message):
+            return
+        try:
             save_checkpoint(path, *role.snapshot())
+        except OSError as exc:  # a full disk must not hold back the round's message
+            role.counters["errors.checkpoint"] += 1
+            log.error("%s could not write its checkpoint %s: %s", name, path, exc)
     return [observe]
 
 
