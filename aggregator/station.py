@@ -398,4 +398,7 @@ class Station(RoleBase):
                               iteration=self.iteration, weights=self.weights, final=final)
 
     def _seen_counts(self) -> np.ndarray:
-        return np.sum([s.seen_counts for s in self.stats.values()], axis=0)
+        total = np.zeros(self.num_classes, dtype=np.int64)  # also before any device reported
+        for s in self.stats.values():
+            total += s.seen_counts
+        return total

@@ -1,0 +1,91 @@
+"""Roles fed long random streams of well-formed but hostile messages: nothing raises, the
+accepted model stays finite, and a compromised device never moves it far."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from aggregator.cloud import Cloud
+from aggregator.config import CloudConfig, StationConfig
+from aggregator.station import Station
+from edge_client import messages as m
+
+STATES = {"joining", "waiting", "collecting", "starved", "done"}
+
+
+def _random_message(rng, devices, it, rnd, w):
+    kind = rng.integers(8)
+    sender = devices[rng.integers(len(devices))] if rng.random() < 0.9 else "intruder"
+    common = dict(fleet="t", sender=sender, round=int(rng.integers(0, 3)),
+                  iteration=int(it + rng.integers(-2, 3)) if it >= 2 else int(it))
+    if kind == 0:
+        counts = rng.integers(0, 10**int(rng.integers(1, 16)), 2)
+        return m.DeviceStats(**common, station="s", seen_counts=counts,
+                             next_batch_counts=rng.integers(0, 6, 2))
+    if kind in (1, 2):
+        scale = 10.0 ** rng.integers(-3, 7)
+        return m.DeviceUpdate(**common, station="s", weights=w + rng.normal(size=w.size) * scale,
+                              num_samples=int(rng.choice([0, 1, 8, 16, 17, 10**12])))
+    if kind == 3:
+        return m.SkipNotice(**common, station="s", gap=float(rng.random()))
+    if kind == 4:
+        return m.Presence(**common, role="dev", online=bool(rng.random() < 0.5))
+    if kind == 5:
+        return m.Refusal(**common, reason="non_finite", role="dev", leaf="update")
+    if kind == 6:
+        return m.Presence(fleet="t", sender="cloud", round=0, iteration=0, role="cloud",
+                          online=True)
+    return m.GlobalModel(fleet="t", sender="cloud", round=int(rnd + rng.integers(0, 2)),
+                         iteration=int(it), weights=w, p_real=[0.5, 0.5])
+
+
+def test_a_station_survives_twenty_thousand_hostile_messages():
+    rng = np.random.default_rng(7)
+    devices = ("d0", "d1", "d2", "d3")
+    st = Station(StationConfig(fleet="t", station_id="s", devices=devices, super_node_size=3,
+                               rand_per_group=1, sync_period=2, batch_size=8, local_steps=2,
+                               min_quorum=2, iteration_timeout=5.0),
+                 num_params=6, num_classes=2, rng=np.random.default_rng(0))
+    w = np.zeros(6, np.float32)
+    now = 0.0
+    for _ in range(20_000):
+        now += float(rng.exponential(0.5))
+        msg = _random_message(rng, devices, st.iteration, st.round, w)
+        for out in (st.handle(msg, now), st.tick(now)):  # handle never raises
+            assert all(isinstance(x, m.Message) for x in out)
+        assert st.state in STATES
+        if st.weights is not None:
+            assert np.isfinite(st.weights).all()
+            # Every fused update was within 10x the median accepted distance of w^m.
+            assert np.abs(st.weights).max() < 1e4
+    assert st.counters["rejected.bad_count"] > 0 and st.counters["rejected.update_norm"] > 0
+    assert st.counters["clipped.seen_counts"] > 0 and st.counters["rejected.unknown_sender"] > 0
+
+
+def test_a_cloud_survives_hostile_station_reports():
+    rng = np.random.default_rng(3)
+    cloud = Cloud(CloudConfig(fleet="t", stations=("a", "b"), rounds=10**6, min_stations=1,
+                              round_timeout=5.0, fusion="median"),
+                  initial_weights=np.zeros(4), num_classes=2)
+    now = 0.0
+    for _ in range(5_000):
+        now += float(rng.exponential(1.0))
+        sender = ("a", "b", "x")[rng.integers(3)]
+        common = dict(fleet="t", sender=sender, round=int(cloud.round + rng.integers(-1, 2)
+                                                           if cloud.round else 0),
+                      iteration=int(rng.integers(0, 50)))
+        kind = rng.integers(4)
+        if kind == 0:
+            msg = m.StationStats(**common, seen_counts=rng.integers(0, 10**12, 2))
+        elif kind == 1:
+            msg = m.StationUpdate(**common, weights=rng.normal(size=4) * 10.0 ** rng.integers(0, 8),
+                                  num_samples=int(rng.integers(0, 10**12)),
+                                  seen_counts=rng.integers(0, 1000, 2))
+        elif kind == 2:
+            msg = m.Presence(**common, role="station", online=bool(rng.random() < 0.5))
+        else:
+            msg = m.Refusal(**common, reason="bad_header", role="station", leaf="update")
+        cloud.handle(msg, now)
+        cloud.tick(now)
+        assert np.isfinite(cloud.weights).all() and cloud.state in STATES
+    assert cloud.round > 10 and cloud.counters["clipped.station_samples"] > 0
