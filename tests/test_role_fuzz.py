@@ -89,3 +89,39 @@ def test_a_cloud_survives_hostile_station_reports():
         cloud.tick(now)
         assert np.isfinite(cloud.weights).all() and cloud.state in STATES
     assert cloud.round > 10 and cloud.counters["clipped.station_samples"] > 0
+
+
+def test_a_device_survives_a_confused_station(digits):
+    from edge_client.config import DeviceConfig
+    from edge_client.device import Device
+    from edge_client.trainers import build_trainer
+
+    trainer = build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.1, seed=0)
+    dev = Device(DeviceConfig(device_id="d0", station="s", fleet="t", mix=0.5, nu=1.0,
+                              holdout_every=4), trainer, num_classes=10, sample_shape=(8, 8),
+                 rng=np.random.default_rng(0))
+    rng = np.random.default_rng(5)
+    w = trainer.get_flat()
+    for i in range(2_000):
+        x = digits.x_train[(i * 7) % 1000:(i * 7) % 1000 + 5]
+        dev.ingest(x, digits.y_train[(i * 7) % 1000:(i * 7) % 1000 + 5], float(i))
+        it = int(rng.integers(0, 50))
+        kind = rng.integers(4)
+        if kind == 0:
+            msg = m.StationModel(fleet="t", sender="s", round=0, iteration=it,
+                                 weights=w * 10.0 ** rng.integers(-2, 3),
+                                 final=bool(rng.random() < 0.01))
+        elif kind == 1:
+            msg = m.Selection(fleet="t", sender="s", round=0, iteration=it,
+                              members=("d0", "d1") if rng.random() < 0.7 else ("d1",),
+                              deadline=1.0)
+        elif kind == 2:
+            msg = m.Presence(fleet="t", sender="s", round=0, iteration=0, role="station",
+                             online=bool(rng.random() < 0.5))
+        else:
+            msg = m.GlobalModel(fleet="t", sender="cloud", round=1, iteration=it, weights=w,
+                                p_real=np.full(10, 0.1))
+        out = dev.handle(msg, float(i)) + dev.tick(float(i))
+        assert all(isinstance(x, m.Message) for x in out)
+        assert np.isfinite(trainer.get_flat()).all()
+    assert dev.counters["uploads"] + dev.counters["skipped.gate"] > 0
