@@ -133,12 +133,14 @@ class StationService:
                     "cpu_startup_s": round(first_model[0], 3) if first_model else None,
                     "iteration": role.iteration, "devices": len(cfg.devices),
                     "online": role.online_devices, "quorum": cfg.min_quorum,
+                    "missing": role.missing,
                     "counters": dict(role.counters), "transport": dict(transport.counters)}
 
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
-             "selected_devices": len(role.members), "devices_online": role.online_devices}))
+             "selected_devices": len(role.members), "devices_online": role.online_devices}),
+            labels={"fleet": cfg.fleet, "station": cfg.station_id})
         # Round boundaries: the upload that ends a round, the model that begins one.
         checkpoint = _checkpointing(role, self.service.state_dir, cfg.station_id, lambda msg: (
             isinstance(msg, m.StationUpdate) or isinstance(msg, m.StationModel)
@@ -201,7 +203,8 @@ class CloudService:
         metrics = with_metrics(self.service, "cloud", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
-             "last_accuracy": rows[-1].get("accuracy") if rows else None}))
+             "last_accuracy": rows[-1].get("accuracy") if rows else None}),
+            labels={"fleet": cfg.fleet})
         serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
               attach=attach, linger=1.0, metrics=metrics,
               **_summaries(transport, status_topic_json(cfg.fleet, "cloud", CLOUD_ID), summary))

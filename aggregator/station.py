@@ -135,8 +135,18 @@ class Station(RoleBase):
                                            num_samples=meta["upload_samples"],
                                            seen_counts=self._seen_counts())
 
+    @property
+    def missing(self) -> list[str]:
+        """Roster devices the station has not heard from (or whose Last Will fired)."""
+        return [d for d in self.config.devices if d not in self.stats or d in self.offline]
+
     def tick(self, now: float) -> list[m.Message]:
         """Close the iteration at its deadline; repeat the join until the cloud answers."""
+        if self.state == "joining" and self._limiter.allow(self.id, "joining"):
+            missing = self.missing
+            log.info("station %s joining: %d of %d devices reported, waiting for %s", self.id,
+                     len(self.stats), self.config.min_devices, ", ".join(missing[:20])
+                     + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
         if self.state == "waiting" and self.weights is None and now >= self._next_hello:
             self._next_hello = now + self.config.hello_interval
             self.counters["hellos"] += 1

@@ -93,4 +93,6 @@ def format_status(found: dict, fleet: str) -> str:
         if doc.get("state") == "starved":
             lines.append(f"{sid} waits for devices: {doc.get('online', '?')} online, "
                          f"quorum {doc.get('quorum', '?')}")
+        if doc.get("state") == "joining" and doc.get("missing"):
+            lines.append(f"{sid} waits for its roster: missing {', '.join(doc['missing'])}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ loads the aggregator or torch.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -160,10 +161,55 @@ def _provision(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("safl-edge")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"time": self.formatTime(record), "level": record.levelname,
+               "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    level = args.log_level.upper() if args.log_level else ("INFO" if args.verbose else "WARNING")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_JsonFormatter() if args.log_format == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    try:
+        from models.zoo import DEFAULT_INPUT, MODELS
+    except ImportError:
+        print("mlp, softmax (numpy backend); the torch zoo needs: pip install "
+              "'safl-edge[torch]'")
+        return 0
+    for name in MODELS:
+        print(f"{name:<12} input {DEFAULT_INPUT.get(name, '?')}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="safl", description="safl-edge: SAFL and FedGS "
                                      "federated learning for edge fleets")
+    parser.add_argument("--version", action="version", version=f"safl {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                        default=None, help="log level (default warning; -v means info)")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="text lines, or one JSON object per line")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="SAFL+FedGS vs FedGS vs FedAvg on a real fleet")
     demo.add_argument("--rounds", type=int, default=None,
@@ -246,13 +292,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="comma-separated sample shape, e.g. 3,64,64 (default per model)")
     export.add_argument("--force", action="store_true", help="overwrite a non-empty folder")
     export.set_defaults(run=_export)
+    listing = models.add_parser("list", help="the zoo's models and their default input shapes")
+    listing.set_defaults(run=_models_list)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _setup_logging(args)
     try:
         return args.run(args)
     except SaflError as exc:

@@ -81,6 +81,10 @@ def from_mapping(cls: type[C], values: Mapping[str, Any]) -> C:
     for key in values:
         if key not in names:
             raise ConfigError(key, f"unknown key for {cls.__name__}; known: {sorted(names)}")
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in values:
+            raise ConfigError(f.name, f"is required by {cls.__name__} and missing")
     return cls(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
 
 

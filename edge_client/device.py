@@ -9,6 +9,7 @@ sends a skip notice, as the upload gate decides (SPEC §3).  It never does I/O:
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -22,6 +23,8 @@ from .topics import device_topics
 from .trainers import Trainer, proximal_step
 
 __all__ = ["Device"]
+
+log = logging.getLogger(__name__)
 
 
 class Device(RoleBase):
@@ -113,6 +116,10 @@ class Device(RoleBase):
             if self._accept_any_iteration and message.iteration < self._model.iteration:
                 self.counters["station_rewinds"] += 1  # it resumed from an older checkpoint
             self._accept_any_iteration = False
+            if self._model is None or message.round != self._model.round:
+                log.info("device %s: round %d (iteration %d), %d uploads and %d skips so far",
+                         self.id, message.round, message.iteration, self.counters["uploads"],
+                         self.counters["skipped.gate"])
             self._model = message
             self.finished = message.final
             return []

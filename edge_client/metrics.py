@@ -1,20 +1,27 @@
-"""Prometheus metrics over HTTP, on an optional port, without a client library.
+"""Prometheus metrics and a health check over HTTP, on an optional port, without a client
+library.
 
 A service hands :class:`MetricsServer` a function returning its counters and gauges; ``GET
-/metrics`` renders them in the Prometheus text format.  Names like ``rejected.bad_checksum``
-become ``safl_rejected_total{reason="bad_checksum"}``; a gauge ``buffer.unread`` becomes
-``safl_buffer_unread``.
+/metrics`` renders them in the Prometheus text format, each with ``# HELP`` and ``# TYPE``
+and the labels ``role``, ``fleet`` and (where they apply) ``station`` and ``device``.  Names
+like ``rejected.bad_checksum`` become ``safl_rejected_total{reason="bad_checksum",...}``; a
+gauge ``buffer.unread`` becomes ``safl_buffer_unread``.  ``GET /healthz`` answers 200 while
+the service loop turns (:meth:`MetricsServer.beat`) and 503 once it has stalled.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["MetricsServer", "render"]
+from .errors import SaflError
+
+__all__ = ["MetricsServer", "render", "HELP"]
 
 log = logging.getLogger(__name__)
 
@@ -33,40 +40,76 @@ def _name(key: str, labelled: bool) -> tuple[str, str]:
     return base, ""
 
 
-def render(role: str, counters: Mapping[str, float], gauges: Mapping[str, float]) -> str:
+# What the common metrics mean; any other is described by its name.
+HELP = {
+    "rejected": "messages or frames refused, by reason (docs/reliability.md)",
+    "clipped": "participant claims scaled down to a plausible size, by kind",
+    "skipped": "device iterations without an upload, by reason",
+    "bytes_in": "bytes received from the broker",
+    "bytes_out": "bytes published to the broker",
+    "messages_in": "messages admitted",
+    "messages_out": "messages published",
+    "received_updates": "device updates a station accepted",
+    "received_skips": "skip notices a station received",
+    "uploads": "updates a device uploaded",
+    "steps": "training iterations a device ran",
+    "round": "the current round (external synchronisations so far)",
+    "iteration": "the current station iteration",
+    "devices_online": "roster devices online at a station",
+    "last_accuracy": "test accuracy of the last global model",
+}
+
+
+def render(role: str, counters: Mapping[str, float], gauges: Mapping[str, float],
+           labels: Mapping[str, str] | None = None) -> str:
     """The Prometheus text exposition of one service's numbers."""
     lines: list[str] = []
     typed: set[str] = set()
+    common = ",".join(f'{k}="{v}"' for k, v in {"role": role, **(labels or {})}.items())
     for kind, values, suffix in (("counter", counters, "_total"), ("gauge", gauges, "")):
         for key in sorted(values):
             value = values[key]
             if value is None:
                 continue
-            base, labels = _name(key, kind == "counter")
+            base, label = _name(key, kind == "counter")
             metric = f"safl_{base}{suffix}"
             if metric not in typed:
+                lines.append(f"# HELP {metric} {HELP.get(base, base.replace('_', ' '))}")
                 lines.append(f"# TYPE {metric} {kind}")
                 typed.add(metric)
-            lines.append(f'{metric}{labels[:-1] + "," if labels else "{"}role="{role}"}} '
+            lines.append(f'{metric}{label[:-1] + "," if label else "{"}{common}}} '
                          f"{float(value):g}")
     return "\n".join(lines) + "\n"
 
 
 class MetricsServer:
-    """Serves ``/metrics`` on ``127.0.0.1:port`` (or ``host``) from a daemon thread."""
+    """Serves ``/metrics`` and ``/healthz`` on ``127.0.0.1:port`` (or ``host``) from a
+    daemon thread.  ``stall_after`` is how long the loop may go without :meth:`beat`."""
 
-    def __init__(self, port: int, role: str, collect: Collect, host: str = "127.0.0.1"):
+    def __init__(self, port: int, role: str, collect: Collect, host: str = "127.0.0.1",
+                 labels: Mapping[str, str] | None = None, stall_after: float = 30.0):
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - the http.server API
-                if self.path.split("?")[0] != "/metrics":
+                path = self.path.split("?")[0]
+                if path == "/metrics":
+                    counters, gauges = collect()
+                    self._send(200, render(server.role, counters, gauges, server.labels),
+                               "text/plain; version=0.0.4")
+                elif path == "/healthz":
+                    quiet = time.monotonic() - server.last_beat
+                    ok = quiet <= server.stall_after
+                    doc = {"status": "ok" if ok else "stalled", "role": server.role,
+                           **server.labels, "loop_idle_s": round(quiet, 3)}
+                    self._send(200 if ok else 503, json.dumps(doc), "application/json")
+                else:
                     self.send_error(404)
-                    return
-                counters, gauges = collect()
-                body = render(server.role, counters, gauges).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
+
+            def _send(self, code: int, text: str, kind: str) -> None:
+                body = text.encode()
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -74,12 +117,22 @@ class MetricsServer:
             def log_message(self, *args) -> None:
                 pass
 
-        self.role = role
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.role, self.labels = role, dict(labels or {})
+        self.stall_after = stall_after
+        self.last_beat = time.monotonic()
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:
+            raise SaflError(f"cannot serve metrics on {host}:{port}: {exc.strerror} (is the "
+                            "port taken? choose another with --metrics-port)") from exc
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True,
                          name="safl-metrics").start()
         log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def beat(self) -> None:
+        """The service loop turned: ``/healthz`` stays healthy."""
+        self.last_beat = time.monotonic()
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -77,6 +77,8 @@ def serve(role: Role, transport: Transport, *, stop: StopFlag,
     try:
         runner.start()
         while not stop and not done():
+            if metrics is not None:
+                metrics.beat()
             busy = transport.deliver()
             runner.tick()
             for hook in hooks:
@@ -126,11 +128,13 @@ def role_transport(broker: BrokerConfig, *, fleet: str, role: str, participant: 
                          num_params=trainer.num_params)
 
 
-def with_metrics(config: ServiceConfig, role: str, collect) -> MetricsServer | None:
+def with_metrics(config: ServiceConfig, role: str, collect,
+                 labels: dict[str, str] | None = None) -> MetricsServer | None:
     """Start the Prometheus endpoint if the service config asks for one."""
     if not config.metrics_port:
         return None
-    return MetricsServer(config.metrics_port, role, collect, host=config.metrics_host)
+    return MetricsServer(config.metrics_port, role, collect, host=config.metrics_host,
+                         labels=labels)
 
 
 @dataclass
@@ -180,7 +184,9 @@ class DeviceService:
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
         device, transport, feeding = self.build()
         metrics = with_metrics(self.service, "device", lambda: (
-            {**device.counters, **transport.counters}, device.metrics()))
+            {**device.counters, **transport.counters}, device.metrics()),
+            labels={"fleet": device.config.fleet, "station": device.config.station,
+                    "device": device.id})
         serve(device, transport, stop=stop or StopFlag(), metrics=metrics,
               done=(lambda: device.finished) if exit_when_done else (lambda: False), **feeding)
         log.info("device %s finished: %s %s", device.id, dict(device.counters), device.metrics())

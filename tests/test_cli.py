@@ -51,3 +51,23 @@ def test_demo_writes_metrics_plot_and_table(tmp_path, capsys):
 def test_cli_reports_errors_with_exit_code(tmp_path, capsys):
     assert main(["demo", "--rounds", "0", "--out", str(tmp_path)]) == 2
     assert "rounds" in capsys.readouterr().err
+
+
+def test_version_models_list_and_json_logs(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "edge_client.cli", *args],
+                              capture_output=True, text=True, timeout=60)
+    assert run("--version").stdout.startswith("safl ")
+    listing = run("models", "list").stdout
+    assert "small_cnn" in listing or "needs" in listing
+    config = tmp_path / "bad.toml"
+    config.write_text('[device]\ndevice_id = "d0"\n[source]\nkind = "synthetic"\n')
+    out = run("--log-format", "json", "device", "--config", str(config))
+    # A missing required key is named, in one line, with no traceback.
+    assert out.returncode == 2 and "'station': is required" in out.stderr
+    assert "Traceback" not in out.stderr
+    config.write_text('[device]\ndevice_id = "d0"\nstation = "s"\n[source]\nkind = "synthetic"\n'
+                      '[broker]\nurl = "mqtt://127.0.0.1:1"\nconnect_timeout = 1.0\n')
+    out = run("--log-format", "json", "device", "--config", str(config))
+    logged = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
+    assert out.returncode == 6 and logged and logged[0]["level"] == "WARNING"

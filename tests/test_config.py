@@ -65,3 +65,9 @@ def test_cloud_config_out_of_range():
         CloudConfig(stations=("s",), rounds=1, min_stations=2)
     with pytest.raises(ConfigError, match="server_optimizer"):
         CloudConfig(stations=("s",), rounds=1, server_optimizer="adam")
+
+
+def test_a_missing_required_key_is_named():
+    from edge_client.config import DeviceConfig, from_mapping
+    with pytest.raises(ConfigError, match="'station': is required by DeviceConfig"):
+        from_mapping(DeviceConfig, {"device_id": "d0"})

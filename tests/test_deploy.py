@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -285,7 +286,29 @@ def test_metrics_endpoint_is_scrapable():
     assert 'safl_rejected_total{reason="bad_checksum",role="station"} 2' in body
     assert 'safl_received_updates_total{role="station"} 7' in body
     assert 'safl_round{role="station"} 3' in body
+    assert "# HELP safl_rejected_total messages or frames refused" in body
     assert render("x", {}, {"accuracy": None}) == "\n"
+    labelled = render("device", {"rejected.bad_id": 1}, {}, {"fleet": "f", "device": "d0"})
+    assert 'safl_rejected_total{reason="bad_id",role="device",fleet="f",device="d0"} 1' in labelled
+
+
+def test_health_turns_503_when_the_loop_stalls_and_a_busy_port_is_one_line():
+    from edge_client.errors import SaflError
+    server = MetricsServer(0, "cloud", lambda: ({}, {}), labels={"fleet": "f"},
+                           stall_after=0.2)
+    try:
+        url = f"http://127.0.0.1:{server.port}/healthz"
+        assert json.loads(urllib.request.urlopen(url, timeout=5).read())["status"] == "ok"
+        time.sleep(0.4)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url, timeout=5)
+        assert err.value.code == 503
+        server.beat()
+        assert json.loads(urllib.request.urlopen(url, timeout=5).read())["fleet"] == "f"
+        with pytest.raises(SaflError, match="port taken"):
+            MetricsServer(server.port, "cloud", lambda: ({}, {}))
+    finally:
+        server.close()
 
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

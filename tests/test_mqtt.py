@@ -290,10 +290,15 @@ def test_a_device_service_stops_cleanly_on_sigterm(tmp_path, digits):
             if fleet_status(cfg, "f", wait=0.3)["presence"].get(("dev", "d0")):
                 break
         assert fleet_status(cfg, "f", wait=0.3)["presence"][("dev", "d0")] is True
+        import json
         import urllib.request
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-        assert b'safl_messages_out_total{role="device"}' in body  # its stats went out
-        assert b'safl_buffer_unread{role="device"}' in body
+        labels = b'{role="device",fleet="f",station="st0",device="d0"}'
+        assert b"safl_messages_out_total" + labels in body  # its stats went out
+        assert b"safl_buffer_unread" + labels in body and b"# HELP safl_messages_out" in body
+        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz",
+                                                   timeout=5).read())
+        assert health["status"] == "ok" and health["device"] == "d0"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0, proc.stdout.read().decode()
         assert fleet_status(cfg, "f", wait=0.5)["presence"][("dev", "d0")] is False

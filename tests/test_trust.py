@@ -193,6 +193,9 @@ def test_a_station_below_quorum_waits_instead_of_closing_empty_iterations():
     found = {"presence": {("station", "s"): True}, "summary": {"s": {
         "state": st.state, "online": st.online_devices, "devices": 3, "quorum": 2}}}
     assert "s waits for devices: 1 online, quorum 2" in format_status(found, "t")
+    joining = {"presence": {}, "summary": {"s": {"state": "joining", "missing": ["d1", "d2"]}}}
+    assert "s waits for its roster: missing d1, d2" in format_status(joining, "t")
+    assert _station().missing == ["d0", "d1", "d2"]
     out = st.handle(_stats("d1"), 16.0)  # a second device: the quorum is there
     assert st.state == "collecting" and any(isinstance(x, m.Selection) for x in out)
 
