@@ -8,6 +8,7 @@ devices; FedAvg takes one iteration of ``T`` local steps on ``L`` random devices
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import socket
 import subprocess
@@ -117,6 +118,17 @@ def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 
         raise ConfigError("bus", f"must be 'mqtt' or 'local', got {bus!r}")
     rounds = rounds if rounds is not None else DEFAULT_ROUNDS[bus]
     check_range("rounds", rounds, 1)
+    # Extras are checked before minutes of training, not after.
+    if bus == "mqtt" and broker is None and importlib.util.find_spec("amqtt") is None:
+        raise SaflError("the demo's embedded broker needs amqtt: pip install "
+                        "'safl-edge[broker]' (or pass --broker mqtt://host:port, or --bus local)")
+    try:
+        import matplotlib  # noqa: F401
+        plotting = True
+    except ImportError:
+        plotting = False
+        print("matplotlib is not installed: the demo writes its CSV and JSON but no plot "
+              "(pip install 'safl-edge[plot]' for accuracy.png)", file=sys.stderr)
     data, note = load_default()
     print(f"dataset: {note}", file=sys.stderr)
     rng = np.random.default_rng(seed)
@@ -137,9 +149,12 @@ def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 
             url = broker or stack.enter_context(_embedded_broker())
             results = [_over_broker(data, s, spec, url, out, rounds) for s in demo_strategies()]
     csv_path, json_path = write_metrics(results, out)
-    png = plot_accuracy(results, out / "accuracy.png",
-                        f"{data.name}: {stations}x{devices_per_station} devices, "
-                        f"Dirichlet({alpha})")
+    written = [str(csv_path), str(json_path)]
+    if plotting:
+        written.append(str(plot_accuracy(results, out / "accuracy.png",
+                                         f"{data.name}: {stations}x{devices_per_station} "
+                                         f"devices, Dirichlet({alpha})")))
     print(format_table(summary_rows(results)))
-    print(f"\nwrote {csv_path}, {json_path} and {png}")
+    print(f"\nwrote {', '.join(written)}" + ("" if plotting else
+                                              " (no plot: pip install 'safl-edge[plot]')"))
     return results

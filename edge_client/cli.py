@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,8 @@ def _demo(args: argparse.Namespace) -> int:
     bus = args.bus or "mqtt"
     if args.broker and bus == "local":
         raise ConfigError("broker", "--broker runs the fleet over MQTT; drop --bus local")
+    # SIGTERM unwinds like Ctrl-C, so the demo stops its role processes and its broker.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     run_demo(rounds=args.rounds, out=args.out, seed=args.seed, bus=bus, broker=args.broker)
     return 0
 
@@ -305,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SaflError as exc:
         print(f"safl: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        print("safl: interrupted; stopped what was started", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

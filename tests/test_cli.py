@@ -71,3 +71,58 @@ def test_version_models_list_and_json_logs(tmp_path):
     out = run("--log-format", "json", "device", "--config", str(config))
     logged = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
     assert out.returncode == 6 and logged and logged[0]["level"] == "WARNING"
+
+
+def test_demo_without_matplotlib_still_writes_its_csv(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from edge_client.cli import main\n"
+            f"sys.exit(main(['demo', '--bus', 'local', '--rounds', '2', '--out', r'{tmp_path}']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'safl-edge[plot]'" in out.stderr + out.stdout
+    assert (tmp_path / "metrics.csv").exists() and not (tmp_path / "accuracy.png").exists()
+
+
+def _children(parent: int) -> list[int]:
+    import os
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[1]) == parent:
+                    found.append(int(pid))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    import os
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_demo_its_roles_and_its_broker(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "demo", "--rounds", "200",
+                             "--out", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("*/logs/dev*.log")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2.0)  # the fleet is up: the broker and 15 role processes
+    children = _children(proc.pid)
+    assert len(children) >= 16
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 130
+    err = proc.stderr.read()
+    assert "interrupted" in err and "Traceback" not in err
+    time.sleep(1.0)
+    assert [pid for pid in children if _alive(pid)] == []  # roles and broker are gone
