@@ -7,8 +7,12 @@ Writes ``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx``,
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import os
+import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -47,6 +51,29 @@ def _to_onnx(module: torch.nn.Module, *, training: bool) -> onnx.ModelProto:
     return onnx.load_from_string(buf.getvalue())
 
 
+@contextlib.contextmanager
+def _native_logs_quiet():
+    """Hold back what ONNX Runtime's C++ side writes to stderr (some 20 INFO lines an export,
+    whatever its Python logger level) unless logging is at DEBUG; shown if the export fails."""
+    if logging.getLogger().isEnabledFor(logging.DEBUG):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def export_model(name: str, out: str | Path, *, optimizer: str = "sgd", num_classes: int = 10,
                  input_shape: tuple[int, ...] | None = None, seed: int = 0,
                  force: bool = False) -> Manifest:
@@ -69,11 +96,13 @@ def export_model(name: str, out: str | Path, *, optimizer: str = "sgd", num_clas
 
     inference = _to_onnx(module, training=False)
     onnx.save(inference, str(out / FILES["inference"]))
-    artifacts.generate_artifacts(
-        _to_onnx(module, training=True), requires_grad=names, frozen_params=[],
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=artifacts.OptimType.SGD if optimizer == "sgd" else artifacts.OptimType.AdamW,
-        artifact_directory=str(out), additional_output_names=["logits"])
+    with _native_logs_quiet():
+        artifacts.generate_artifacts(
+            _to_onnx(module, training=True), requires_grad=names, frozen_params=[],
+            loss=artifacts.LossType.CrossEntropyLoss,
+            optimizer=artifacts.OptimType.SGD if optimizer == "sgd"
+            else artifacts.OptimType.AdamW,
+            artifact_directory=str(out), additional_output_names=["logits"])
     manifest = Manifest(model=name, input_shape=tuple(module.input_shape),
                         num_classes=num_classes,
                         layout=tuple((n, tuple(p.shape)) for n, p in module.named_parameters()),

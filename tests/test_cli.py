@@ -98,7 +98,6 @@ def _children(parent: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    import os
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"

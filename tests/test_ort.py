@@ -178,3 +178,11 @@ def test_learning_rate_control(exported):
     t.lr = 0.05
     t.train_step(x, y)
     assert np.abs(t.get_flat() - w).max() == pytest.approx(step_big / 10, rel=1e-3)
+
+
+def test_export_keeps_onnx_runtimes_native_logging_quiet(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "edge_client.cli", "models", "export", "mlp",
+                          "--out", str(tmp_path / "art")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "onnxruntime" not in out.stderr and out.stdout.startswith("exported mlp")
