@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +146,9 @@ class DeviceService:
     source: SourceConfig
     broker: BrokerConfig
     service: ServiceConfig = ServiceConfig()
+    # The running source's pump: its counters (frames dropped, wrong shapes, a recording's
+    # end) are metrics too.  None for federation-paced replay.
+    pump: SourcePump | None = field(default=None, init=False, repr=False)
 
     def build(self) -> tuple[Device, MqttTransport, dict[str, Any]]:
         """The role, its transport, and the ``serve`` keywords that feed it samples."""
@@ -164,6 +167,7 @@ class DeviceService:
             return device, transport, {"attach": self._paced(device, source, transport)}
         pump = SourcePump(source, capacity=self.source.queue_size, drop_when_full=drops,
                           name=cfg.device_id).start()
+        self.pump = pump
         return device, transport, {
             "hooks": (lambda runner, now: runner.publish(feed_device(device, pump, now)),)}
 
@@ -183,8 +187,13 @@ class DeviceService:
 
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
         device, transport, feeding = self.build()
+        pump = self.pump
         metrics = with_metrics(self.service, "device", lambda: (
-            {**device.counters, **transport.counters}, device.metrics()),
+            {**device.counters, **transport.counters,
+             **({f"source.{k}": v for k, v in pump.metrics().items() if k != "queued"}
+                if pump else {})},
+            {**device.metrics(), **({"source_queued": pump.metrics()["queued"]} if pump
+                                    else {})}),
             labels={"fleet": device.config.fleet, "station": device.config.station,
                     "device": device.id})
         serve(device, transport, stop=stop or StopFlag(), metrics=metrics,

@@ -296,6 +296,7 @@ def test_a_device_service_stops_cleanly_on_sigterm(tmp_path, digits):
         labels = b'{role="device",fleet="f",station="st0",device="d0"}'
         assert b"safl_messages_out_total" + labels in body  # its stats went out
         assert b"safl_buffer_unread" + labels in body and b"# HELP safl_messages_out" in body
+        assert b'safl_source_total{kind="samples",role="device"' in body  # the pump counts
         health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz",
                                                    timeout=5).read())
         assert health["status"] == "ok" and health["device"] == "d0"

@@ -117,12 +117,28 @@ def test_unreachable_camera_retries_with_backoff_then_fails_clearly():
         next(index.samples())
 
 
-def test_wrong_frame_shape_is_counted_not_fatal(tmp_path):
+def test_wrong_frame_shape_is_counted_not_fatal(tmp_path, caplog):
     video = _write_video(tmp_path / "v.avi", n_frames=5)
     no_resize = Preprocess(sample_shape=(1, 28, 28), grayscale=True)
     source = VideoSource(str(video), no_resize, FixedLabel(1, 2))
-    assert _collect(source) == []
+    with caplog.at_level("WARNING", logger="edge_client.sources.video"):
+        assert _collect(source) == []
     assert source.counters["wrong_shape"] == 5
+    assert len([r for r in caplog.records if "wrong_shape" in r.getMessage()]) == 1
+
+
+def test_a_video_loops_or_ends_once(tmp_path, caplog):
+    import itertools
+    video = _write_video(tmp_path / "v.avi", n_frames=5)
+    looping = VideoSource(str(video), GRAY_28, FixedLabel(1, 2), loop=True)
+    got = list(itertools.islice(looping.samples(), 12))
+    assert len(got) == 12 and looping.counters["loops"] == 2
+    once = VideoSource(str(video), GRAY_28, FixedLabel(1, 2))
+    with caplog.at_level("INFO", logger="edge_client.sources.video"):
+        assert len(_collect(once)) == 5
+    assert once.counters["recording_ended"] == 1
+    assert [r.getMessage() for r in caplog.records if "ended" in r.getMessage()] == [
+        f"{video} ended after 5 frames"]
 
 
 def test_image_folder_with_bad_files(tmp_path):

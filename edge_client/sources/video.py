@@ -3,7 +3,9 @@
 The URI is a device index (``"0"``), an RTSP/HTTP URL, a GStreamer pipeline
 (anything containing ``" ! "``, e.g. a Jetson CSI camera through ``nvarguscamerasrc``),
 or a video file.  Opening and reading retry with jittered exponential backoff,
-then fail with a :class:`SourceError` that names the URI.
+then fail with a :class:`SourceError` that names the URI.  A recording ends once (logged,
+counted as ``recording_ended``) or, with ``loop``, starts over (``loops``); frames of the
+wrong shape are refused with one log line and counted (``wrong_shape``).
 """
 
 from __future__ import annotations
@@ -48,10 +50,14 @@ class VideoSource:
         their own timestamps, live sources the clock.
     retries, backoff, max_backoff : int, float, float
         Attempts after the first, and the backoff base and cap in seconds.
+    loop : bool
+        A video file starts over at its end (frame numbers and times too, so a sidecar
+        keyed by either labels every pass alike).
     """
 
     def __init__(self, uri: str, preprocess: Preprocess, labeler: Labeler, *,
                  sample_fps: float = 0.0, retries: int = 5, backoff: float = 0.5,
+                 loop: bool = False,
                  max_backoff: float = 10.0, rng: np.random.Generator | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
@@ -60,6 +66,7 @@ class VideoSource:
             raise SourceError(f"video file {self.uri} does not exist")
         self.preprocess, self.labeler, self.sample_fps = preprocess, labeler, sample_fps
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.loop = loop
         self.rng = rng or np.random.default_rng()
         self.clock, self.sleep = clock, sleep
         # One set of metrics per source: the labeler counts into the same Counter.
@@ -113,7 +120,17 @@ class VideoSource:
             ok, frame = self._cap.read()
             if not ok:
                 if not self.live:
-                    return  # end of the recording
+                    if self.loop and frame_no >= 0:
+                        if not self.counters["loops"]:
+                            log.info("%s ended after %d frames; looping", self.uri,
+                                     frame_no + 1)
+                        self.counters["loops"] += 1
+                        self._cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
+                        frame_no, next_t = -1, 0.0
+                        continue
+                    self.counters["recording_ended"] = 1
+                    log.info("%s ended after %d frames", self.uri, frame_no + 1)
+                    return
                 self.counters["read_failures"] += 1
                 log.warning("lost %s %s; reconnecting", self.kind, self.uri)
                 self._cap.release()
@@ -128,8 +145,10 @@ class VideoSource:
             try:
                 sample = self.preprocess(frame)
             except ShapeError as exc:
+                if not self.counters["wrong_shape"]:  # one line, however many frames follow
+                    log.warning("%s frame %d: %s; refusing such frames (counted as "
+                                "wrong_shape; fix [source] crop/resize)", self.uri, frame_no, exc)
                 self.counters["wrong_shape"] += 1
-                log.warning("%s frame %d: %s; skipped", self.uri, frame_no, exc)
                 continue
             label = self.labeler(frame_no, t, sample)
             if label is None:
