@@ -106,6 +106,44 @@ def _embedded_broker():
         proc.wait(10)
 
 
+def _fleet(rounds: int, seed: int, stations: int, devices_per_station: int, alpha: float,
+           lr: float):
+    """The demo's data and fleet: the same for every strategy, run or written out."""
+    data, note = load_default()
+    print(f"dataset: {note}", file=sys.stderr)
+    rng = np.random.default_rng(seed)
+    n_dev = stations * devices_per_station
+    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(data.y_train, n_dev, alpha, rng)),
+                     groups=tuple(assign_groups(n_dev, stations, rng)), rounds=rounds, lr=lr,
+                     seed=seed, arrivals_per_step=48, initial_samples=64)
+    return data, spec
+
+
+def write_demo_fleet(folder: Path, *, broker: str, rounds: int = 20, seed: int = 0,
+                     strategy: str = "safl+fedgs") -> dict[str, Path]:
+    """Write the demo's fleet (one strategy) as files to start by hand: every role's TOML
+    with absolute paths, each device's data, the test set, and a README with the commands."""
+    from .launch import fleet_commands, write_fleet
+
+    check_range("rounds", rounds, 1)
+    chosen = [s for s in demo_strategies() if s.name == strategy]
+    if not chosen:
+        raise ConfigError("strategy", f"must be one of {[s.name for s in demo_strategies()]}")
+    data, spec = _fleet(rounds, seed, 2, 6, 0.3, 0.1)
+    folder = Path(folder).resolve()
+    paths = write_fleet(folder, data, chosen[0], spec, broker)
+    lines = [f"# A safl-edge fleet: {strategy}, {rounds} rounds, 2 stations x 6 devices", "",
+             "Start a broker (`safl broker --port 1883`, or Mosquitto), then each line in its",
+             "own terminal or host (the cloud first is tidiest; any order works). The",
+             "`--broker` flag overrides the URL in the files. A station waits until every",
+             "device of its roster reported and logs the ones it is missing.", "", "```sh",
+             *(" ".join(c) for c in fleet_commands(paths, broker).values()), "```", "",
+             "The cloud writes metrics.csv here; cloud and stations checkpoint under state/",
+             "(remove it to start over).", ""]
+    (folder / "README.md").write_text("\n".join(lines))
+    return paths
+
+
 def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 0,
              stations: int = 2, devices_per_station: int = 6, alpha: float = 0.3,
              lr: float = 0.1, bus: str = "mqtt", broker: str | None = None) -> list[RunResult]:
@@ -129,13 +167,7 @@ def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 
         plotting = False
         print("matplotlib is not installed: the demo writes its CSV and JSON but no plot "
               "(pip install 'safl-edge[plot]' for accuracy.png)", file=sys.stderr)
-    data, note = load_default()
-    print(f"dataset: {note}", file=sys.stderr)
-    rng = np.random.default_rng(seed)
-    n_dev = stations * devices_per_station
-    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(data.y_train, n_dev, alpha, rng)),
-                     groups=tuple(assign_groups(n_dev, stations, rng)), rounds=rounds, lr=lr,
-                     seed=seed, arrivals_per_step=48, initial_samples=64)
+    data, spec = _fleet(rounds, seed, stations, devices_per_station, alpha, lr)
     where = "in this process" if bus == "local" else (
         f"one process per role over {broker or 'the embedded amqtt broker'}")
     print(f"fleet: {stations} stations x {devices_per_station} devices, Dirichlet({alpha}) label "

@@ -26,7 +26,7 @@ from edge_client.errors import SaflError
 from .datasets import Dataset
 from .simulation import FleetSpec, Strategy, _public, plan_fleet
 
-__all__ = ["write_fleet", "launch_fleet", "toml_text", "Fleet"]
+__all__ = ["write_fleet", "launch_fleet", "fleet_commands", "toml_text", "Fleet"]
 
 _ROUND = re.compile(r"round (\d+): accuracy ([0-9.]+)")
 
@@ -112,6 +112,21 @@ class Fleet:
         return path.read_text() if path.exists() else ""
 
 
+def fleet_commands(paths: dict[str, Path], broker: str | None = None,
+                   program: tuple[str, ...] = ("safl",)) -> dict[str, list[str]]:
+    """The command line of every role of a written fleet, cloud first (``broker``, if given,
+    overrides the URL in the files)."""
+    argv = {"cloud": [*program, "-v", "cloud", "--config", str(paths["cloud"]), "--eval",
+                      str(paths["_test"]), "--out", str(paths["cloud"].parent)]}
+    for name, path in paths.items():
+        if name not in ("cloud", "_test"):
+            role = "station" if name.startswith("st") else "device"
+            argv[name] = [*program, "-v", role, "--config", str(path)]
+    for line in argv.values():
+        line += ["--broker", broker] if broker else []
+    return argv
+
+
 def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpec,
                  broker_url: str, *, credentials: Callable[[str], tuple[str, str]] | None = None,
                  broker_extra: dict[str, Any] | None = None, timeout: float = 900.0,
@@ -131,15 +146,10 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
     (run_dir / "metrics.csv").unlink(missing_ok=True)
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
-    cli = [sys.executable, "-m", "edge_client.cli"]
     procs: dict[str, subprocess.Popen] = {}
-    argv: dict[str, list[str]] = {"cloud": cli + ["-v", "cloud", "--config", str(paths["cloud"]),
-                                                  "--eval", str(paths["_test"]),
-                                                  "--out", str(run_dir)]}
-    for name, path in paths.items():
-        if name.startswith(("st", "dev")):
-            role = "station" if name.startswith("st") else "device"
-            argv[name] = (commands or {}).get(name, cli + ["-v", role]) + ["--config", str(path)]
+    argv = fleet_commands(paths, program=(sys.executable, "-m", "edge_client.cli"))
+    for name, command in (commands or {}).items():
+        argv[name] = [*command, "--config", str(paths[name])]
 
     def start(name: str) -> None:
         with open(logs / f"{name}.log", "a") as log:  # a restart appends

@@ -22,6 +22,13 @@ __all__ = ["main"]
 def _demo(args: argparse.Namespace) -> int:
     from aggregator.demo import run_demo
 
+    if args.fleet_out:
+        from aggregator.demo import write_demo_fleet
+        write_demo_fleet(args.fleet_out, broker=args.broker or "mqtt://127.0.0.1:1883",
+                         rounds=args.rounds or 20, seed=args.seed)
+        print(f"wrote a fleet to {args.fleet_out.resolve()}: start it with the commands in "
+              f"{args.fleet_out.resolve() / 'README.md'}")
+        return 0
     bus = args.bus or "mqtt"
     if args.broker and bus == "local":
         raise ConfigError("broker", "--broker runs the fleet over MQTT; drop --bus local")
@@ -226,6 +233,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=None, help="output folder "
                       "(default runs/<timestamp>)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--fleet-out", type=Path, default=None, metavar="DIR",
+                      help="write the SAFL+FedGS fleet's files (absolute paths, README with "
+                      "the commands) to DIR and start nothing")
     demo.set_defaults(run=_demo)
 
     for name, run, text in (("device", _device, "run a device (SAFL on its sensor stream)"),

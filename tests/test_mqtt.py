@@ -355,3 +355,36 @@ def test_tls_with_client_certificates(tmp_path):
             transport("d0", ca=str(certs["ca"])).connect()
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_fleet_written_by_the_demo_starts_by_hand_as_its_readme_says(tmp_path):
+    import subprocess
+    import sys
+
+    from edge_client.cli import main
+
+    folder = tmp_path / "fleet"
+    assert main(["demo", "--fleet-out", str(folder), "--rounds", "2"]) == 0
+    broker = Amqtt(tmp_path)
+    readme = (folder / "README.md").read_text()
+    lines = [line for line in readme.splitlines() if line.startswith("safl ")]
+    assert len(lines) == 15  # the cloud, 2 stations, 12 devices
+    procs = []
+    try:
+        for line in lines:  # exactly the documented commands, with this broker's URL
+            args = line.replace("mqtt://127.0.0.1:1883", broker.url).split()[1:]
+            procs.append(subprocess.Popen([sys.executable, "-m", "edge_client.cli", *args],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        assert procs[0].wait(240) == 0  # the cloud finishes its rounds
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        broker.stop()
+    rows = (folder / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2"]
+    for toml in folder.glob("*.toml"):  # every path in the files is absolute
+        for line in toml.read_text().splitlines():
+            if line.startswith(("path", "state_dir")):
+                assert line.split('"')[1].startswith("/"), line
