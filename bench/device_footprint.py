@@ -4,9 +4,11 @@ For ORT and torch the model is ``small_cnn`` (114k parameters, 1x28x28); numpy r
 ``mlp`` (it has no convolutions).  Each child process imports its backend, builds a device
 role and runs ``--iterations`` SAFL iterations (annealed merge + one SGD step on a batch of
 32 from the stream buffer), then reports import time, time per training step and peak RSS.
-Ratios are to the torch backend measured in the same run.
+Ratios are to the torch backend on the CPU measured in the same run.  Where torch sees a
+CUDA device, a ``torch-cuda`` row runs the same iterations on it and the accelerator is named.
 
-Run: ``python bench/device_footprint.py [--iterations N]``.  Needs the ort and torch extras.
+Run: ``python bench/device_footprint.py [--iterations N] [--backends torch,ort,numpy]``.
+Needs the ort and torch extras for those rows.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 backend, model, artifacts, iterations = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+device = "cuda" if backend == "torch-cuda" else "cpu"
+backend = "torch" if backend == "torch-cuda" else backend
 if backend == "ort":
     from edge_client.trainers.ort_backend import load_training_api
     load_training_api()
@@ -35,7 +39,8 @@ from edge_client.trainers import build_trainer
 import_s = time.perf_counter() - t0
 shape = (1, 28, 28)
 trainer = build_trainer(model, backend=backend, input_shape=shape, num_classes=10, lr=0.01,
-                        artifacts=artifacts or None)
+                        artifacts=artifacts or None,
+                        **({"device": device} if backend == "torch" else {}))
 dev = Device(DeviceConfig(device_id="d", station="s", mix=0.5, temperature=50.0,
                           holdout_every=0, buffer_capacity=4096), trainer,
              num_classes=10, sample_shape=shape, rng=np.random.default_rng(0))
@@ -49,7 +54,7 @@ for t in range(iterations + 5):
     start = time.perf_counter()
     out = dev.handle(m.Selection(fleet="default", sender="s", round=0, iteration=t,
                                  members=("d",), deadline=1.0), 0.0)
-    if t >= 5:  # warm-up excluded
+    if t >= 5:  # warm-up excluded (get_flat in the reply synchronises a CUDA device)
         times.append(time.perf_counter() - start)
     zbar = out[-1].weights
 # VmHWM is this process's own peak; ru_maxrss would carry the parent's across exec.
@@ -70,29 +75,42 @@ def _child(backend: str, model: str, artifacts: str, iterations: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--backends", default="torch,ort,numpy",
+                        help="comma-separated rows; torch (on the CPU) is the baseline")
     args = parser.parse_args()
-    from models.export import export_model
+    import torch
 
+    wanted = args.backends.split(",")
+    if torch.cuda.is_available():
+        wanted.append("torch-cuda")
+        print(f"accelerator: {torch.cuda.get_device_name()} (torch {torch.__version__})")
+    else:
+        print(f"accelerator: none (torch {torch.__version__} sees no CUDA device)")
+    models = {"torch": "small_cnn", "torch-cuda": "small_cnn", "ort": "small_cnn",
+              "numpy": "mlp"}
     with tempfile.TemporaryDirectory() as folder:
-        t0 = time.perf_counter()
-        export_model("small_cnn", folder, force=True)
-        print(f"exported small_cnn artifacts in {time.perf_counter() - t0:.1f} s (needs torch)")
-        rows = {"torch": _child("torch", "small_cnn", "", args.iterations),
-                "ort": _child("ort", "small_cnn", folder, args.iterations),
-                "numpy": _child("numpy", "mlp", "", args.iterations)}
+        if "ort" in wanted:
+            from models.export import export_model
+
+            t0 = time.perf_counter()
+            export_model("small_cnn", folder, force=True)
+            print(f"exported small_cnn artifacts in {time.perf_counter() - t0:.1f} s")
+        rows = {name: _child(name, models[name], folder if name == "ort" else "",
+                             args.iterations) for name in wanted}
     base = rows["torch"]
-    print(f"\n{'backend':<8} {'model':<10} {'params':>7} {'import s':>9} {'step ms':>8} "
+    print(f"\n{'backend':<10} {'model':<10} {'params':>7} {'import s':>9} {'step ms':>8} "
           f"{'peak RSS MB':>12} {'step/torch':>11} {'RSS/torch':>10} {'torch loaded':>13}")
-    for name, model in (("torch", "small_cnn"), ("ort", "small_cnn"), ("numpy", "mlp")):
-        r = rows[name]
-        print(f"{name:<8} {model:<10} {r['params']:>7} {r['import_s']:>9.2f} "
+    for name in wanted:
+        r, model = rows[name], models[name]
+        print(f"{name:<10} {model:<10} {r['params']:>7} {r['import_s']:>9.2f} "
               f"{r['step_ms']:>8.2f} {r['peak_rss_mb']:>12.1f} "
               f"{r['step_ms'] / base['step_ms']:>11.2f} "
               f"{r['peak_rss_mb'] / base['peak_rss_mb']:>10.2f} {str(r['torch_loaded']):>13}")
-    ort = rows["ort"]
-    print(f"\ntargets: ORT peak RSS <= 120 MB ({ort['peak_rss_mb']:.0f}) and <= 0.5x torch "
-          f"({ort['peak_rss_mb'] / base['peak_rss_mb']:.2f}x); ORT step <= 1.5x torch "
-          f"({ort['step_ms'] / base['step_ms']:.2f}x)")
+    if "ort" in rows:
+        ort = rows["ort"]
+        print(f"\ntargets: ORT peak RSS <= 120 MB ({ort['peak_rss_mb']:.0f}) and <= 0.5x torch "
+              f"({ort['peak_rss_mb'] / base['peak_rss_mb']:.2f}x); ORT step <= 1.5x torch "
+              f"({ort['step_ms'] / base['step_ms']:.2f}x)")
 
 
 if __name__ == "__main__":

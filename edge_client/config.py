@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import typing
 from collections.abc import Mapping
@@ -317,10 +318,16 @@ class ModelConfig:
     num_classes: int = 10
     artifacts: str = ""
     seed: int = 0
+    device: str = "auto"  # torch: "auto" (CUDA where available), "cpu", "cuda" or "cuda:N"
 
     def __post_init__(self) -> None:
         if self.backend not in ("numpy", "torch", "ort"):
             raise ConfigError("backend", f"must be numpy, torch or ort, got {self.backend!r}")
+        if re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is None:
+            raise ConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got "
+                              f"{self.device!r}")
+        if self.device not in ("auto", "cpu") and self.backend != "torch":
+            raise ConfigError("device", f"{self.device!r} needs backend = 'torch'")
         if self.backend == "ort" and not self.artifacts:
             raise ConfigError("artifacts", "the ort backend needs the exported artifacts folder")
         if not self.input_shape or min(self.input_shape) < 1:

@@ -115,7 +115,7 @@ def model_trainer(model: ModelConfig, lr: float):
     layout, the initial weights and evaluation, never for SGD)."""
     return build_trainer(model.name, backend=model.backend, input_shape=model.input_shape,
                          num_classes=model.num_classes, lr=lr, seed=model.seed,
-                         artifacts=model.artifacts or None)
+                         artifacts=model.artifacts or None, device=model.device)
 
 
 def role_transport(broker: BrokerConfig, *, fleet: str, role: str, participant: str,

@@ -22,13 +22,18 @@ BACKENDS = ("numpy", "torch", "ort")
 def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int, ...] = (),
                   num_classes: int = 0, lr: float, seed: int = 0,
                   artifacts: str | Path | None = None,
-                  expected_layout_hash: str | None = None) -> Trainer:
+                  expected_layout_hash: str | None = None, device: str = "auto") -> Trainer:
     """Build a trainer for a zoo model on the chosen backend.
 
     ``numpy`` and ``torch`` build the model from ``input_shape`` and
     ``num_classes``; ``ort`` loads it from the ``artifacts`` folder.  A trainer
-    whose layout hash differs from ``expected_layout_hash`` is refused.
+    whose layout hash differs from ``expected_layout_hash`` is refused.  ``device``
+    places the torch backend's model (``auto``: CUDA where available); numpy runs on
+    the CPU, and so does ORT, whose training build has only the CPU execution provider.
     """
+    if device != "auto" and device != "cpu" and backend != "torch":
+        raise ConfigError("device", f"{device!r} needs the torch backend: the {backend} "
+                          "backend trains on the CPU only")
     if backend == "ort":
         if not artifacts:
             raise ConfigError("artifacts", "the ort backend needs the exported artifacts folder")
@@ -37,12 +42,14 @@ def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int,
                          expected_layout_hash=expected_layout_hash)
     if backend == "numpy":
         from .numpy_backend import build
+        trainer = build(model, input_shape=tuple(input_shape), num_classes=num_classes, lr=lr,
+                        seed=seed)
     elif backend == "torch":
-        from .torch_backend import build
+        from .torch_backend import build as build_torch
+        trainer = build_torch(model, input_shape=tuple(input_shape), num_classes=num_classes,
+                              lr=lr, seed=seed, device=device)
     else:
         raise ConfigError("backend", f"must be one of {BACKENDS}, got {backend!r}")
-    trainer = build(model, input_shape=tuple(input_shape), num_classes=num_classes, lr=lr,
-                    seed=seed)
     if expected_layout_hash and layout_hash(trainer.layout) != expected_layout_hash:
         raise ArtifactError(f"{backend} model {model!r} has layout {layout_hash(trainer.layout)}, "
                             f"the federation uses {expected_layout_hash}")

@@ -1,4 +1,9 @@
-"""Torch trainer for the zoo's CNNs (imported only when chosen: torch is heavy)."""
+"""Torch trainer for the zoo's CNNs (imported only when chosen: torch is heavy).
+
+The model lives on ``device``: ``"cpu"``, ``"cuda"``/``"cuda:N"`` (a Jetson's or a server's
+GPU), or ``"auto"`` (CUDA where torch sees one).  Weights still cross the interface as flat
+float32 numpy vectors, so a CUDA device federates with CPU, numpy and ORT devices alike.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,36 @@ import torch
 
 from models.zoo import build_module
 
-from ..errors import ShapeError
+from ..errors import ConfigError, ShapeError
 from .base import check_flat
 
-__all__ = ["TorchTrainer", "build"]
+__all__ = ["TorchTrainer", "build", "resolve_device"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` as a torch device this machine has."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device", f"{name!r} asked for, but torch sees no CUDA device "
+                              "(a CPU-only torch build, or no driver); use 'auto' or 'cpu'")
+        dev = torch.device(name)
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise ConfigError("device", f"{name!r}: this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+        return dev
+    raise ConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
 
 
 class TorchTrainer:
     """Plain-SGD trainer over a torch module, exposed as flat float32 vectors."""
 
-    def __init__(self, module: torch.nn.Module, *, lr: float):
-        self.module = module
+    def __init__(self, module: torch.nn.Module, *, lr: float, device: str = "cpu"):
+        self.device = resolve_device(device)
+        self.module = module.to(self.device)
         self.lr = lr
         self.input_shape = tuple(module.input_shape)
         self._params = list(module.parameters())
@@ -29,10 +53,10 @@ class TorchTrainer:
 
     def get_flat(self) -> np.ndarray:
         with torch.no_grad():
-            return torch.cat([p.reshape(-1) for p in self._params]).numpy().copy()
+            return torch.cat([p.reshape(-1) for p in self._params]).cpu().numpy().copy()
 
     def set_flat(self, flat: np.ndarray) -> None:
-        vec = torch.from_numpy(check_flat(flat, self.num_params).copy())
+        vec = torch.from_numpy(check_flat(flat, self.num_params).copy()).to(self.device)
         torch.nn.utils.vector_to_parameters(vec, self._params)
 
     def _inputs(self, x: np.ndarray) -> torch.Tensor:
@@ -40,12 +64,14 @@ class TorchTrainer:
         if x[0].size != np.prod(self.input_shape):
             raise ShapeError(f"input samples have {x[0].size} values, model expects "
                              f"shape {self.input_shape}")
-        return torch.from_numpy(x.reshape(len(x), *self.input_shape))
+        return torch.from_numpy(x.reshape(len(x), *self.input_shape)).to(self.device)
+
+    def _targets(self, y: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(y), dtype=torch.long).to(self.device)
 
     def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
         self.module.train()
-        loss = torch.nn.functional.cross_entropy(self.module(self._inputs(x)),
-                                                 torch.as_tensor(y, dtype=torch.long))
+        loss = torch.nn.functional.cross_entropy(self.module(self._inputs(x)), self._targets(y))
         for p in self._params:
             p.grad = None
         loss.backward()
@@ -54,22 +80,25 @@ class TorchTrainer:
                 p -= self.lr * p.grad
         return float(loss.detach())
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
+    def _logits(self, x: np.ndarray) -> torch.Tensor:
         self.module.eval()
         with torch.no_grad():
-            return self.module(self._inputs(x)).numpy()
+            return self.module(self._inputs(x))
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        return self._logits(x).cpu().numpy()
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         if len(y) == 0:
             return float("nan"), float("nan")
-        logits = torch.from_numpy(self.logits(x))
-        target = torch.as_tensor(y, dtype=torch.long)
+        logits, target = self._logits(x), self._targets(y)
         loss = torch.nn.functional.cross_entropy(logits, target)
         return float(loss), float((logits.argmax(1) == target).float().mean())
 
 
 def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: float,
-          seed: int) -> TorchTrainer:
+          seed: int, device: str = "auto") -> TorchTrainer:
+    # Initial weights are drawn on the CPU, so they are the same whatever the device.
     torch.manual_seed(seed)
     module = build_module(model, input_shape=input_shape, num_classes=num_classes)
-    return TorchTrainer(module, lr=lr)
+    return TorchTrainer(module, lr=lr, device=device)
