@@ -35,7 +35,14 @@ async def _serve(host: str, port: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     broker = Broker(_config(host, port))
-    await broker.start()
+    quiet = logging.getLogger("amqtt")
+    level, quiet.level = quiet.level, logging.CRITICAL  # it logs a traceback, then raises
+    try:
+        await broker.start()
+        quiet.setLevel(level)
+    except Exception as exc:  # amqtt wraps the OSError of a busy port in its BrokerError
+        raise SaflError(f"cannot serve MQTT on {host}:{port}: {exc.__cause__ or exc} (is "
+                        "the port taken? choose another with --port)") from exc
     log.warning("amqtt broker listening on mqtt://%s:%d (anonymous, loopback only)", host, port)
     await stop.wait()
     await broker.shutdown()

@@ -125,3 +125,16 @@ def test_sigterm_stops_the_demo_its_roles_and_its_broker(tmp_path):
     assert "interrupted" in err and "Traceback" not in err
     time.sleep(1.0)
     assert [pid for pid in children if _alive(pid)] == []  # roles and broker are gone
+
+
+def test_a_busy_broker_port_is_one_line():
+    import socket
+    pytest.importorskip("amqtt")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = subprocess.run([sys.executable, "-m", "edge_client.cli", "broker", "--port",
+                              str(taken.getsockname()[1])], capture_output=True, text=True,
+                             timeout=60)
+    assert out.returncode == 1 and "port taken" in out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
