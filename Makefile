@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean wheel
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ demo: $(VENV)/.demo-deps
 test: $(VENV)/.test-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# What a board installs: the wheel (and sdist) built from this tree, in a clean venv.
+wheel: $(VENV)/.test-deps
+	$(PY) -m pip install --quiet build
+	rm -rf dist .wheel-venv
+	$(PY) -m build --outdir dist . > dist.log 2>&1 || (cat dist.log; exit 1)
+	$(PYTHON) -m venv .wheel-venv
+	.wheel-venv/bin/pip install --quiet dist/*.whl
+	.wheel-venv/bin/safl --version
+	.wheel-venv/bin/python -c "import edge_client.device, aggregator.station; print('wheel ok')"
+
 lint: $(VENV)/.test-deps
 	$(VENV)/bin/ruff check .
 
@@ -37,4 +47,4 @@ bench: $(VENV)/.test-deps
 	$(PY) bench/wire.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache dist dist.log .wheel-venv

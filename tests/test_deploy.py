@@ -381,3 +381,9 @@ def test_compose_file_runs_the_provisioned_hierarchy(tmp_path):
         out = subprocess.run(["docker", "compose", "-f", str(DEPLOY / "compose.yaml"),
                               "config", "--quiet"], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
+
+
+def test_the_arm64_device_image_installs_a_cpu_only_torch():
+    text = (DEPLOY / "docker" / "device-arm64.Dockerfile").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in text
+    assert "[camera,torch]" not in text  # PyPI's aarch64 torch pulls CUDA 13 packages

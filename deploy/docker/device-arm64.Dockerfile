@@ -11,7 +11,9 @@ COPY pyproject.toml README.md ./
 COPY edge_client edge_client
 COPY aggregator/__init__.py aggregator/__init__.py
 COPY models models
-RUN pip install --no-cache-dir '.[camera,torch]'
+# PyPI's aarch64 torch pulls CUDA 13 packages (454 MB and more): take PyTorch's CPU build.
+RUN pip install --no-cache-dir torch --index-url https://download.pytorch.org/whl/cpu \
+    && pip install --no-cache-dir '.[camera]'
 USER safl
 WORKDIR /var/lib/safl
 ENTRYPOINT ["safl", "device"]
