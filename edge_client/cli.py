@@ -39,11 +39,22 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from models.export import export_model
+    from models.export import export_model, export_onnx
 
     shape = tuple(int(d) for d in args.input_shape.split(",")) if args.input_shape else None
-    manifest = export_model(args.name, args.out, optimizer=args.optimizer,
-                            num_classes=args.classes, input_shape=shape, force=args.force)
+    sources = [x for x in (args.name, args.from_module, args.from_onnx) if x]
+    if len(sources) != 1:
+        raise ConfigError("name", "give one of: a zoo name, --from-module package.module:"
+                          "factory, or --from-onnx FILE")
+    if args.from_onnx:
+        manifest = export_onnx(args.from_onnx, args.out, optimizer=args.optimizer,
+                               input_shape=shape, force=args.force)
+    else:
+        if args.from_module and not shape:
+            raise ConfigError("input-shape", "--from-module needs --input-shape (e.g. 1,28,28)")
+        manifest = export_model(args.name or args.from_module, args.out,
+                                optimizer=args.optimizer, num_classes=args.classes,
+                                input_shape=shape, force=args.force)
     print(f"exported {manifest.model}: {manifest.num_params} parameters, input "
           f"{manifest.input_shape}, layout {manifest.layout_hash} -> {args.out}")
     return 0
@@ -201,7 +212,7 @@ def _setup_logging(args: argparse.Namespace) -> None:
 
 def _models_list(args: argparse.Namespace) -> int:
     try:
-        from models.zoo import DEFAULT_INPUT, MODELS
+        from .trainers.zoo import DEFAULT_INPUT, MODELS
     except ImportError:
         print("mlp, softmax (numpy backend); the torch zoo needs: pip install "
               "'safl-edge[torch]'")
@@ -297,7 +308,12 @@ def _parser() -> argparse.ArgumentParser:
                                                                           required=True)
     export = models.add_parser("export", help="write ONNX Runtime training artifacts, an "
                                "inference model and a manifest (needs torch and onnx)")
-    export.add_argument("name", help="zoo model: mlp, small_cnn, femnist_cnn, camera_cnn")
+    export.add_argument("name", nargs="?", default=None,
+                        help="zoo model: mlp, small_cnn, femnist_cnn, camera_cnn")
+    export.add_argument("--from-module", default=None, metavar="PACKAGE.MODULE:FACTORY",
+                        help="your torch model: factory(input_shape, num_classes) -> nn.Module")
+    export.add_argument("--from-onnx", default=None, metavar="FILE",
+                        help="your ONNX classifier (first output: logits); ORT devices only")
     export.add_argument("--out", type=Path, required=True, help="artifacts folder")
     export.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     export.add_argument("--classes", type=int, default=10)

@@ -309,8 +309,14 @@ class ModelConfig:
     """The federation's model (the ``[model]`` table every role shares).
 
     ``backend`` is the trainer this role uses; ``artifacts`` the exported folder
-    for ``ort``.  ``seed`` fixes the initial weights the cloud broadcasts.
+    for ``ort``.  ``seed`` fixes the initial weights the cloud broadcasts.  ``module``
+    names your own torch model instead of a zoo ``name``.
     """
+
+    @property
+    def spec(self) -> str:
+        """What the trainers build: your module, else the zoo name."""
+        return self.module or self.name
 
     name: str = "mlp"
     backend: str = "numpy"
@@ -319,10 +325,17 @@ class ModelConfig:
     artifacts: str = ""
     seed: int = 0
     device: str = "auto"  # torch: "auto" (CUDA where available), "cpu", "cuda" or "cuda:N"
+    # Your own torch model, "package.module:factory" (docs/own-model.md): used instead of name.
+    module: str = ""
 
     def __post_init__(self) -> None:
         if self.backend not in ("numpy", "torch", "ort"):
             raise ConfigError("backend", f"must be numpy, torch or ort, got {self.backend!r}")
+        if self.module and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.module):
+            raise ConfigError("module", f"must be 'package.module:factory', got {self.module!r}")
+        if self.module and self.backend == "numpy":
+            raise ConfigError("module", "your own model needs backend = 'torch' (or 'ort' with "
+                              "artifacts from safl models export --from-module)")
         if re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is None:
             raise ConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got "
                               f"{self.device!r}")

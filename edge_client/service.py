@@ -113,7 +113,7 @@ def load_role_file(path: str | Path | None, tables: dict[str, type],
 def model_trainer(model: ModelConfig, lr: float):
     """The trainer a role's ``[model]`` table describes (stations and the cloud use it for the
     layout, the initial weights and evaluation, never for SGD)."""
-    return build_trainer(model.name, backend=model.backend, input_shape=model.input_shape,
+    return build_trainer(model.spec, backend=model.backend, input_shape=model.input_shape,
                          num_classes=model.num_classes, lr=lr, seed=model.seed,
                          artifacts=model.artifacts or None, device=model.device)
 

@@ -11,6 +11,7 @@ import contextlib
 import io
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -22,10 +23,9 @@ import torch
 from edge_client.errors import ArtifactError, ConfigError
 from edge_client.trainers.manifest import Manifest
 from edge_client.trainers.ort_backend import load_training_api
+from edge_client.trainers.zoo import DEFAULT_INPUT, build_module
 
-from .zoo import DEFAULT_INPUT, build_module
-
-__all__ = ["export_model", "OPTIMIZERS"]
+__all__ = ["export_model", "export_onnx", "OPTIMIZERS"]
 
 log = logging.getLogger(__name__)
 
@@ -74,35 +74,87 @@ def _native_logs_quiet():
             os.close(saved)
 
 
-def export_model(name: str, out: str | Path, *, optimizer: str = "sgd", num_classes: int = 10,
-                 input_shape: tuple[int, ...] | None = None, seed: int = 0,
-                 force: bool = False) -> Manifest:
-    """Export zoo model ``name`` to ``out``; returns the manifest written there."""
+def _artifacts(model: onnx.ModelProto, requires_grad: list[str], out: Path,
+               optimizer: str) -> None:
+    """ONNX Runtime's training, eval and optimizer models and checkpoint for ``model``,
+    whose first output is the logits."""
+    load_training_api()  # registers onnxruntime.training without its torch-only parts
+    from onnxruntime.training import artifacts
+
+    with _native_logs_quiet():
+        artifacts.generate_artifacts(
+            model, requires_grad=requires_grad, frozen_params=[],
+            loss=artifacts.LossType.CrossEntropyLoss,
+            optimizer=artifacts.OptimType.SGD if optimizer == "sgd"
+            else artifacts.OptimType.AdamW,
+            artifact_directory=str(out), additional_output_names=[model.graph.output[0].name])
+
+
+def _prepare(out: Path, optimizer: str, force: bool) -> Path:
     if optimizer not in OPTIMIZERS:
         raise ConfigError("optimizer", f"must be one of {OPTIMIZERS}, got {optimizer!r}")
-    if num_classes < 2:
-        raise ConfigError("classes", f"must be >= 2, got {num_classes}")
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise ArtifactError(f"{out} is not empty; pass --force to overwrite it")
     out.mkdir(parents=True, exist_ok=True)  # generate_artifacts needs the folder to exist
+    return out
+
+
+def export_onnx(path: str | Path, out: str | Path, *, optimizer: str = "sgd",
+                input_shape: tuple[int, ...] | None = None, force: bool = False) -> Manifest:
+    """Training artifacts for a user's ONNX classifier (no torch module needed).
+
+    Every float initializer is trained, in the file's order: that order is the model's flat
+    layout, so all devices of such a fleet train from these same artifacts (ORT only).  The
+    graph takes one float input (batch first) and its first output are the logits.
+    """
+    try:
+        model = onnx.load(str(path))
+    except Exception as exc:  # a missing file, or bytes protobuf cannot parse
+        raise ArtifactError(f"cannot read ONNX model {path}: {exc}") from exc
+    if model.ir_version > 10:
+        raise ArtifactError(f"{path} has IR version {model.ir_version}; ONNX Runtime training "
+                            "1.19 reads up to 10: export with onnx < 1.18 or opset <= 21")
+    graph = model.graph
+    inputs = [i for i in graph.input if i.name not in {t.name for t in graph.initializer}]
+    dims = [d.dim_value for d in inputs[0].type.tensor_type.shape.dim][1:] if inputs else []
+    shape = tuple(input_shape) if input_shape else tuple(dims)
+    if not shape or min(shape) < 1:
+        raise ConfigError("input-shape", f"{path} has no static sample shape ({dims}); pass "
+                          "--input-shape")
+    out_dims = [d.dim_value for d in graph.output[0].type.tensor_type.shape.dim]
+    if len(out_dims) != 2 or out_dims[1] < 2:
+        raise ArtifactError(f"{path}'s first output must be (batch, classes) logits, got "
+                            f"{out_dims}")
+    floats = [t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    if not floats:
+        raise ArtifactError(f"{path} has no float initializers to train")
+    out = _prepare(out, optimizer, force)
+    shutil.copyfile(path, out / FILES["inference"])
+    _artifacts(model, [t.name for t in floats], out, optimizer)
+    manifest = Manifest(model=Path(path).stem, input_shape=shape, num_classes=out_dims[1],
+                        layout=tuple((t.name, tuple(t.dims)) for t in floats),
+                        optimizer=optimizer, files=dict(FILES))
+    manifest.write(out)
+    return manifest
+
+
+def export_model(name: str, out: str | Path, *, optimizer: str = "sgd", num_classes: int = 10,
+                 input_shape: tuple[int, ...] | None = None, seed: int = 0,
+                 force: bool = False) -> Manifest:
+    """Export a registered model, or a user's ``"package.module:factory"``, to ``out``;
+    returns the manifest written there."""
+    if num_classes < 2:
+        raise ConfigError("classes", f"must be >= 2, got {num_classes}")
+    out = _prepare(out, optimizer, force)
     torch.manual_seed(seed)
     module = build_module(name, input_shape=input_shape or DEFAULT_INPUT.get(name, ()),
                           num_classes=num_classes)
     module.eval()
     names = [n for n, _ in module.named_parameters()]
-    load_training_api()  # registers onnxruntime.training without its torch-only parts
-    from onnxruntime.training import artifacts
-
     inference = _to_onnx(module, training=False)
     onnx.save(inference, str(out / FILES["inference"]))
-    with _native_logs_quiet():
-        artifacts.generate_artifacts(
-            _to_onnx(module, training=True), requires_grad=names, frozen_params=[],
-            loss=artifacts.LossType.CrossEntropyLoss,
-            optimizer=artifacts.OptimType.SGD if optimizer == "sgd"
-            else artifacts.OptimType.AdamW,
-            artifact_directory=str(out), additional_output_names=["logits"])
+    _artifacts(_to_onnx(module, training=True), names, out, optimizer)
     manifest = Manifest(model=name, input_shape=tuple(module.input_shape),
                         num_classes=num_classes,
                         layout=tuple((n, tuple(p.shape)) for n, p in module.named_parameters()),

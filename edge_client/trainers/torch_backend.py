@@ -10,10 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from models.zoo import build_module
-
 from ..errors import ConfigError, ShapeError
 from .base import check_flat
+from .zoo import build_module
 
 __all__ = ["TorchTrainer", "build", "resolve_device"]
 
