@@ -203,7 +203,10 @@ class _JsonFormatter(logging.Formatter):
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
-    level = args.log_level.upper() if args.log_level else ("INFO" if args.verbose else "WARNING")
+    # Services say what they do (a device logs each round); one-shot commands stay quiet.
+    service = args.command in ("device", "station", "cloud", "broker")
+    level = args.log_level.upper() if args.log_level else (
+        "INFO" if args.verbose or service else "WARNING")
     handler = logging.StreamHandler()
     handler.setFormatter(_JsonFormatter() if args.log_format == "json" else logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -228,7 +231,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"safl {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                        default=None, help="log level (default warning; -v means info)")
+                        default=None, help="log level (default: info for the device, station, "
+                        "cloud and broker services, warning otherwise; -v means info)")
     parser.add_argument("--log-format", choices=("text", "json"), default="text",
                         help="text lines, or one JSON object per line")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -70,7 +70,27 @@ def test_version_models_list_and_json_logs(tmp_path):
                       '[broker]\nurl = "mqtt://127.0.0.1:1"\nconnect_timeout = 1.0\n')
     out = run("--log-format", "json", "device", "--config", str(config))
     logged = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
-    assert out.returncode == 6 and logged and logged[0]["level"] == "WARNING"
+    assert out.returncode == 6 and any(r["level"] == "WARNING" for r in logged)
+
+
+
+def test_services_log_at_info_by_default_and_commands_at_warning():
+    import logging
+
+    from edge_client.cli import _parser, _setup_logging
+    root = logging.getLogger()
+    saved = root.level, list(root.handlers)
+    try:
+        for argv, level in ((["device", "--config", "d.toml"], logging.INFO),
+                            (["experiment", "e.toml"], logging.WARNING),
+                            (["--log-level", "error", "cloud", "--config", "c.toml"],
+                             logging.ERROR)):
+            root.handlers.clear()
+            _setup_logging(_parser().parse_args(argv))
+            assert root.level == level, argv
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
 
 
 def test_demo_without_matplotlib_still_writes_its_csv(tmp_path):
