@@ -52,6 +52,7 @@ def run_broker(host: str = "127.0.0.1", port: int = 1883) -> int:
     """Serve until SIGTERM or SIGINT."""
     if host not in ("127.0.0.1", "localhost", "::1"):
         raise SaflError(f"the embedded broker is anonymous and only binds loopback, not {host}")
-    logging.getLogger("amqtt").setLevel(logging.WARNING)
+    for noisy in ("amqtt", "transitions"):  # amqtt's state machine logs every transition
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     asyncio.run(_serve(host, port))
     return 0
