@@ -167,6 +167,11 @@ class Device(RoleBase):
             return [self._stats(model.round, t), m.SkipNotice(**header, gap=0.0)]
         self.last_train_s = time.perf_counter() - started
         z = self.trainer.get_flat()
+        if not np.isfinite(z).all():
+            # Diverged (a huge model came down, or a huge step): nothing worth uploading or
+            # keeping.  A skip is still an answer, so the station does not wait for us.
+            self.counters["skipped.non_finite"] += 1
+            return [self._stats(model.round, t), m.SkipNotice(**header, gap=0.0)]
         self._local = z
         gap, upload = self._upload_gate(z, zbar)
         self.counters["steps"] += 1

@@ -325,3 +325,17 @@ def test_cloud_stops_waiting_for_a_station_whose_last_will_fired():
                                   online=False), 2.0)
     assert out[0].round == 1 and cloud.counters["stations_offline"] == 1
     np.testing.assert_allclose(out[0].weights, 1.0)
+
+
+def test_a_device_whose_training_diverges_skips_instead_of_going_silent(digits):
+    trainer = _trainer(lr=0.5)
+    dev = Device(DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0),
+                 trainer, num_classes=F, sample_shape=(8, 8), rng=np.random.default_rng(0))
+    dev.buffer.push(digits.x_train[:64], digits.y_train[:64])
+    huge = np.full(trainer.num_params, 3e38, np.float32)  # finite, but training overflows
+    dev.handle(m.StationModel(fleet="t", sender="s", round=0, iteration=0, weights=huge), 0.0)
+    with np.errstate(all="ignore"):
+        out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=0,
+                                     members=("d0",), deadline=1.0), 0.0)
+    assert [type(x) for x in out] == [m.DeviceStats, m.SkipNotice]
+    assert dev.counters["skipped.non_finite"] == 1 and dev._local is None
