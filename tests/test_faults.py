@@ -33,6 +33,11 @@ STRATEGY = Strategy("fedgs", device={"mix": 1.0, "nu": 0.0},
                     station={"super_node_size": 3, "rand_per_group": 1, "selector": "gbp_cs",
                              "sync_period": 3, "iteration_timeout": 5.0})
 HOSTILE = str(Path(__file__).parent / "hostile_device.py")
+# Hostile runs wait 30 s for a missing reply: were a refusal not an answer, each of the
+# attacker's ~46 iterations would cost that, and the run would blow its time limit; a slow
+# process on a loaded machine does not miss a 30 s deadline.
+PATIENT = Strategy("fedgs", device=STRATEGY.device,
+                   station={**STRATEGY.station, "iteration_timeout": 30.0})
 
 
 def _spec(digits) -> FleetSpec:
@@ -54,8 +59,8 @@ def _broker(tmp_path, spec, **kw) -> Mosquitto:
     return Mosquitto(tmp_path, users, acl_lines(plan.fleet, stations), **kw)
 
 
-def _launch(tmp_path, digits, server, spec, **kw):
-    return launch_fleet(tmp_path / "run", digits, STRATEGY, spec, server.url,
+def _launch(tmp_path, digits, server, spec, strategy=STRATEGY, **kw):
+    return launch_fleet(tmp_path / "run", digits, strategy, spec, server.url,
                         credentials=lambda user: (user, Mosquitto.PASSWORD), timeout=300, **kw)
 
 
@@ -77,7 +82,7 @@ def test_a_hostile_device_is_refused_and_does_not_steer_the_model(tmp_path, digi
     victim = plan.stations[0]["devices"][0]
     server = _broker(tmp_path, spec)
     try:
-        rows = _launch(tmp_path, digits, server, spec,
+        rows = _launch(tmp_path, digits, server, spec, PATIENT,
                        commands={victim: [sys.executable, HOSTILE, attack]})
         status = fleet_status(BrokerConfig(url=server.url, username="tester",
                                            password=Mosquitto.PASSWORD), plan.fleet)
