@@ -85,8 +85,7 @@ def serve(role: Role, transport: Transport, *, stop: StopFlag,
                 try:
                     hook(runner, clock())
                 except Exception:  # feeding or reporting failed once: count it, keep serving
-                    runner.count_error("errors.tick")
-                    log.exception("a service hook failed")
+                    runner.count_error("errors.tick", "a service hook failed")
             if not busy:
                 wait = getattr(transport, "wait", None)  # wake as soon as a frame arrives
                 wait(idle_sleep) if wait else time.sleep(idle_sleep)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from . import messages as m
+from .admission import LogLimiter
 from .errors import SaflError
 from .role import Role
 from .topics import matches, topic_for
@@ -95,6 +96,7 @@ class RoleRunner:
         self.transport = transport
         self.clock = clock
         self.errors = 0
+        self._limiter = LogLimiter()
         self.observers: list[Callable[[m.Message], None]] = []  # see what the role sends
         for topic_filter in role.subscriptions():
             transport.subscribe(topic_filter, self._on_message)
@@ -107,16 +109,19 @@ class RoleRunner:
         try:
             out = self.role.tick(self.clock())
         except Exception:  # the last line: a service never exits because of one tick
-            self.count_error("errors.tick")
-            log.exception("%s failed in tick", type(self.role).__name__)
+            self.count_error("errors.tick", "%s failed in tick", type(self.role).__name__)
             return
         self.publish(out)
 
-    def count_error(self, key: str) -> None:
+    def count_error(self, key: str, *log_args: object) -> None:
+        """Count an unexpected error under ``key``; its traceback is logged at most once a
+        minute per key, so a bug hit every loop turn fills no disk."""
         self.errors += 1
         counters = getattr(self.role, "counters", None)
         if counters is not None:
             counters[key] += 1
+        if log_args and self._limiter.allow(type(self.role).__name__, key):
+            log.exception(*log_args)
 
     def publish(self, out: list[m.Message]) -> None:
         for message in out:
@@ -129,8 +134,7 @@ class RoleRunner:
             out = self.role.handle(message, self.clock())
         except Exception:
             # Roles count their own rejections; this is the last line that keeps a service up.
-            self.count_error("rejected.internal")
-            log.exception("%s failed on %s from %s", type(self.role).__name__,
-                          type(message).__name__, topic)
+            self.count_error("rejected.internal", "%s failed on %s from %s",
+                             type(self.role).__name__, type(message).__name__, topic)
             return
         self.publish(out)

@@ -339,3 +339,28 @@ def test_a_device_whose_training_diverges_skips_instead_of_going_silent(digits):
                                      members=("d0",), deadline=1.0), 0.0)
     assert [type(x) for x in out] == [m.DeviceStats, m.SkipNotice]
     assert dev.counters["skipped.non_finite"] == 1 and dev._local is None
+
+
+def test_a_role_bug_is_counted_every_time_and_logged_once(caplog):
+    class Broken:
+        counters = __import__("collections").Counter()
+
+        def subscriptions(self):
+            return ["t/x"]
+
+        def handle(self, message, now):
+            raise ZeroDivisionError("a bug")
+
+        def tick(self, now):
+            raise KeyError("another")
+
+    bus, role = LocalBus(), Broken()
+    runner = RoleRunner(role, bus, CLOCK)
+    msg = m.SkipNotice(fleet="t", sender="d0", round=0, iteration=0, station="s", gap=0.0)
+    with caplog.at_level("ERROR", logger="edge_client.transport"):
+        for _ in range(50):
+            bus.publish("t/x", msg)
+            bus.deliver()
+            runner.tick()
+    assert role.counters["rejected.internal"] == 50 and role.counters["errors.tick"] == 50
+    assert len(caplog.records) == 2  # one traceback per kind of failure a minute
