@@ -30,7 +30,7 @@ from edge_client.transport import RoleRunner
 from .checkpoint import load_checkpoint, save_checkpoint
 from .cloud import CLOUD_ID, Cloud
 from .config import CloudConfig, StationConfig
-from .station import Station
+from .station import Station, local_accuracy_summary
 
 __all__ = ["StationService", "CloudService", "status_topic_json"]
 
@@ -134,12 +134,14 @@ class StationService:
                     "iteration": role.iteration, "devices": len(cfg.devices),
                     "online": role.online_devices, "quorum": cfg.min_quorum,
                     "missing": role.missing,
+                    **local_accuracy_summary(role.local_accuracies()),
                     "counters": dict(role.counters), "transport": dict(transport.counters)}
 
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
-             "selected_devices": len(role.members), "devices_online": role.online_devices}),
+             "selected_devices": len(role.members), "devices_online": role.online_devices,
+             **local_accuracy_summary(role.local_accuracies())}),
             labels={"fleet": cfg.fleet, "station": cfg.station_id})
         # Round boundaries: the upload that ends a round, the model that begins one.
         checkpoint = _checkpointing(role, self.service.state_dir, cfg.station_id, lambda msg: (

@@ -31,9 +31,20 @@ from .fusion import FUSION_RULES
 from .selection import SELECTORS
 from .trust import NormGuard, ShareCap, bound_seen_counts
 
-__all__ = ["Station"]
+__all__ = ["Station", "local_accuracy_summary"]
 
 log = logging.getLogger(__name__)
+
+
+def local_accuracy_summary(accuracies: list[float]) -> dict[str, float]:
+    """Mean device-local accuracy and the mean over the worst 10% of devices (at least one):
+    where keeping part of a local model can pay off, a skewed device shows it first.  Empty
+    until some device has measured."""
+    if not accuracies:
+        return {}
+    ranked = sorted(accuracies)
+    worst = ranked[:max(1, len(ranked) // 10)]
+    return {"local_mean": float(np.mean(ranked)), "local_worst10": float(np.mean(worst))}
 
 
 class Station(RoleBase):
@@ -134,6 +145,10 @@ class Station(RoleBase):
                                            iteration=self.iteration, weights=self.weights,
                                            num_samples=meta["upload_samples"],
                                            seen_counts=self._seen_counts())
+
+    def local_accuracies(self) -> list[float]:
+        """The latest device-local accuracy each device reported (those that measured)."""
+        return [s.local_accuracy for s in self.stats.values() if s.local_samples]
 
     @property
     def missing(self) -> list[str]:

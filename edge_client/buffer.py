@@ -5,6 +5,10 @@ batches are taken from the oldest unread samples and never reused, and every
 ``holdout_every``-th arrival goes to a bounded held-out slice used only to
 evaluate ``h(.)`` for the upload gate.  It also keeps the label histograms the
 base station needs for GBP-CS: of everything seen, and of the next batch.
+
+A reported next batch is *pinned*: copied out of the ring, so that arrivals cannot
+overwrite it before the device is picked for it.  GBP-CS chose the super node for that
+histogram, so that is the batch the device trains on.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class StreamBuffer:
         self._arrivals = 0
         self.seen_counts = np.zeros(num_classes, dtype=np.int64)
         self.overwritten_unread = 0
+        self._pinned: tuple[np.ndarray, np.ndarray] | None = None
 
     def push(self, x: np.ndarray, y: np.ndarray) -> None:
         """Append a batch of arriving samples (``x``: (n, *sample_shape), ``y``: (n,))."""
@@ -109,8 +114,16 @@ class StreamBuffer:
 
     @property
     def unread(self) -> int:
-        """Training samples not yet used."""
-        return self._train.written - self._read
+        """Training samples not yet used (the pinned batch included)."""
+        pinned = 0 if self._pinned is None else len(self._pinned[1])
+        return self._train.written - self._read + pinned
+
+    def pin(self, batch_size: int) -> bool:
+        """Set aside the next full batch so that it is the one :meth:`next_batch` returns,
+        whatever arrives meanwhile; a partial batch is not pinned (it may still fill)."""
+        if self._pinned is None and self._train.written - self._read >= batch_size:
+            self._pinned = self._take(batch_size)
+        return self._pinned is not None
 
     @property
     def samples_seen(self) -> int:
@@ -118,14 +131,23 @@ class StreamBuffer:
 
     def next_batch_counts(self, batch_size: int) -> np.ndarray:
         """Label histogram of the batch :meth:`next_batch` would return."""
-        stop = min(self._read + batch_size, self._train.written)
-        _, y = self._train.take(self._read, stop)
+        if self._pinned is not None:
+            y = self._pinned[1]
+        else:
+            _, y = self._train.take(self._read, min(self._read + batch_size, self._train.written))
         return np.bincount(y, minlength=self.num_classes)
 
     def next_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Take up to ``batch_size`` of the oldest unread samples; they are never returned again."""
+        """The pinned batch, else up to ``batch_size`` of the oldest unread samples; a batch
+        is never returned again."""
         if batch_size < 1:
             raise ConfigError("batch_size", f"must be >= 1, got {batch_size!r}")
+        if self._pinned is not None:
+            batch, self._pinned = self._pinned, None
+            return batch
+        return self._take(batch_size)
+
+    def _take(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         stop = min(self._read + batch_size, self._train.written)
         x, y = self._train.take(self._read, stop)
         self._read = stop

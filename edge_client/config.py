@@ -127,6 +127,13 @@ class DeviceConfig:
     mix: float = 0.5  # SAFL's eps: 1 recovers FedAvg/FedGS exactly
     granularity: str = "element"
     nu: float = 0.0  # upload-gate regulariser; 0 always uploads
+    # The annealed merge uses the local model only while it is this many station
+    # iterations old or younger; an older one starts from the aggregate (docs/algorithms.md).
+    merge_max_age: int = 20
+    gate_min_holdout: int = 100  # held-out samples before the upload gate may hold back
+    # Device-local accuracy: the deployable (merged) model on the held-out slice, measured
+    # when selected at most once per this many iterations and reported with the stats; 0: off.
+    local_eval_interval: int = 50
     prox_mu: float = 0.0  # FedProx proximal weight; 0 disables
     buffer_capacity: int = 1024
     holdout_every: int = 10
@@ -144,6 +151,9 @@ class DeviceConfig:
         check_range("temperature", self.temperature, 0, low_open=True)
         check_range("mix", self.mix, 0, 1)
         check_range("nu", self.nu, 0)
+        check_range("merge_max_age", self.merge_max_age, 0)
+        check_range("gate_min_holdout", self.gate_min_holdout, 0)
+        check_range("local_eval_interval", self.local_eval_interval, 0)
         check_range("prox_mu", self.prox_mu, 0)
         check_range("buffer_capacity", self.buffer_capacity, 1)
         check_range("holdout_every", self.holdout_every, 0)

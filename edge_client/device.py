@@ -59,6 +59,9 @@ class Device(RoleBase):
         self._model: m.StationModel | None = None
         self._accept_any_iteration = False  # set when the station's presence comes back
         self._local: np.ndarray | None = None
+        self._local_iteration = 0  # station iteration at which _local was trained
+        self._local_acc: tuple[float, int] = (0.0, 0)  # device-local accuracy, samples
+        self._evaluated_at: int | None = None
         self._reported_next: np.ndarray | None = None
         self._tensor_sizes = [int(np.prod(shape)) for _, shape in trainer.layout]
 
@@ -73,7 +76,8 @@ class Device(RoleBase):
                 "iteration": model.iteration if model else 0,
                 "train_step_seconds": self.last_train_s / self.config.local_steps,
                 "buffer.overwritten_unread": self.buffer.overwritten_unread,
-                "buffer.unread": self.buffer.unread, "buffer.seen": self.buffer.samples_seen}
+                "buffer.unread": self.buffer.unread, "buffer.seen": self.buffer.samples_seen,
+                "local_accuracy": self._local_acc[0]}
 
     def subscriptions(self) -> list[str]:
         return device_topics(self.config.fleet, self.config.station)
@@ -141,13 +145,40 @@ class Device(RoleBase):
         model = self._model
         return [self._stats(model.round if model else 0, model.iteration if model else 0)]
 
+    def _start_model(self, zbar: np.ndarray, t: int) -> np.ndarray:
+        """The annealed merge of the aggregate with the local model, while that is fresh.
+
+        Under partial participation a device's last local model may be many iterations
+        old; merging it would pull the aggregate back towards a past model.
+        """
+        cfg = self.config
+        if self._local is None:
+            return zbar
+        if t - self._local_iteration > cfg.merge_max_age:
+            self.counters["merge.stale_local"] += 1
+            return zbar
+        return annealed_merge(self._local, zbar, t, temperature=cfg.temperature, mix=cfg.mix,
+                              rng=self.rng, granularity=cfg.granularity,
+                              layout=self._tensor_sizes)
+
+    def _measure_local(self, t: int) -> None:
+        """Device-local accuracy of the model it would deploy (now in the trainer)."""
+        cfg = self.config
+        if not cfg.local_eval_interval or (self._evaluated_at is not None and
+                                           t - self._evaluated_at < cfg.local_eval_interval):
+            return
+        hx, hy = self.buffer.holdout()
+        if len(hy) < cfg.gate_min_holdout or not len(hy):
+            return
+        _, acc = self.trainer.evaluate(hx, hy)
+        self._local_acc, self._evaluated_at = (float(acc), len(hy)), t
+        self.counters["local_evaluations"] += 1
+
     def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
         cfg, t = self.config, model.iteration
         zbar = np.array(model.weights)
-        start = zbar if self._local is None else annealed_merge(
-            self._local, zbar, t, temperature=cfg.temperature, mix=cfg.mix, rng=self.rng,
-            granularity=cfg.granularity, layout=self._tensor_sizes)
-        self.trainer.set_flat(start)
+        self.trainer.set_flat(self._start_model(zbar, t))
+        self._measure_local(t)
         consumed = 0
         started = time.perf_counter()  # a measurement for metrics, not an input to SAFL
         for _ in range(cfg.local_steps):
@@ -172,9 +203,10 @@ class Device(RoleBase):
             # keeping.  A skip is still an answer, so the station does not wait for us.
             self.counters["skipped.non_finite"] += 1
             return [self._stats(model.round, t), m.SkipNotice(**header, gap=0.0)]
-        self._local = z
+        self._local, self._local_iteration = z, t
         gap, upload = self._upload_gate(z, zbar)
         self.counters["steps"] += 1
+        self.counters["samples_trained"] += consumed
         if upload:
             self.counters["uploads"] += 1
             reply: m.Message = m.DeviceUpdate(**header, weights=z, num_samples=consumed)
@@ -189,7 +221,9 @@ class Device(RoleBase):
         if self.config.nu == 0:
             return 0.0, True
         hx, hy = self.buffer.holdout()
-        if not len(hy):
+        if len(hy) < max(1, self.config.gate_min_holdout):
+            # A few skewed samples give a gap of pure noise: it would discard paid-for steps.
+            self.counters["gate.warming_up"] += 1
             return 0.0, True
         _, local_acc = self.trainer.evaluate(hx, hy)
         self.trainer.set_flat(zbar)
@@ -199,8 +233,12 @@ class Device(RoleBase):
         return gap, bool(self.rng.random() < upload_probability(gap, self.config.nu))
 
     def _stats(self, round_: int, iteration: int) -> m.DeviceStats:
+        # The reported batch is pinned: it is the one trained on when this device is picked.
+        self.buffer.pin(self.config.batch_size)
         nxt = self.buffer.next_batch_counts(self.config.batch_size)
         self._reported_next = nxt
+        acc, samples = self._local_acc
         return m.DeviceStats(fleet=self.config.fleet, sender=self.id, round=round_,
                              iteration=iteration, station=self.config.station,
-                             seen_counts=self.buffer.seen_counts, next_batch_counts=nxt)
+                             seen_counts=self.buffer.seen_counts, next_batch_counts=nxt,
+                             local_accuracy=acc, local_samples=samples)

@@ -143,11 +143,15 @@ _COUNTS = (("seen_counts", np.int64),)
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceStats(Message):
-    """Device -> station: label histograms of all data seen and of the next batch."""
+    """Device -> station: label histograms of all data seen and of the next batch, and the
+    device-local accuracy of its deployable model on ``local_samples`` held-out samples
+    (0: not measured yet)."""
 
     station: str
     seen_counts: np.ndarray
     next_batch_counts: np.ndarray
+    local_accuracy: float = 0.0
+    local_samples: int = 0
     _vectors = (("seen_counts", np.int64), ("next_batch_counts", np.int64))
 
 

@@ -76,3 +76,19 @@ def test_bad_input_is_refused_and_leaves_the_buffer_intact():
     assert buf.unread == 3 and buf.seen_counts.sum() == 3
     with pytest.raises(ConfigError, match="capacity"):
         StreamBuffer(0, 4, (1,))
+
+
+def test_a_pinned_batch_survives_overwrites_and_is_the_next_batch():
+    buf = StreamBuffer(6, 4, (1,), holdout_every=0)
+    buf.push(*_stream(3))
+    assert not buf.pin(4)  # a partial batch may still fill: not pinned
+    buf.push(*_stream(3, start=3))
+    assert buf.pin(4)
+    counts = buf.next_batch_counts(4)
+    buf.push(*_stream(12, start=6))  # the ring is rewritten twice over
+    np.testing.assert_array_equal(buf.next_batch_counts(4), counts)
+    assert buf.unread == 4 + 6
+    x, _ = buf.next_batch(4)
+    assert x.ravel().tolist() == [0, 1, 2, 3]
+    x, _ = buf.next_batch(4)  # then the oldest unread again
+    assert x.ravel().tolist() == [12, 13, 14, 15]

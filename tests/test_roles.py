@@ -76,7 +76,8 @@ def test_one_fedgs_iteration_equals_one_synchronous_sgd_step(digits):
 def test_gated_devices_are_counted_not_waited_for(digits):
     bus, runners, cloud, station, devices, globals_, _ = _fleet(
         digits, rounds=6, feed=[300] * 4,
-        device_kw={"nu": 200.0, "holdout_every": 4, "batch_size": 8},
+        device_kw={"nu": 200.0, "holdout_every": 4, "batch_size": 8,
+                       "gate_min_holdout": 10},
         station_kw={"sync_period": 2})
     _run(bus, runners)  # no tick: only skip notices can close iterations that lack uploads
     assert cloud.state == "done" and globals_[-1].round == 6
@@ -232,8 +233,8 @@ def test_device_rejects_foreign_and_malformed_models(digits):
         dev.buffer.push(np.zeros((1, 3)), np.array([0]))
 
 
-def _selected_twice(digits, **device_kw):
-    """A device selected at iterations 0 and 1; returns (zbar, first z, second z, device)."""
+def _selected_twice(digits, iterations=(0, 1), **device_kw):
+    """A device selected at two iterations; returns (zbar, first z, second z, device)."""
     cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0, batch_size=16,
                        lr=0.5, **device_kw)
     dev = Device(cfg, _trainer(), num_classes=F, sample_shape=(8, 8),
@@ -241,7 +242,7 @@ def _selected_twice(digits, **device_kw):
     dev.buffer.push(digits.x_train[:32], digits.y_train[:32])
     zbar = _trainer(seed=9).get_flat()
     zs = []
-    for it in range(2):
+    for it in iterations:
         dev.handle(m.StationModel(fleet="t", sender="s", round=0, iteration=it, weights=zbar), 0)
         out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=it,
                                      members=("d0",), deadline=1.0), 0)
@@ -270,6 +271,96 @@ def test_device_starts_from_its_annealed_merge(digits):
     # mix = 0.5 with p_t ~ 1: halfway between the local model and the aggregate.
     zbar, (z1, z2), _ = _selected_twice(digits, mix=0.5, temperature=1e12)
     np.testing.assert_allclose(z2, _one_step(0.5 * (z1 + zbar), x2, y2), atol=1e-5)
+
+
+def test_a_stale_local_model_is_not_merged(digits):
+    x2, y2 = digits.x_train[16:32], digits.y_train[16:32]
+    # Selected again 3 iterations later, within merge_max_age: the merge keeps z1.
+    zbar, (z1, z2), dev = _selected_twice(digits, (0, 3), mix=0.0, temperature=1e12,
+                                          merge_max_age=3)
+    np.testing.assert_allclose(z2, _one_step(z1, x2, y2), atol=1e-6)
+    # 4 iterations later the local model is too old: the device starts from the aggregate.
+    zbar, (_, z2), dev = _selected_twice(digits, (0, 4), mix=0.0, temperature=1e12,
+                                         merge_max_age=3)
+    np.testing.assert_allclose(z2, _one_step(zbar, x2, y2), atol=1e-6)
+    assert dev.counters["merge.stale_local"] == 1
+
+
+def test_the_upload_gate_waits_for_enough_held_out_samples(digits):
+    def gated(min_holdout):
+        cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=2,
+                           batch_size=8, lr=0.5, nu=1e6, gate_min_holdout=min_holdout)
+        dev = Device(cfg, _trainer(), num_classes=F, sample_shape=(8, 8),
+                     rng=np.random.default_rng(0))
+        dev.buffer.push(digits.x_train[:160], digits.y_train[:160])  # 80 held out
+        zbar = _trainer(seed=9).get_flat()
+        for it in range(5):
+            dev.handle(m.StationModel(fleet="t", sender="s", round=0, iteration=it,
+                                      weights=zbar), 0)
+            dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=it,
+                                   members=("d0",), deadline=1.0), 0)
+        return dev.counters
+
+    warming = gated(100)  # 80 < 100: too few for a stable accuracy, every step uploads
+    assert warming["uploads"] == 5 and warming["gate.warming_up"] == 5
+    assert gated(50)["skipped.gate"] > 0  # enough: nu = 1e6 holds back any gap
+
+
+class _Recording:
+    """A real trainer that also keeps the labels of every batch it trained on."""
+
+    def __init__(self, trainer):
+        self.inner, self.trained = trainer, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def train_step(self, x, y):
+        self.trained.append(np.bincount(y, minlength=F))
+        return self.inner.train_step(x, y)
+
+
+def test_a_picked_device_trains_on_the_batch_it_reported(digits):
+    cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0, batch_size=16,
+                       buffer_capacity=48, lr=0.5, mix=1.0)
+    trainer = _Recording(_trainer())
+    dev = Device(cfg, trainer, num_classes=F, sample_shape=(8, 8), rng=np.random.default_rng(0))
+    zbar = trainer.get_flat()
+    dev.ingest(digits.x_train[:48], digits.y_train[:48], 0)
+    for it in range(4):
+        reported = dev._stats(0, it).next_batch_counts
+        # Arrivals between the report and the selection overwrite the whole FIFO.
+        start = 48 + 64 * it
+        dev.ingest(digits.x_train[start:start + 64], digits.y_train[start:start + 64], 0)
+        dev.handle(m.StationModel(fleet="t", sender="s", round=0, iteration=it, weights=zbar), 0)
+        out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=it,
+                                     members=("d0",), deadline=1.0), 0)
+        np.testing.assert_array_equal(trainer.trained[-1], reported)
+        assert out[0].next_batch_counts.sum() == 16  # the next batch is pinned in turn
+
+
+def test_devices_report_the_local_accuracy_of_their_deployable_model(digits):
+    cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=2, batch_size=8,
+                       lr=0.5, gate_min_holdout=20, local_eval_interval=3)
+    dev = Device(cfg, _trainer(), num_classes=F, sample_shape=(8, 8), rng=np.random.default_rng(0))
+    dev.buffer.push(digits.x_train[:200], digits.y_train[:200])
+    zbar = _trainer(seed=9).get_flat()
+    hx, hy = dev.buffer.holdout()
+    probe = _trainer()
+    probe.set_flat(zbar)
+    for it in range(5):
+        dev.handle(m.StationModel(fleet="t", sender="s", round=0, iteration=it, weights=zbar), 0)
+        stats = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=it,
+                                       members=("d0",), deadline=1.0), 0)[0]
+        if it == 0:  # the first deployable model is the aggregate: no local model yet
+            assert stats.local_samples == len(hy)
+            assert stats.local_accuracy == pytest.approx(probe.evaluate(hx, hy)[1])
+    assert dev.counters["local_evaluations"] == 2  # iterations 0 and 3
+    st = Station(StationConfig(fleet="t", station_id="s", devices=("d0",), super_node_size=1,
+                               rand_per_group=0), num_params=4,
+                 num_classes=F, rng=np.random.default_rng(0))
+    st.handle(stats, 0.0)
+    assert st.local_accuracies() == [stats.local_accuracy]
 
 
 def test_device_with_no_data_sends_a_skip_notice(digits):
