@@ -2,7 +2,10 @@
 
 The simulator owns no algorithm.  It builds a cloud, stations and devices from
 their configs, replays each device's partition into its stream buffer as the
-iterations pass, and records the global model's test accuracy each round.
+iterations pass, and records the global model's test accuracy every ``eval_every``
+rounds, with the samples trained so far and the device-local accuracies the devices
+reported.  Devices stream in proportion to their partition sizes, so the seen counts
+behind ``P_real`` reflect the fleet's label distribution.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .attacks import install
 from .cloud import Cloud
 from .config import CloudConfig, StationConfig
 from .datasets import Dataset
-from .station import Station
+from .station import Station, local_accuracy_summary
 
 __all__ = ["Strategy", "FleetSpec", "FleetPlan", "RunResult", "plan_fleet", "run_federation"]
 
@@ -60,9 +63,10 @@ class FleetSpec:
     artifacts: str | None = None  # exported model folder, for the "ort" backend
     lr: float = 0.05
     seed: int = 0
-    arrivals_per_step: int = 32  # samples sensed per device per local-step time
+    arrivals_per_step: int = 32  # samples sensed per local-step time, fleet mean per device
     initial_samples: int = 64
     eval_samples: int | None = None  # test samples per evaluation (None: all)
+    eval_every: int = 1  # rounds between evaluations of the global model (and the last)
     # Devices of one backend share one trainer: a device's model lives in its flat vectors,
     # the trainer is only compute.  Memory per simulated device then excludes the model.
     share_trainers: bool = False
@@ -77,6 +81,7 @@ class RunResult:
     rows: list[dict[str, Any]]
     counters: dict[str, int]
     wall_s: float
+    p_real: list[float] = field(default_factory=list)  # the cloud's estimate at the end
 
     @property
     def final_accuracy(self) -> float:
@@ -167,6 +172,7 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
 
     devices: list[tuple[Device, ReplaySource, RoleRunner]] = []
     admissions: list[Admission] = []
+    number: dict[str, int] = {}  # device id -> partition
     shared: dict[str, Any] = {}
     for values in plan.devices:
         cfg = from_mapping(DeviceConfig, _public(values))
@@ -190,26 +196,46 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
             install(runner, spec.attack, admission, bus)
             admissions.append(admission)
         devices.append((dev, source, runner))
+        number[dev.id] = k
 
     by_station: dict[str, list[tuple[Device, ReplaySource, RoleRunner]]] = {}
     for entry in devices:
         by_station.setdefault(entry[0].config.station, []).append(entry)
 
+    # A device with a larger partition senses more: its share of the fleet's stream is its
+    # share of the data (carried fractions keep the rates exact over time).
+    sizes = np.array([len(p) for p in spec.partitions], dtype=np.float64)
+    rate = spec.arrivals_per_step * sizes * len(sizes) / sizes.sum()
+    carry = np.zeros(len(sizes))
+
     def feed(topic: str, message: m.Message) -> None:
         # Each new iteration, the sensors of that factory have produced fresh samples.
         for dev, source, runner in by_station.get(message.sender, ()):
-            x, y = source.read(spec.arrivals_per_step * dev.config.local_steps)
-            runner.publish(dev.ingest(x, y, _SIM_CLOCK()))
+            k = number[dev.id]
+            carry[k] += rate[k] * dev.config.local_steps
+            n, carry[k] = int(carry[k]), carry[k] - int(carry[k])
+            if n:
+                x, y = source.read(n)
+                runner.publish(dev.ingest(x, y, _SIM_CLOCK()))
 
     rows: list[dict[str, Any]] = []
     x_eval, y_eval = data.x_test[:spec.eval_samples], data.y_test[:spec.eval_samples]
+    stations = [r.role for r in runners[1:]]
 
     def record(topic: str, message: m.Message) -> None:
+        if progress:
+            progress(message.round, rows[-1]["accuracy"] if rows else float("nan"))
+        if message.round % spec.eval_every and not message.final:
+            return
         evaluator.set_flat(message.weights)
         loss, acc = evaluator.evaluate(x_eval, y_eval)
+        local = local_accuracy_summary([a for s in stations for a in s.local_accuracies()])
         rows.append({
             "strategy": strategy.name, "round": message.round, "iteration": message.iteration,
+            "samples": sum(d.counters["samples_trained"] for d, _, _ in devices),
             "accuracy": acc, "loss": loss,
+            "local_mean": local.get("local_mean", float("nan")),
+            "local_worst10": local.get("local_worst10", float("nan")),
             "uploads": bus.messages["DeviceUpdate"], "skips": bus.messages["SkipNotice"],
             # Device links stay inside the factory; station links cross the WAN to the cloud.
             "bytes_device_up": bus.payload_bytes["DeviceUpdate"],
@@ -218,8 +244,6 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
             "bytes_station_down": bus.payload_bytes["GlobalModel"],
             "wall_s": time.perf_counter() - started,
         })
-        if progress:
-            progress(message.round, acc)
 
     bus.subscribe(global_model_topic(fleet), record)
     bus.subscribe(station_model_topic(fleet, "+"), feed)
@@ -234,4 +258,5 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
                  *admissions]:
         for key, value in role.counters.items():
             counters[key] = counters.get(key, 0) + value
-    return RunResult(strategy.name, rows, counters, time.perf_counter() - started)
+    return RunResult(strategy.name, rows, counters, time.perf_counter() - started,
+                     p_real=[float(p) for p in cloud.p_real])

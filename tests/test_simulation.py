@@ -74,3 +74,23 @@ def test_a_torch_cnn_fleet_runs_on_the_same_roles(digits):
     r = run_federation(digits, demo_strategies(super_node_size=2, sync_period=2)[0], spec)
     assert [row["round"] for row in r.rows] == [0, 1, 2]
     assert r.counters["steps"] == 2 * 2 * 2 * 2  # rounds x stations x T x L
+
+
+def test_p_real_is_the_fleets_label_distribution(digits):
+    # Alpha 0.1: partition sizes differ by up to ~10x.  Devices that stream in proportion to
+    # their data make the seen counts, hence P_real, the distribution of the fleet's data.
+    rng = np.random.default_rng(3)
+    parts = tuple(dirichlet_label_skew(digits.y_train, 8, 0.1, rng, min_size=16))
+    spec = FleetSpec(partitions=parts, groups=tuple(assign_groups(8, 2, rng)), rounds=6,
+                     lr=0.1, arrivals_per_step=16, initial_samples=0, eval_every=3)
+    s = demo_strategies(super_node_size=3, sync_period=2)[1]
+    r = run_federation(digits, s, spec)
+    truth = np.bincount(digits.y_train[np.concatenate(parts)], minlength=10)
+    truth = truth / truth.sum()
+    assert np.abs(np.array(r.p_real) - truth).max() < 0.02
+    # The mean of the devices' own distributions (equal streams) would be far off.
+    mean_of_devices = np.mean([np.bincount(digits.y_train[p], minlength=10) / len(p)
+                               for p in parts], axis=0)
+    assert np.abs(mean_of_devices - truth).max() > 0.04
+    assert [row["round"] for row in r.rows] == [0, 3, 6]  # eval_every
+    assert r.rows[-1]["samples"] > r.rows[1]["samples"] > 0

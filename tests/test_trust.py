@@ -152,8 +152,9 @@ def test_a_huge_seen_claim_cannot_make_p_real_one_class():
     st.handle(tamper(_stats("d0"), "seen"), 1.0)
     seen = st._seen_counts()
     assert st.counters["clipped.seen_counts"] == 1
-    # It counts as at most seen_share (4) median devices: 4 of 7 devices' worth of samples.
-    assert seen.sum() <= 4 * 1000 + 3 * 1000 and seen[0] / seen.sum() < 0.8
+    # It counts as at most seen_share median devices: with 10, 10 of 13 devices' worth.
+    share = st.config.seen_share
+    assert seen.sum() <= share * 1000 + 3 * 1000 and seen[0] / seen.sum() < 0.8
 
 
 def test_a_lying_histogram_cannot_buy_every_selection():
