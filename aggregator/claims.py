@@ -1,12 +1,26 @@
-"""Which paper claims an experiment reproduces, and by how much: the ``results.md`` report."""
+"""Which paper claims an experiment reproduces, judged against the seed spread.
+
+Seed ``k`` of every strategy shares its partitions, initial weights and device seeds, so an
+effect is measured per seed as a paired difference; its spread is the sample standard
+deviation of those differences.  A claim is *reproduced* when the effect exceeds its spread
+and is not reliably smaller than the claimed size, *not reproduced* when even effect plus
+spread falls short of the claim, and *inconclusive* otherwise (and always with one seed).
+Accuracy is each run's mean over its last evaluations; "samples to target" counts a run that
+never held the target as its total samples plus one evaluation (censored).
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-__all__ = ["Claim", "assess_claims", "markdown_section", "BASELINES"]
+import numpy as np
+
+from .experiment import by_strategy, run_summary
+from .simulation import RunResult
+
+__all__ = ["Claim", "assess_claims", "markdown_section", "BASELINES", "verdict"]
 
 BASELINES = ("fedavg", "fedprox", "fedavgm", "fedadagrad", "fedadam", "fedyogi", "ida")
 
@@ -14,70 +28,113 @@ BASELINES = ("fedavg", "fedprox", "fedavgm", "fedadagrad", "fedadam", "fedyogi",
 @dataclass(frozen=True)
 class Claim:
     claim: str
-    verdict: str  # "reproduced", "partly", "not reproduced", "not tested"
+    verdict: str  # "reproduced", "not reproduced", "inconclusive"
     evidence: str
 
 
-def _verdict(value: float, full: float) -> str:
-    return "reproduced" if value >= full else "partly" if value > 0 else "not reproduced"
+def verdict(effect: float, spread: float, claimed: float) -> str:
+    """Judge a measured ``effect`` (mean paired difference) of a claim of size ``claimed``."""
+    if not math.isfinite(spread):
+        return "inconclusive"
+    if effect + spread < claimed:
+        return "not reproduced"
+    return "reproduced" if effect > spread else "inconclusive"
 
 
-def assess_claims(rows: Sequence[dict[str, Any]], target: float,
-                  rounds: int) -> list[Claim]:
-    """Check the papers' claims against one experiment's ``results.csv`` rows."""
-    by = {r["strategy"]: r for r in rows}
-    key = f"rounds_to_{target:g}"
+def _paired(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    return float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else math.nan
 
-    def reach(name: str) -> int:  # never reaching the target counts as rounds + 1 (censored)
-        value = by[name][key]
-        return rounds + 1 if value in (None, "") else int(value)
+
+def _fmt(effect: float, spread: float, unit: str = " points") -> str:
+    sd = "" if not math.isfinite(spread) else f" +- {spread:.1f}"
+    return f"{effect:+.1f}{sd}{unit}"
+
+
+def assess_claims(results: Sequence[RunResult], target: float) -> list[Claim]:
+    """Check the papers' claims, and this project's bar for SAFL+FedGS, on per-seed runs."""
+    runs = by_strategy(list(results))
+    n = min(len(v) for v in runs.values())
+    summ = {k: [run_summary(r, target) for r in v[:n]] for k, v in runs.items()}
+
+    def acc(name: str) -> list[float]:
+        return [100 * s["accuracy"] for s in summ[name]]
+
+    def reach(name: str) -> list[float]:
+        out = []
+        for s, r in zip(summ[name], runs[name], strict=False):
+            step = r.rows[-1]["samples"] - r.rows[-2]["samples"] if len(r.rows) > 1 else 1
+            out.append(s["samples_to_target"] or s["samples"] + step)
+        return out
 
     claims = []
-    base = [b for b in BASELINES if b in by]
-    if "fedgs" in by and base:
-        deltas = {b: 100 * (by["fedgs"]["final_accuracy"] - by[b]["final_accuracy"]) for b in base}
-        mean = sum(deltas.values()) / len(deltas)
+    base = [b for b in BASELINES if b in summ]
+    if "fedgs" in summ and base:
+        per = {b: _paired(acc("fedgs"), acc(b)) for b in base}
+        d = float(np.mean([e for e, _ in per.values()]))
+        spread = float(np.mean([s for _, s in per.values()]))
         claims.append(Claim(
-            "FedGS: +3.5 points accuracy over the baselines on average",
-            _verdict(mean, 3.5),
-            f"mean {mean:+.1f} points over {len(base)} baselines ("
-            + ", ".join(f"{b} {d:+.1f}" for b, d in deltas.items()) + ")"))
-        cuts = {b: 1 - reach("fedgs") / reach(b) for b in base}
-        mean_cut = sum(cuts.values()) / len(cuts)
-        censored = [b for b in base if reach(b) > rounds]
+            "FedGS: +3.5 points accuracy over the baselines on average", verdict(d, spread, 3.5),
+            f"mean {_fmt(d, spread)} over {len(base)} baselines ("
+            + ", ".join(f"{b} {_fmt(*e, unit='')}" for b, e in per.items()) + ")"))
+        cuts = {b: _paired([1.0] * n, np.divide(reach("fedgs"), reach(b))) for b in base}
+        d = float(np.mean([e for e, _ in cuts.values()]))
+        spread = float(np.mean([s for _, s in cuts.values()]))
         claims.append(Claim(
-            f"FedGS: 59% fewer rounds to {target:.0%} accuracy",
-            "not reproduced" if reach("fedgs") > rounds else _verdict(mean_cut, 0.59),
-            f"FedGS {reach('fedgs') if reach('fedgs') <= rounds else 'never'}; mean cut "
-            f"{mean_cut:.0%}" + (f" (never reached, counted as {rounds + 1}: "
-                                 f"{', '.join(censored)})" if censored else "")))
-    if "fedgs" in by and "fedgs_random" in by:
-        d = 100 * (by["fedgs"]["final_accuracy"] - by["fedgs_random"]["final_accuracy"])
+            f"FedGS: 59% fewer samples to a sustained {target:.0%}", verdict(d, spread, 0.59),
+            f"mean cut {d:.0%}" + ("" if not math.isfinite(spread) else f" +- {spread:.0%}")
+            + " (" + ", ".join(f"{b} {e:.0%}" for b, (e, _) in cuts.items()) + ")"))
+    if "fedgs" in summ and "fedgs_random" in summ:
+        d, spread = _paired(acc("fedgs"), acc("fedgs_random"))
         claims.append(Claim("GBP-CS beats random super nodes (FedGS ablation)",
-                            _verdict(d, 0.5), f"{d:+.1f} points"))
-    if "safl" in by and "fedavg" in by:
-        ratio = reach("fedavg") / reach("safl")
+                            verdict(d, spread, 0.0), _fmt(d, spread)))
+    if "safl" in summ and "fedavg" in summ:
+        ratio = np.divide(reach("fedavg"), reach("safl"))
+        d, spread = _paired(ratio, [0.0] * n)
         claims.append(Claim(
-            f"SAFL: about 2x faster convergence than FedAvg (rounds to {target:.0%})",
-            "reproduced" if ratio >= 1.8 else "partly" if ratio > 1 else "not reproduced",
-            f"FedAvg {reach('fedavg')} / SAFL {reach('safl')} rounds = {ratio:.2f}x"))
-        fa, sa = by["fedavg"]["final_accuracy"], by["safl"]["final_accuracy"]
-        gain = (sa - fa) / fa if fa else 0.0
+            f"SAFL: about 2x faster than FedAvg (samples to a sustained {target:.0%})",
+            verdict(d - 1, spread, 0.8), f"{d:.2f}x" + (
+                "" if not math.isfinite(spread) else f" +- {spread:.2f}")))
+        gain = np.divide(acc("safl"), acc("fedavg")) - 1
+        d, spread = _paired(gain, [0.0] * n)
         claims.append(Claim("SAFL: >50% accuracy improvement over FedAvg on non-i.i.d. data",
-                            _verdict(gain, 0.5), f"{sa:.3f} vs {fa:.3f} ({gain:+.0%})"))
-    if "safl" in by and "safl_gated" in by:
-        up, gated = by["safl"]["uploads"], by["safl_gated"]["uploads"]
-        d = 100 * (by["safl_gated"]["final_accuracy"] - by["safl"]["final_accuracy"])
-        cut = 1 - gated / up if up else 0.0
-        claims.append(Claim("SAFL upload gating: fewer uploads at similar accuracy",
-                            "reproduced" if cut > 0 and d > -1 else "partly" if cut > 0
-                            else "not reproduced",
-                            f"{cut:.0%} fewer uploads ({gated} vs {up}), accuracy {d:+.1f} points"))
+                            verdict(d, spread, 0.5), f"{d:+.1%}" + (
+                                "" if not math.isfinite(spread) else f" +- {spread:.1%}")))
+    if "safl" in summ and "safl_gated" in summ:
+        up = [r.rows[-1]["uploads"] for r in runs["safl"][:n]]
+        gated = [r.rows[-1]["uploads"] for r in runs["safl_gated"][:n]]
+        cut = 1 - float(np.sum(gated)) / max(1.0, float(np.sum(up)))
+        d, spread = _paired(acc("safl_gated"), acc("safl"))
+        # Similar accuracy: not reliably more than a point below, however small the spread.
+        similar = "inconclusive" if not math.isfinite(spread) else (
+            "not reproduced" if d + spread < -1.0 else "reproduced")
+        claims.append(Claim("SAFL upload gating: fewer uploads at similar accuracy (within "
+                            "1 point)", similar if cut > 0 else "not reproduced",
+                            f"{cut:.0%} fewer uploads, accuracy {_fmt(d, spread)}"))
+    if "safl_fedgs" in summ and "fedgs" in summ:
+        d, spread = _paired(acc("safl_fedgs"), acc("fedgs"))
+        keeps = "inconclusive" if not math.isfinite(spread) else (
+            "reproduced" if d >= -spread else "not reproduced")
+        claims.append(Claim("SAFL+FedGS keeps FedGS's global accuracy (within the seed spread)",
+                            keeps, _fmt(d, spread)))
+        local = _paired([100 * s["local_q1"] for s in summ["safl_fedgs"]],
+                        [100 * s["local_q1"] for s in summ["fedgs"]])
+        claims.append(Claim("SAFL+FedGS beats FedGS on device-local accuracy in the first "
+                            "quarter", verdict(*local, 0.0), _fmt(*local)))
+        if base:
+            per = {b: _paired(acc("safl_fedgs"), acc(b)) for b in base}
+            worst = min(per, key=lambda b: per[b][0] - (per[b][1] if math.isfinite(
+                per[b][1]) else 0))
+            votes = [verdict(e, s, 0.0) for e, s in per.values()]
+            overall = "reproduced" if all(v == "reproduced" for v in votes) else (
+                "not reproduced" if "not reproduced" in votes else "inconclusive")
+            claims.append(Claim("SAFL+FedGS beats every baseline by more than the seed spread",
+                                overall, f"closest: {worst} {_fmt(*per[worst])}"))
     return claims
 
 
-def markdown_section(title: str, command: str, config: dict[str, Any],
-                     rows: Sequence[dict[str, Any]], claims: Sequence[Claim]) -> str:
+def markdown_section(title: str, command: str, config: dict[str, object],
+                     rows: Sequence[dict[str, object]], claims: Sequence[Claim]) -> str:
     """One experiment's part of ``docs/results.md``."""
     keys = list(rows[0])
     lines = [f"## {title}", "", "Regenerate with:", "", "```sh", command, "```", "",

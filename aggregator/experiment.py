@@ -11,10 +11,12 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import hashlib
+import json
 import logging
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ from .simulation import FleetSpec, RunResult, run_federation
 from .strategies import RECIPES, RecipeSettings, build_strategy
 
 __all__ = ["ExperimentConfig", "run_experiment", "load_experiment", "result_rows",
-           "merge_seeds", "FULL_SCALE"]
+           "merge_seeds", "by_strategy", "run_summary", "samples_to", "FULL_SCALE"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,10 @@ class ExperimentConfig:
     rand_per_group: int = 1
     sync_period: int = 10
     rounds: int = 30
+    # Samples to train in all (every strategy consumes the same per round): sets the rounds
+    # when given, so runs are compared at the same data processed.
+    samples: int = 0
+    eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
     lr: float = 0.05
     batch_size: int = 32
     model: str = "mlp"
@@ -75,14 +81,22 @@ class ExperimentConfig:
     arrivals_per_step: int = 48
     initial_samples: int = 64
     buffer_capacity: int = 1024
+    holdout_capacity: int = 256  # held-out slice per device: the gate's and local accuracy's
     eval_samples: int = 2000
     target_accuracy: float = 0.7
     temperature_rounds: float = 10.0
+    # SAFL's temperature as a fraction of the run's rounds (replaces temperature_rounds when
+    # > 0), so that a setting chosen on a short run means the same on a long one.
+    temperature_fraction: float = 0.0
     mix: float = 0.5
     nu: float = 0.5
+    merge_max_age: int = 20  # SAFL merges only a local model at most this many iterations old
     prox_mu: float = 0.01
     server_lr: float = 0.03
     momentum: float = 0.9
+    # Server optimiser of the hierarchical recipes at the cloud (FedGS, SAFL+FedGS):
+    # "fedavgm" applies the momentum above to the external synchronisation.
+    cloud_optimizer: str = "fedavgm"
     seed: int = 0
     seeds: int = 1  # runs per strategy, seeds seed, seed+1, ...: tables give mean and sd
     # What the compromised devices send (aggregator.attacks): one report section per attack.
@@ -94,7 +108,7 @@ class ExperimentConfig:
         if self.partition not in ("dirichlet", "safl"):
             raise ConfigError("partition", "must be 'dirichlet' or 'safl'")
         for key in ("factories", "devices_per_factory", "super_node", "sync_period", "rounds",
-                    "batch_size", "arrivals_per_step", "eval_samples"):
+                    "batch_size", "arrivals_per_step", "eval_samples", "eval_every"):
             check_range(key, getattr(self, key), 1)
         check_range("super_node", self.super_node, 1, self.devices_per_factory)
         check_range("rand_per_group", self.rand_per_group, 0, self.super_node)
@@ -102,18 +116,32 @@ class ExperimentConfig:
         if not self.attacks or any(a not in ATTACKS for a in self.attacks):
             raise ConfigError("attacks", f"must list some of {ATTACKS}")
         check_range("seeds", self.seeds, 1)
+        check_range("samples", self.samples, 0)
+        if self.cloud_optimizer not in ("none", "fedavgm"):
+            raise ConfigError("cloud_optimizer", "must be 'none' or 'fedavgm'")
+        if self.samples:
+            object.__setattr__(self, "rounds", -(-self.samples // self.samples_per_round))
+        check_range("temperature_fraction", self.temperature_fraction, 0)
+        if self.temperature_fraction:
+            object.__setattr__(self, "temperature_rounds", self.temperature_fraction * self.rounds)
         check_range("attackers", self.attackers, 0, self.factories * self.devices_per_factory)
         unknown = [s for s in self.strategies if s not in RECIPES]
         if unknown or not self.strategies:
             raise ConfigError("strategies", f"unknown {unknown}; known: {sorted(RECIPES)}")
 
     @property
+    def samples_per_round(self) -> int:
+        """Samples every recipe trains on per round (``L x M x T`` one-step batches)."""
+        return self.factories * self.super_node * self.sync_period * self.batch_size
+
+    @property
     def settings(self) -> RecipeSettings:
         return RecipeSettings(factories=self.factories, super_node=self.super_node,
                               rand_per_group=self.rand_per_group, sync_period=self.sync_period,
                               temperature_rounds=self.temperature_rounds, mix=self.mix,
-                              nu=self.nu, prox_mu=self.prox_mu, server_lr=self.server_lr,
-                              momentum=self.momentum)
+                              nu=self.nu, merge_max_age=self.merge_max_age,
+                              prox_mu=self.prox_mu, server_lr=self.server_lr,
+                              momentum=self.momentum, cloud_optimizer=self.cloud_optimizer)
 
 
 def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> FleetSpec:
@@ -128,13 +156,15 @@ def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> Flee
                      rounds=cfg.rounds, model=cfg.model, backends=(cfg.backend,), lr=cfg.lr,
                      seed=seed, arrivals_per_step=cfg.arrivals_per_step,
                      initial_samples=cfg.initial_samples, eval_samples=cfg.eval_samples,
+                     eval_every=cfg.eval_every,
                      share_trainers=True, attack=attack,
                      attackers=tuple(range(cfg.attackers)) if attack != "none" else ())
 
 
 def _strategy(cfg: ExperimentConfig, name: str):
     s = build_strategy(name, cfg.settings)
-    device = {"batch_size": cfg.batch_size, "buffer_capacity": cfg.buffer_capacity, **s.device}
+    device = {"batch_size": cfg.batch_size, "buffer_capacity": cfg.buffer_capacity,
+              "holdout_capacity": cfg.holdout_capacity, **s.device}
     return dataclasses.replace(s, device=device)
 
 
@@ -143,11 +173,51 @@ def _dataset(name: str) -> Dataset:
     return load_dataset(name)  # once per process, not once per strategy
 
 
-def _run_one(args: tuple[ExperimentConfig, str, int, str, bool]) -> RunResult:
-    cfg, name, seed, attack, show = args
+def _run_one(args: tuple[ExperimentConfig, str, int, str, bool, int]) -> RunResult:
+    cfg, name, seed, attack, show, threads = args
+    if cfg.backend == "torch":
+        import torch  # the aggregator may load torch; the device package never must
+        torch.set_num_threads(threads)  # parallel jobs each get their share of the cores
     data = _dataset(cfg.dataset)
     return run_federation(data, _strategy(cfg, name), _fleet(cfg, data, seed, attack),
-                          Progress(name, cfg.rounds) if show else None)
+                          Progress(f"{name}/{seed}", cfg.rounds) if show else None)
+
+
+class _RunCache:
+    """Finished runs of an experiment as JSON beside its outputs, so an interrupted
+    experiment resumes and a report can be rebuilt without retraining.  A run is reused
+    only for the same experiment file text, strategy, seed and attack; after changing the
+    code, delete the folder (or pass ``fresh``) to run again."""
+
+    def __init__(self, folder: Path, config_text: str, fresh: bool) -> None:
+        self.folder = folder / "runs"
+        self.config_hash = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+        self.fresh = fresh
+
+    def _path(self, name: str, seed: int, attack: str) -> Path:
+        return self.folder / f"{name}-seed{seed}-{attack}.json"
+
+    def get(self, name: str, seed: int, attack: str) -> RunResult | None:
+        path = self._path(name, seed, attack)
+        if self.fresh or not path.exists():
+            return None
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if doc.get("config_hash") != self.config_hash:
+            return None
+        return RunResult(doc["strategy"], doc["rows"], doc["counters"], doc["wall_s"],
+                         p_real=doc.get("p_real", []))
+
+    def put(self, result: RunResult, seed: int, attack: str) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        doc = {"config_hash": self.config_hash, "seed": seed, "attack": attack,
+               **dataclasses.asdict(result)}
+        path = self._path(result.strategy, seed, attack)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(path)
 
 
 def merge_seeds(results: list[RunResult]) -> list[RunResult]:
@@ -165,6 +235,7 @@ def merge_seeds(results: list[RunResult]) -> list[RunResult]:
         for i, row in enumerate(runs[0].rows):
             acc = [r.rows[i]["accuracy"] for r in runs]
             rows.append({**row, "accuracy": float(np.mean(acc)),
+                         "samples": float(np.mean([r.rows[i]["samples"] for r in runs])),
                          "accuracy_sd": float(np.std(acc, ddof=1)),
                          "loss": float(np.mean([r.rows[i]["loss"] for r in runs]))})
         counters: dict[str, int] = {}
@@ -175,26 +246,87 @@ def merge_seeds(results: list[RunResult]) -> list[RunResult]:
     return merged
 
 
-def _rounds_to(rows: list[dict[str, Any]], target: float) -> int | None:
-    return next((r["round"] for r in rows if r["accuracy"] >= target), None)
+LAST_K = 3  # a run's accuracy: the mean of its last evaluations, not one noisy point
+
+
+def samples_to(rows: list[dict[str, Any]], target: float) -> int | None:
+    """Samples trained when the accuracy reached ``target`` and held it at every later
+    evaluation (None: it never held)."""
+    held = None
+    for r in rows:
+        if r["accuracy"] >= target:
+            held = r["samples"] if held is None else held
+        else:
+            held = None
+    return held
+
+
+def _nanmean(values: list[float]) -> float:
+    values = [v for v in values if v == v]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def run_summary(result: RunResult, target: float) -> dict[str, float | int | None]:
+    """One run's figures: accuracy (mean of the last ``LAST_K`` evaluations), samples to a
+    sustained ``target``, and device-local accuracy (mean, worst 10%) over the first quarter
+    of the samples and at the end."""
+    rows = result.rows
+    quarter = [r for r in rows if r["samples"] <= rows[-1]["samples"] / 4] or rows[:1]
+    tail = rows[-LAST_K:]
+    return {"accuracy": float(np.mean([r["accuracy"] for r in tail])),
+            "samples_to_target": samples_to(rows, target),
+            "local_q1": _nanmean([r["local_mean"] for r in quarter]),
+            "worst10_q1": _nanmean([r["local_worst10"] for r in quarter]),
+            "local_end": _nanmean([r["local_mean"] for r in tail]),
+            "worst10_end": _nanmean([r["local_worst10"] for r in tail]),
+            "samples": rows[-1]["samples"]}
+
+
+def by_strategy(results: list[RunResult]) -> dict[str, list[RunResult]]:
+    """Per-seed results grouped by strategy, seeds in run order (seed k pairs with seed k:
+    the same partitions, initial weights and device seeds)."""
+    out: dict[str, list[RunResult]] = {}
+    for r in results:
+        out.setdefault(r.strategy, []).append(r)
+    return out
+
+
+def _mean_sd(values: list[float], digits: int = 4) -> tuple[float | None, float | str | None]:
+    """Mean and sample sd over seeds; None where no seed measured it (no local accuracy)."""
+    arr = np.array(values, dtype=float)
+    if np.isnan(arr).any():
+        return None, None
+    return round(float(arr.mean()), digits), \
+        round(float(arr.std(ddof=1)), digits) if len(arr) > 1 else ""
 
 
 def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]:
-    """One row per strategy for ``results.csv``."""
+    """One row per strategy for ``results.csv``: mean and sample sd over seeds of the
+    accuracy (mean of the last evaluations), samples to a sustained ``target`` (``never``
+    when some seed did not hold it), device-local accuracy, traffic."""
     out = []
-    for r in results:
-        last = r.rows[-1]
-        refused = sum(v for k, v in r.counters.items() if k.startswith(("rejected.", "clipped.")))
-        out.append({"strategy": r.strategy, "final_accuracy": round(r.final_accuracy, 4),
-                    **({"final_sd": round(last["accuracy_sd"], 4)} if "accuracy_sd" in last
-                       else {}),
-                    "best_accuracy": round(r.best_accuracy, 4),
-                    f"rounds_to_{target:g}": _rounds_to(r.rows, target),
-                    "uploads": last["uploads"], "skips": last["skips"],
+    for name, runs in by_strategy(results).items():
+        sums = [run_summary(r, target) for r in runs]
+        acc, acc_sd = _mean_sd([s["accuracy"] for s in sums])
+        reach = [s["samples_to_target"] for s in sums]
+        held = sum(v is not None for v in reach)
+        lq1, lq1_sd = _mean_sd([s["local_q1"] for s in sums])
+        w10, _ = _mean_sd([s["worst10_q1"] for s in sums])
+        lend, _ = _mean_sd([s["local_end"] for s in sums])
+        last = runs[0].rows[-1]
+        refused = sum(v for r in runs for k, v in r.counters.items()
+                      if k.startswith(("rejected.", "clipped."))) // len(runs)
+        out.append({"strategy": name, "seeds": len(runs), "accuracy": acc,
+                    "accuracy_sd": acc_sd,
+                    f"samples_to_{target:g}": (f"{np.mean(reach) / 1000:.0f}k" if held == len(runs)
+                                               else f"never ({len(runs) - held}/{len(runs)})"),
+                    "local_q1": lq1, "local_q1_sd": lq1_sd, "worst10_q1": w10,
+                    "local_end": lend, "samples": int(np.mean([s["samples"] for s in sums])),
+                    "uploads": int(np.mean([r.rows[-1]["uploads"] for r in runs])),
+                    "skips": int(np.mean([r.rows[-1]["skips"] for r in runs])),
                     "mb_up": round((last["bytes_device_up"] + last["bytes_station_up"]) / 1e6, 1),
-                    "mb_down": round((last["bytes_device_down"] + last["bytes_station_down"])
-                                     / 1e6, 1),
-                    "refused": refused, "wall_s": round(r.wall_s, 1)})
+                    "refused": refused,
+                    "wall_s": round(float(np.mean([r.wall_s for r in runs])), 1)})
     return out
 
 
@@ -224,10 +356,10 @@ def load_experiment(path: str | Path, full: bool = False) -> ExperimentConfig:
 
 
 def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
-                   full: bool = False, attack: str | None = None,
+                   full: bool = False, attack: str | None = None, fresh: bool = False,
                    ) -> tuple[ExperimentConfig, list[RunResult], Path]:
     """Run every strategy of an experiment file (over its seeds, under one ``attack``, by
-    default its first); returns the config, one merged result per strategy, the folder."""
+    default its first); returns the config, every run (per strategy and seed), the folder."""
     cfg = load_experiment(path, full)
     attack = attack or cfg.attacks[0]
     label = cfg.name + ("" if attack == "none" else f" under attack '{attack}'")
@@ -236,19 +368,33 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     print(f"experiment {label}: {len(cfg.strategies)} strategies x {cfg.seeds} seed(s), "
           f"{cfg.factories} factories x {cfg.devices_per_factory} devices, {cfg.rounds} rounds, "
           f"{cfg.model} on {cfg.dataset}, {jobs} job(s)", file=sys.stderr)
-    tasks = [(cfg, name, cfg.seed + k, attack, jobs == 1)
+    cache = _RunCache(out, Path(path).read_text() + ("full" if full else ""), fresh)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    tasks = [(cfg, name, cfg.seed + k, attack, jobs == 1, threads)
              for name in cfg.strategies for k in range(cfg.seeds)]
+    done = {(t[1], t[2]): cache.get(t[1], t[2], attack) for t in tasks}
+    todo = [t for t in tasks if done[(t[1], t[2])] is None]
+    if len(todo) < len(tasks):
+        print(f"reusing {len(tasks) - len(todo)} finished run(s) from {cache.folder}",
+              file=sys.stderr)
+
+    def finished(task: tuple, r: RunResult) -> None:
+        cache.put(r, task[2], attack)
+        done[(task[1], task[2])] = r
+        print(f"{r.strategy:<14} seed {task[2]} final {r.final_accuracy:.4f} "
+              f"({r.wall_s:.0f} s)", file=sys.stderr)
+
     if jobs == 1:
-        results = [_run_one(t) for t in tasks]
+        for t in todo:
+            finished(t, _run_one(t))
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            results = []
-            for r in pool.map(_run_one, tasks):
-                print(f"{r.strategy:<14} final {r.final_accuracy:.4f} ({r.wall_s:.0f} s)",
-                      file=sys.stderr)
-                results.append(r)
-    results = merge_seeds(results)
-    rows = result_rows(results, cfg.target_accuracy)
+            futures = {pool.submit(_run_one, t): t for t in todo}
+            for future in as_completed(futures):  # cached as each finishes
+                finished(futures[future], future.result())
+    per_seed = [done[(t[1], t[2])] for t in tasks]
+    results = merge_seeds(per_seed)
+    rows = result_rows(per_seed, cfg.target_accuracy)
     with open(out / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -259,7 +405,7 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     _plot_vs_bytes(results, out / "accuracy_vs_bytes.png", title)
     (out / "config.toml").write_text(Path(path).read_text())
     print(format_table(rows))
-    return cfg, results, out
+    return cfg, per_seed, out
 
 
 def default_jobs() -> int:

@@ -86,7 +86,8 @@ def write_metrics(results: Sequence[RunResult], out: Path) -> tuple[Path, Path]:
 
 
 def plot_accuracy(results: Sequence[RunResult], path: Path, title: str) -> Path:
-    """Test accuracy of the global model against rounds, one line per strategy."""
+    """Test accuracy of the global model against samples trained (rounds where a run has no
+    sample counts), one line per strategy, with the seed spread as a band."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -94,10 +95,18 @@ def plot_accuracy(results: Sequence[RunResult], path: Path, title: str) -> Path:
     except ImportError as exc:
         raise SaflError("matplotlib is needed for plots: pip install 'safl-edge[plot]'") from exc
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    by_samples = all("samples" in row for r in results for row in r.rows)
     for r in results:
-        ax.plot([row["round"] for row in r.rows], [row["accuracy"] for row in r.rows],
-                label=f"{r.strategy} (final {r.final_accuracy:.3f})")
-    ax.set_xlabel("round (external synchronisation)")
+        x = [row["samples"] if by_samples else row["round"] for row in r.rows]
+        acc = [row["accuracy"] for row in r.rows]
+        line, = ax.plot(x, acc, label=f"{r.strategy} (final {r.final_accuracy:.3f})")
+        if all("accuracy_sd" in row for row in r.rows):  # mean over seeds: show the spread
+            sd = [row["accuracy_sd"] for row in r.rows]
+            ax.fill_between(x, [a - s for a, s in zip(acc, sd, strict=True)],
+                            [a + s for a, s in zip(acc, sd, strict=True)],
+                            color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("samples trained (all devices)" if by_samples
+                  else "round (external synchronisation)")
     ax.set_ylabel("test accuracy of the global model")
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -35,15 +35,26 @@ class RecipeSettings:
     temperature_rounds: float  # SAFL's L, in rounds
     mix: float  # SAFL's eps
     nu: float  # upload gate
+    merge_max_age: int  # iterations a local model stays fresh enough to merge
     prox_mu: float
     server_lr: float  # adaptive server optimisers
     momentum: float  # FedAvgM
+    cloud_optimizer: str = "fedavgm"  # of the hierarchical recipes' external sync
+
+
+def _cloud(s: RecipeSettings) -> dict:
+    """FedAvgM at the cloud: momentum over the external synchronisations (docs/algorithms.md
+    gives the measurement that made it the hierarchical recipes' default)."""
+    if s.cloud_optimizer == "none":
+        return {}
+    return {"server_optimizer": "fedavgm", "server_lr": 1.0, "beta1": s.momentum}
 
 
 def _hier(s: RecipeSettings, selector: str, **device) -> Strategy:
     return Strategy(selector, device={"mix": 1.0, "nu": 0.0, **device},
                     station={"super_node_size": s.super_node, "rand_per_group": s.rand_per_group,
-                             "selector": selector, "sync_period": s.sync_period})
+                             "selector": selector, "sync_period": s.sync_period},
+                    cloud=_cloud(s))
 
 
 def _flat(s: RecipeSettings, *, device=None, station=None, cloud=None) -> Strategy:
@@ -59,7 +70,7 @@ def _safl(s: RecipeSettings, hierarchical: bool, gated: bool) -> dict:
     # t counts iterations: T per round in a hierarchy, one per round when flat.
     per_round = s.sync_period if hierarchical else 1
     return {"mix": s.mix, "temperature": s.temperature_rounds * per_round,
-            "nu": s.nu if gated else 0.0}
+            "nu": s.nu if gated else 0.0, "merge_max_age": s.merge_max_age}
 
 
 def _adaptive(kind: str) -> Callable[[RecipeSettings], Strategy]:

@@ -8,10 +8,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from aggregator.claims import assess_claims
+from aggregator.claims import assess_claims, verdict
 from aggregator.datasets import assign_groups, dirichlet_label_skew, safl_split
-from aggregator.experiment import DEFAULT_STRATEGIES, ExperimentConfig
-from aggregator.simulation import FleetSpec, plan_fleet, run_federation
+from aggregator.experiment import DEFAULT_STRATEGIES, ExperimentConfig, samples_to
+from aggregator.simulation import FleetSpec, RunResult, plan_fleet, run_federation
 from aggregator.strategies import build_strategy
 from edge_client.cli import main
 from edge_client.errors import ConfigError
@@ -59,17 +59,44 @@ def test_shared_trainers_change_nothing_but_memory(digits):
     assert shared.counters == alone.counters
 
 
-def test_claims_are_judged_from_results():
-    rows = [{"strategy": s, "final_accuracy": a, "rounds_to_0.5": r, "uploads": u}
-            for s, a, r, u in (("fedgs", 0.80, 4, 100), ("fedavg", 0.70, 10, 50),
-                               ("fedprox", 0.78, None, 50), ("safl", 0.75, 5, 50),
-                               ("safl_gated", 0.745, 5, 30))]
-    verdicts = [c.verdict for c in assess_claims(rows, 0.5, 20)]
-    assert verdicts[0] == "reproduced"  # +10 and +2 points: mean +6
-    assert verdicts[1] == "reproduced"  # 1 - 4/10 = 60%, 1 - 4/21 = 81%
-    assert verdicts[2] == "reproduced"  # 10 / 5 = 2x
-    assert verdicts[3] == "partly"  # +7%, the claim is +50%
-    assert verdicts[4] == "reproduced"  # 40% fewer uploads, -0.5 points
+def _curve(name: str, accs: list[float], uploads: int = 100) -> RunResult:
+    rows = [{"strategy": name, "round": i, "samples": 1000 * i, "accuracy": a, "loss": 0.0,
+             "local_mean": a, "local_worst10": a - 0.1, "uploads": uploads, "skips": 0}
+            for i, a in enumerate(accs)]
+    return RunResult(name, rows, {}, 0.0)
+
+
+def test_a_target_counts_only_when_it_is_held():
+    rows = _curve("x", [0.1, 0.6, 0.4, 0.55, 0.7, 0.8]).rows
+    assert samples_to(rows, 0.5) == 3000  # 0.6 at 1000 fell back: not reached there
+    assert samples_to(rows, 0.9) is None
+
+
+def test_verdicts_weigh_the_effect_against_the_seed_spread():
+    assert verdict(5.0, 1.0, 3.5) == "reproduced"
+    assert verdict(1.0, 2.0, 0.0) == "inconclusive"  # within the spread
+    assert verdict(1.0, 0.5, 3.5) == "not reproduced"  # reliably smaller than claimed
+    assert verdict(-3.0, 1.0, 0.0) == "not reproduced"
+    assert verdict(9.0, float("nan"), 3.5) == "inconclusive"  # one seed: no spread
+
+
+def test_claims_are_judged_from_paired_seeds():
+    def seeds(name, finals, **kw):
+        return [_curve(name, [0.1, 0.3, f, f, f], **kw) for f in finals]
+
+    results = [*seeds("fedgs", [0.80, 0.82, 0.81]), *seeds("fedavg", [0.70, 0.73, 0.70]),
+               *seeds("fedgs_random", [0.81, 0.80, 0.82]),
+               *seeds("safl", [0.75, 0.74, 0.76], uploads=100),
+               *seeds("safl_gated", [0.748, 0.741, 0.757], uploads=60)]
+    by_text = {c.claim: c.verdict for c in assess_claims(results, 0.5)}
+    assert by_text["FedGS: +3.5 points accuracy over the baselines on average"] == "reproduced"
+    assert by_text["GBP-CS beats random super nodes (FedGS ablation)"] == "inconclusive"
+    assert by_text["SAFL: >50% accuracy improvement over FedAvg on non-i.i.d. data"] == \
+        "not reproduced"  # +6%, reliably
+    assert by_text["SAFL upload gating: fewer uploads at similar accuracy (within 1 point)"] \
+        == "reproduced"
+    one_seed = assess_claims([results[0], results[3]], 0.5)
+    assert {c.verdict for c in one_seed} == {"inconclusive"}
 
 
 @pytest.mark.slow
@@ -107,3 +134,28 @@ def test_parallel_jobs_give_the_same_results(tmp_path):
     drop = ("wall_s",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in result_rows(serial, 0.5)] == \
         [{k: v for k, v in r.items() if k not in drop} for r in result_rows(parallel, 0.5)]
+
+
+def test_a_sweep_runs_its_grid_and_resumes_from_finished_runs(tmp_path, capsys):
+    config = tmp_path / "sweep.toml"
+    config.write_text(open("experiments/quick.toml").read().replace("rounds = 6", "rounds = 3")
+                      + 'strategies = ["fedgs"]\n\n[sweep]\nlr = [0.05, 0.2]\n')
+    assert main(["sweep", str(config), "--out", str(tmp_path / "s")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "s" / "sweep.csv")))
+    assert [(r["lr"], r["strategy"]) for r in rows] == [("0.05", "fedgs"), ("0.2", "fedgs")]
+    assert rows[0]["accuracy"] != rows[1]["accuracy"]  # the setting reached the devices
+    capsys.readouterr()
+    assert main(["sweep", str(config), "--out", str(tmp_path / "s")]) == 0
+    assert "2 runs, 2 reused" in capsys.readouterr().err
+    assert list(csv.DictReader(open(tmp_path / "s" / "sweep.csv"))) == rows
+    config.write_text(config.read_text() + "\n")  # another experiment file: nothing reused
+    assert main(["sweep", str(config), "--out", str(tmp_path / "s")]) == 0
+    assert "0 reused" in capsys.readouterr().err
+
+
+def test_a_sweep_names_a_bad_key(tmp_path):
+    from aggregator.sweep import load_grid
+    config = tmp_path / "sweep.toml"
+    config.write_text('[experiment]\nname = "x"\n[sweep]\nlearning_rate = [0.1]\n')
+    with pytest.raises(ConfigError, match="sweep.learning_rate"):
+        load_grid(config)

@@ -1,0 +1,92 @@
+"""Benchmark: the in-process simulator against the one this project had before (same run).
+
+The workload is the reference experiment's: FedGS (GBP-CS, cloud FedAvgM) with the small CNN
+on Fashion-MNIST at Dirichlet 0.1, 4 factories x 10 devices, L = 5, T = 10, batch 32: 6,400
+samples trained per round.  The baseline is the simulator of commit ``BASELINE`` (checked out
+into a temporary git worktree), configured as the reference experiment was then (evaluation
+on 2,000 test images every round, torch on one thread); the current one evaluates the full
+10,000-image test set every 8 rounds, as ``experiments/reference.toml`` does now.  Each runs
+``--rounds`` rounds in its own process; the figures are the seconds per 1M samples projected
+from that, and their ratios.  Printed, never asserted.
+
+Run: ``python bench/simulator.py [--rounds 8]`` from a git checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BASELINE = "4d81892"  # main before the simulator work of issue 10
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES_PER_ROUND = 4 * 5 * 10 * 32
+
+_OLD = """
+import dataclasses, sys, time, torch
+torch.set_num_threads(1)
+from aggregator.experiment import load_experiment, _run_one
+cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), rounds={rounds},
+                          strategies=("fedgs",))
+t = time.perf_counter()
+_run_one((cfg, "fedgs", 0, "none", False))
+print(time.perf_counter() - t)
+"""
+
+_NEW = """
+import dataclasses, sys, time
+from aggregator.experiment import load_experiment, _run_one
+cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), samples=0,
+                          rounds={rounds}, strategies=("fedgs",))
+t = time.perf_counter()
+r = _run_one((cfg, "fedgs", 0, "none", False, {threads}))
+print(time.perf_counter() - t)
+"""
+
+
+def _timed(code: str, cwd: Path) -> float:
+    env = {**os.environ, "PYTHONPATH": str(cwd), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, check=True,
+                         capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    args = ap.parse_args()
+    per_million = 1e6 / (args.rounds * SAMPLES_PER_ROUND)
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), BASELINE], cwd=ROOT,
+                       check=True, capture_output=True)
+        try:
+            started = time.perf_counter()
+            old = _timed(_OLD.format(rounds=args.rounds), tree)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                           check=False, capture_output=True)
+    new1 = _timed(_NEW.format(rounds=args.rounds, threads=1), ROOT)
+    new2 = _timed(_NEW.format(rounds=args.rounds, threads=os.cpu_count() or 1), ROOT)
+    rows = {"baseline (1 thread)": old, "current (1 thread)": new1,
+            f"current ({os.cpu_count()} threads)": new2}
+    print(f"FedGS, small CNN, Fashion-MNIST alpha 0.1, {args.rounds} rounds "
+          f"({args.rounds * SAMPLES_PER_ROUND} samples) per run; baseline = {BASELINE}")
+    print(f"{'simulator':<24} {'wall s':>8} {'s per 1M samples':>17} {'speed-up':>9}")
+    for name, wall in rows.items():
+        print(f"{name:<24} {wall:8.1f} {wall * per_million:17.0f} {old / wall:8.2f}x")
+    two = (os.cpu_count() or 1) >= 2
+    print(f"seeds in parallel (1 thread each) on {os.cpu_count()} cores: "
+          f"{(os.cpu_count() or 1) * old / new1 if two else old / new1:.2f}x the baseline's "
+          "throughput")
+    print(json.dumps({"rounds": args.rounds, "wall_s": rows,
+                      "bench_s": round(time.perf_counter() - started, 1)}))
+
+
+if __name__ == "__main__":
+    main()
