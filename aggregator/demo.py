@@ -8,6 +8,7 @@ devices; FedAvg takes one iteration of ``T`` local steps on ``L`` random devices
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import socket
@@ -34,23 +35,21 @@ DEFAULT_ROUNDS = {"local": 100, "mqtt": 20}
 log = logging.getLogger(__name__)
 
 
-def demo_strategies(super_node_size: int = 4, sync_period: int = 5) -> list[Strategy]:
-    """The recipes the demo compares, all built on the same roles.
+def demo_strategies(super_node_size: int = 4, sync_period: int = 5,
+                    rounds: int = DEFAULT_ROUNDS["local"], factories: int = 2) -> list[Strategy]:
+    """The recipes the demo compares (``aggregator/strategies.py``, with the experiments'
+    default settings), named for the table: ``safl+fedgs``, ``fedgs`` (the same without
+    SAFL, so the table separates what GBP-CS brings from what SAFL adds) and ``fedavg``
+    (the same device steps per round on random devices)."""
+    from .experiment import ExperimentConfig
+    from .strategies import build_strategy
 
-    ``fedgs`` is SAFL+FedGS with SAFL switched off (``mix = 1``, no gate), so the
-    table separates what GBP-CS selection brings from what SAFL adds.
-    """
-    fedgs_station = {"super_node_size": super_node_size, "rand_per_group": 1,
-                     "selector": "gbp_cs", "sync_period": sync_period}
-    return [
-        Strategy("safl+fedgs", device={"mix": 0.5, "temperature": 25.0, "nu": 0.5},
-                 station=fedgs_station),
-        Strategy("fedgs", device={"mix": 1.0, "nu": 0.0}, station=fedgs_station),
-        Strategy("fedavg",
-                 device={"mix": 1.0, "nu": 0.0, "local_steps": sync_period},
-                 station={"super_node_size": super_node_size, "rand_per_group": 0,
-                          "selector": "random", "sync_period": 1}),
-    ]
+    settings = ExperimentConfig(name="demo", factories=factories, super_node=super_node_size,
+                                devices_per_factory=super_node_size, rand_per_group=1,
+                                sync_period=sync_period, rounds=rounds).settings
+    return [dataclasses.replace(build_strategy(recipe, settings), name=label)
+            for label, recipe in (("safl+fedgs", "safl_fedgs"), ("fedgs", "fedgs"),
+                                  ("fedavg", "fedavg"))]
 
 
 def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
@@ -126,9 +125,10 @@ def write_demo_fleet(folder: Path, *, broker: str, rounds: int = 20, seed: int =
     from .launch import fleet_commands, write_fleet
 
     check_range("rounds", rounds, 1)
-    chosen = [s for s in demo_strategies() if s.name == strategy]
+    recipes = demo_strategies(rounds=rounds, factories=2)
+    chosen = [s for s in recipes if s.name == strategy]
     if not chosen:
-        raise ConfigError("strategy", f"must be one of {[s.name for s in demo_strategies()]}")
+        raise ConfigError("strategy", f"must be one of {[s.name for s in recipes]}")
     data, spec = _fleet(rounds, seed, 2, 6, 0.3, 0.1)
     folder = Path(folder).resolve()
     paths = write_fleet(folder, data, chosen[0], spec, broker)
@@ -175,11 +175,12 @@ def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 
     out = out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
     if bus == "local":
         results = [run_federation(data, s, spec, Progress(s.name, rounds))
-                   for s in demo_strategies()]
+                   for s in demo_strategies(rounds=rounds, factories=stations)]
     else:
         with contextlib.ExitStack() as stack:
             url = broker or stack.enter_context(_embedded_broker())
-            results = [_over_broker(data, s, spec, url, out, rounds) for s in demo_strategies()]
+            results = [_over_broker(data, s, spec, url, out, rounds)
+                       for s in demo_strategies(rounds=rounds, factories=stations)]
     csv_path, json_path = write_metrics(results, out)
     written = [str(csv_path), str(json_path)]
     if plotting:

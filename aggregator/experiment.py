@@ -183,16 +183,31 @@ def _run_one(args: tuple[ExperimentConfig, str, int, str, bool, int]) -> RunResu
                           Progress(f"{name}/{seed}", cfg.rounds) if show else None)
 
 
+# Settings that shape no single run: the list of runs, the report, and the recipe knobs
+# (a run's recipe enters its cache key whole, as the Strategy it built).
+_NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "target_accuracy",
+                           "temperature_rounds", "temperature_fraction", "mix", "nu",
+                           "merge_max_age", "prox_mu", "server_lr", "momentum",
+                           "cloud_optimizer"})
+
+
 class _RunCache:
     """Finished runs of an experiment as JSON beside its outputs, so an interrupted
-    experiment resumes and a report can be rebuilt without retraining.  A run is reused
-    only for the same experiment file text, strategy, seed and attack; after changing the
-    code, delete the folder (or pass ``fresh``) to run again."""
+    experiment resumes, a strategy added later runs alone, and a report can be rebuilt
+    without retraining.  A run is reused only when its fleet settings, its recipe as built
+    (every role's config values), its seed and attack are the same; after changing the
+    code, pass ``fresh`` (``--fresh``) or delete the folder."""
 
-    def __init__(self, folder: Path, config_text: str, fresh: bool) -> None:
+    def __init__(self, folder: Path, cfg: ExperimentConfig, fresh: bool) -> None:
         self.folder = folder / "runs"
-        self.config_hash = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+        self.cfg = cfg
+        self.fleet = repr({k: v for k, v in sorted(vars(cfg).items())
+                           if k not in _NOT_RUN_KEYS})
         self.fresh = fresh
+
+    def _key(self, name: str, seed: int, attack: str) -> str:
+        text = f"{self.fleet}|{_strategy(self.cfg, name)!r}|{seed}|{attack}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def _path(self, name: str, seed: int, attack: str) -> Path:
         return self.folder / f"{name}-seed{seed}-{attack}.json"
@@ -205,15 +220,15 @@ class _RunCache:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        if doc.get("config_hash") != self.config_hash:
+        if doc.get("key") != self._key(name, seed, attack):
             return None
         return RunResult(doc["strategy"], doc["rows"], doc["counters"], doc["wall_s"],
                          p_real=doc.get("p_real", []))
 
     def put(self, result: RunResult, seed: int, attack: str) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        doc = {"config_hash": self.config_hash, "seed": seed, "attack": attack,
-               **dataclasses.asdict(result)}
+        doc = {"key": self._key(result.strategy, seed, attack), "seed": seed,
+               "attack": attack, **dataclasses.asdict(result)}
         path = self._path(result.strategy, seed, attack)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
@@ -368,7 +383,7 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     print(f"experiment {label}: {len(cfg.strategies)} strategies x {cfg.seeds} seed(s), "
           f"{cfg.factories} factories x {cfg.devices_per_factory} devices, {cfg.rounds} rounds, "
           f"{cfg.model} on {cfg.dataset}, {jobs} job(s)", file=sys.stderr)
-    cache = _RunCache(out, Path(path).read_text() + ("full" if full else ""), fresh)
+    cache = _RunCache(out, cfg, fresh)
     threads = max(1, (os.cpu_count() or 1) // jobs)
     tasks = [(cfg, name, cfg.seed + k, attack, jobs == 1, threads)
              for name in cfg.strategies for k in range(cfg.seeds)]

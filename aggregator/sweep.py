@@ -53,12 +53,11 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1) -> list[dic
     base = load_experiment(path)
     points = load_grid(path)
     out = Path(out or Path("runs") / f"{base.name}-sweep")
-    text = Path(path).read_text()
     threads = max(1, (os.cpu_count() or 1) // jobs)
     tasks, caches, results = [], {}, {}
     for point in points:
         cfg = dataclasses.replace(base, **point)
-        caches[_label(point)] = cache = _RunCache(out / _label(point), text + repr(point), False)
+        caches[_label(point)] = cache = _RunCache(out / _label(point), cfg, False)
         for name in cfg.strategies:
             for seed in range(cfg.seed, cfg.seed + cfg.seeds):
                 key = (_label(point), name, seed)

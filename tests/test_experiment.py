@@ -148,7 +148,10 @@ def test_a_sweep_runs_its_grid_and_resumes_from_finished_runs(tmp_path, capsys):
     assert main(["sweep", str(config), "--out", str(tmp_path / "s")]) == 0
     assert "2 runs, 2 reused" in capsys.readouterr().err
     assert list(csv.DictReader(open(tmp_path / "s" / "sweep.csv"))) == rows
-    config.write_text(config.read_text() + "\n")  # another experiment file: nothing reused
+    config.write_text(config.read_text().replace("[sweep]", "mix = 0.3\n[sweep]"))  # not FedGS's
+    assert main(["sweep", str(config), "--out", str(tmp_path / "s")]) == 0
+    assert "2 reused" in capsys.readouterr().err
+    config.write_text(config.read_text().replace("alpha = 0.5", "alpha = 0.3"))  # fleet
     assert main(["sweep", str(config), "--out", str(tmp_path / "s")]) == 0
     assert "0 reused" in capsys.readouterr().err
 
@@ -159,3 +162,18 @@ def test_a_sweep_names_a_bad_key(tmp_path):
     config.write_text('[experiment]\nname = "x"\n[sweep]\nlearning_rate = [0.1]\n')
     with pytest.raises(ConfigError, match="sweep.learning_rate"):
         load_grid(config)
+
+
+def test_a_samples_budget_sets_rounds_and_the_temperature_follows_the_run():
+    cfg = ExperimentConfig(name="x", factories=4, devices_per_factory=10, super_node=5,
+                           sync_period=10, batch_size=32, samples=1_000_000,
+                           temperature_fraction=0.1)
+    assert cfg.samples_per_round == 6400 and cfg.rounds == 157  # ceil(1M / 6400)
+    assert cfg.temperature_rounds == pytest.approx(15.7)
+    safl = build_strategy("safl_fedgs", cfg.settings)
+    assert safl.device["temperature"] == pytest.approx(157.0)  # in iterations: x T
+    assert safl.cloud["server_optimizer"] == "fedavgm"  # the hierarchical recipes' default
+    plain = dataclasses.replace(cfg, cloud_optimizer="none")
+    assert build_strategy("fedgs", plain.settings).cloud == {}
+    with pytest.raises(ConfigError, match="cloud_optimizer"):
+        dataclasses.replace(cfg, cloud_optimizer="adam")
