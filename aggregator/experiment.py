@@ -87,9 +87,9 @@ class ExperimentConfig:
     temperature_rounds: float = 10.0
     # SAFL's temperature as a fraction of the run's rounds (replaces temperature_rounds when
     # > 0), so that a setting chosen on a short run means the same on a long one.
-    temperature_fraction: float = 0.0
-    mix: float = 0.5
-    nu: float = 0.5
+    temperature_fraction: float = 0.25  # chosen by experiments/sweep_safl.toml
+    mix: float = 0.8
+    nu: float = 0.5  # the gated recipes' (safl_gated, safl_fedgs_gated)
     merge_max_age: int = 20  # SAFL merges only a local model at most this many iterations old
     prox_mu: float = 0.01
     server_lr: float = 0.03

@@ -97,7 +97,10 @@ RECIPES: dict[str, Callable[[RecipeSettings], Strategy]] = {
     "fedavg_unguarded": lambda s: _flat(s, station={"update_norm_factor": 0.0}),
     "safl": lambda s: _flat(s, device=_safl(s, False, False)),
     "safl_gated": lambda s: _flat(s, device=_safl(s, False, True)),
-    "safl_fedgs": lambda s: _hier(s, "gbp_cs", **_safl(s, True, True)),
+    # The upload gate is off in SAFL+FedGS by default: it discards device steps already paid
+    # for and bought no accuracy in the sweep (docs/algorithms.md); the gated variant keeps it.
+    "safl_fedgs": lambda s: _hier(s, "gbp_cs", **_safl(s, True, False)),
+    "safl_fedgs_gated": lambda s: _hier(s, "gbp_cs", **_safl(s, True, True)),
 }
 
 
