@@ -42,8 +42,14 @@ def verdict(effect: float, spread: float, claimed: float) -> str:
 
 
 def _paired(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
-    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    n = min(len(a), len(b))  # seed k pairs with seed k; a strategy may have fewer seeds
+    d = np.asarray(a[:n], dtype=float) - np.asarray(b[:n], dtype=float)
     return float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else math.nan
+
+
+def _ratio(a: Sequence[float], b: Sequence[float]) -> np.ndarray:
+    n = min(len(a), len(b))
+    return np.divide(np.asarray(a[:n], dtype=float), np.asarray(b[:n], dtype=float))
 
 
 def _fmt(effect: float, spread: float, unit: str = " points") -> str:
@@ -54,8 +60,7 @@ def _fmt(effect: float, spread: float, unit: str = " points") -> str:
 def assess_claims(results: Sequence[RunResult], target: float) -> list[Claim]:
     """Check the papers' claims, and this project's bar for SAFL+FedGS, on per-seed runs."""
     runs = by_strategy(list(results))
-    n = min(len(v) for v in runs.values())
-    summ = {k: [run_summary(r, target) for r in v[:n]] for k, v in runs.items()}
+    summ = {k: [run_summary(r, target) for r in v] for k, v in runs.items()}
 
     def acc(name: str) -> list[float]:
         return [100 * s["accuracy"] for s in summ[name]]
@@ -77,7 +82,7 @@ def assess_claims(results: Sequence[RunResult], target: float) -> list[Claim]:
             "FedGS: +3.5 points accuracy over the baselines on average", verdict(d, spread, 3.5),
             f"mean {_fmt(d, spread)} over {len(base)} baselines ("
             + ", ".join(f"{b} {_fmt(*e, unit='')}" for b, e in per.items()) + ")"))
-        cuts = {b: _paired([1.0] * n, np.divide(reach("fedgs"), reach(b))) for b in base}
+        cuts = {b: _paired([1.0] * len(runs[b]), _ratio(reach("fedgs"), reach(b))) for b in base}
         d = float(np.mean([e for e, _ in cuts.values()]))
         spread = float(np.mean([s for _, s in cuts.values()]))
         claims.append(Claim(
@@ -89,18 +94,19 @@ def assess_claims(results: Sequence[RunResult], target: float) -> list[Claim]:
         claims.append(Claim("GBP-CS beats random super nodes (FedGS ablation)",
                             verdict(d, spread, 0.0), _fmt(d, spread)))
     if "safl" in summ and "fedavg" in summ:
-        ratio = np.divide(reach("fedavg"), reach("safl"))
-        d, spread = _paired(ratio, [0.0] * n)
+        ratio = _ratio(reach("fedavg"), reach("safl"))
+        d, spread = _paired(ratio, [0.0] * len(ratio))
         claims.append(Claim(
             f"SAFL: about 2x faster than FedAvg (samples to a sustained {target:.0%})",
             verdict(d - 1, spread, 0.8), f"{d:.2f}x" + (
                 "" if not math.isfinite(spread) else f" +- {spread:.2f}")))
-        gain = np.divide(acc("safl"), acc("fedavg")) - 1
-        d, spread = _paired(gain, [0.0] * n)
+        gain = _ratio(acc("safl"), acc("fedavg")) - 1
+        d, spread = _paired(gain, [0.0] * len(gain))
         claims.append(Claim("SAFL: >50% accuracy improvement over FedAvg on non-i.i.d. data",
                             verdict(d, spread, 0.5), f"{d:+.1%}" + (
                                 "" if not math.isfinite(spread) else f" +- {spread:.1%}")))
     if "safl" in summ and "safl_gated" in summ:
+        n = min(len(runs["safl"]), len(runs["safl_gated"]))
         up = [r.rows[-1]["uploads"] for r in runs["safl"][:n]]
         gated = [r.rows[-1]["uploads"] for r in runs["safl_gated"][:n]]
         cut = 1 - float(np.sum(gated)) / max(1.0, float(np.sum(up)))

@@ -372,6 +372,7 @@ def load_experiment(path: str | Path, full: bool = False) -> ExperimentConfig:
 
 def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
                    full: bool = False, attack: str | None = None, fresh: bool = False,
+                   finished_only: bool = False,
                    ) -> tuple[ExperimentConfig, list[RunResult], Path]:
     """Run every strategy of an experiment file (over its seeds, under one ``attack``, by
     default its first); returns the config, every run (per strategy and seed), the folder."""
@@ -392,6 +393,13 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     if len(todo) < len(tasks):
         print(f"reusing {len(tasks) - len(todo)} finished run(s) from {cache.folder}",
               file=sys.stderr)
+    if finished_only:  # a report of what is done; the tables give each strategy's seeds
+        if todo:
+            print("not run yet (left out): " + ", ".join(f"{t[1]} seed {t[2]}" for t in todo),
+                  file=sys.stderr)
+        todo, tasks = [], [t for t in tasks if done[(t[1], t[2])] is not None]
+        if not tasks:
+            raise ConfigError("strategies", f"no finished runs in {cache.folder}")
 
     def finished(task: tuple, r: RunResult) -> None:
         cache.put(r, task[2], attack)

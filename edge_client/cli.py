@@ -140,7 +140,8 @@ def _experiment(args: argparse.Namespace) -> int:
             folder_out = out / attack if out and len(attacks) > 1 else out
             cfg, results, folder = run_experiment(config, out=folder_out, jobs=args.jobs,
                                                   full=args.full, attack=attack,
-                                                  fresh=args.fresh)
+                                                  fresh=args.fresh,
+                                                  finished_only=args.finished_only)
             rows = result_rows(results, cfg.target_accuracy)
             claims = assess_claims(results, cfg.target_accuracy) if attack == "none" else []
             for c in claims:
@@ -307,6 +308,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="write a results.md with tables and claim verdicts")
     exp.add_argument("--fresh", action="store_true",
                      help="rerun every strategy instead of reusing finished runs in --out")
+    exp.add_argument("--finished-only", action="store_true",
+                     help="report the runs already finished in --out, run nothing")
     exp.set_defaults(run=_experiment)
 
     sweep = sub.add_parser("sweep", help="an experiment's strategies over the grid in its "

@@ -177,3 +177,19 @@ def test_a_samples_budget_sets_rounds_and_the_temperature_follows_the_run():
     assert build_strategy("fedgs", plain.settings).cloud == {}
     with pytest.raises(ConfigError, match="cloud_optimizer"):
         dataclasses.replace(cfg, cloud_optimizer="adam")
+
+
+def test_finished_runs_are_reused_and_can_be_reported_alone(tmp_path, capsys):
+    from aggregator.experiment import result_rows, run_experiment
+
+    one, two = tmp_path / "one.toml", tmp_path / "two.toml"
+    text = open("experiments/quick.toml").read().replace("rounds = 6", "rounds = 2")
+    one.write_text(text + 'strategies = ["fedgs"]\n')
+    two.write_text(text + 'strategies = ["fedgs", "safl"]\n')
+    _, first, _ = run_experiment(one, out=tmp_path / "out")
+    _, report, _ = run_experiment(two, out=tmp_path / "out", finished_only=True)
+    assert [r.strategy for r in report] == ["fedgs"] and "safl seed 0" in capsys.readouterr().err
+    assert result_rows(report, 0.5) == result_rows(first, 0.5)  # reused, not retrained
+    _, both, _ = run_experiment(two, out=tmp_path / "out")  # only safl runs
+    assert [r.strategy for r in both] == ["fedgs", "safl"]
+    assert both[0].wall_s == first[0].wall_s  # the cached run itself

@@ -19,12 +19,13 @@ def _spec(digits, seed=0, rounds=20):
 
 @pytest.mark.slow
 def test_hierarchical_federation_learns_digits(digits):
-    # Measured on 2026-11-29 (2 stations x 4 devices, Dirichlet(0.5), 20 rounds), final
-    # accuracy for seeds 0, 1, 2 from 0.19 / 0.12 / 0.08 at round 0:
-    #   fedgs 0.842 / 0.903 / 0.853 (mean 0.866), fedavg 0.714 / 0.725 / 0.833 (0.757),
-    #   safl+fedgs 0.711 / 0.658 / 0.708 (0.692).
-    # Single seeds swing by 10 points, so the floors apply to the mean over the three seeds
-    # and sit ~6-7 points under it.
+    # Measured on 2026-11-30 (2 stations x 4 devices, Dirichlet(0.5), 20 rounds, the recipes'
+    # defaults: FedAvgM at the cloud for both hierarchical ones), final accuracy for seeds
+    # 0, 1, 2 from 0.19 / 0.12 / 0.08 at round 0:
+    #   fedgs 0.950 / 0.950 / 0.967 (mean 0.956), fedavg 0.703 / 0.817 / 0.808 (0.776),
+    #   safl+fedgs 0.931 / 0.950 / 0.944 (0.942).
+    # Single seeds swing by up to 11 points, so the floors apply to the mean over the three
+    # seeds and sit ~6-7 points under it.
     finals: dict[str, list[float]] = {}
     for seed in (0, 1, 2):
         spec = _spec(digits, seed=seed)
@@ -33,9 +34,9 @@ def test_hierarchical_federation_learns_digits(digits):
             assert r.rows[0]["accuracy"] < 0.3
             assert [row["round"] for row in r.rows] == list(range(21))
             finals.setdefault(s.name, []).append(r.final_accuracy)
-    assert np.mean(finals["fedgs"]) >= 0.80
-    assert np.mean(finals["fedavg"]) >= 0.69
-    assert np.mean(finals["safl+fedgs"]) >= 0.63
+    assert np.mean(finals["fedgs"]) >= 0.89
+    assert np.mean(finals["fedavg"]) >= 0.70
+    assert np.mean(finals["safl+fedgs"]) >= 0.87
 
 
 def test_same_spec_gives_identical_runs(digits):
