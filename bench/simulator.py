@@ -6,8 +6,11 @@ samples trained per round.  The baseline is the simulator of commit ``BASELINE``
 into a temporary git worktree), configured as the reference experiment was then (evaluation
 on 2,000 test images every round, torch on one thread); the current one evaluates the full
 10,000-image test set every 8 rounds, as ``experiments/reference.toml`` does now.  Each runs
-``--rounds`` rounds in its own process; the figures are the seconds per 1M samples projected
-from that, and their ratios.  Printed, never asserted.
+``--rounds`` rounds (a multiple of 8) in its own process; the figures are the steady-state
+seconds per round (from the first evaluation to the last, so start-up and data loading are
+left out and each simulator's evaluations are included at its own cadence), projected to the
+157 rounds of a 1M-sample reference run, and their ratios.  Run it on a quiet machine: other
+jobs on the cores distort every figure.  Printed, never asserted.
 
 Run: ``python bench/simulator.py [--rounds 8]`` from a git checkout.
 """
@@ -33,9 +36,8 @@ torch.set_num_threads(1)
 from aggregator.experiment import load_experiment, _run_one
 cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), rounds={rounds},
                           strategies=("fedgs",))
-t = time.perf_counter()
-_run_one((cfg, "fedgs", 0, "none", False))
-print(time.perf_counter() - t)
+r = _run_one((cfg, "fedgs", 0, "none", False))
+print(r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
 """
 
 _NEW = """
@@ -43,9 +45,8 @@ import dataclasses, sys, time
 from aggregator.experiment import load_experiment, _run_one
 cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), samples=0,
                           rounds={rounds}, strategies=("fedgs",))
-t = time.perf_counter()
 r = _run_one((cfg, "fedgs", 0, "none", False, {threads}))
-print(time.perf_counter() - t)
+print(r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
 """
 
 
@@ -58,9 +59,11 @@ def _timed(code: str, cwd: Path) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=16)
     args = ap.parse_args()
-    per_million = 1e6 / (args.rounds * SAMPLES_PER_ROUND)
+    if args.rounds % 8:
+        ap.error("--rounds must be a multiple of 8 (the current evaluation cadence)")
+    per_run = 157 / args.rounds  # rounds of the 1M-sample reference run
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "baseline"
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), BASELINE], cwd=ROOT,
@@ -77,9 +80,9 @@ def main() -> None:
             f"current ({os.cpu_count()} threads)": new2}
     print(f"FedGS, small CNN, Fashion-MNIST alpha 0.1, {args.rounds} rounds "
           f"({args.rounds * SAMPLES_PER_ROUND} samples) per run; baseline = {BASELINE}")
-    print(f"{'simulator':<24} {'wall s':>8} {'s per 1M samples':>17} {'speed-up':>9}")
+    print(f"{'simulator':<24} {'s/round':>8} {'s per 1M-sample run':>20} {'speed-up':>9}")
     for name, wall in rows.items():
-        print(f"{name:<24} {wall:8.1f} {wall * per_million:17.0f} {old / wall:8.2f}x")
+        print(f"{name:<24} {wall / args.rounds:8.2f} {wall * per_run:20.0f} {old / wall:8.2f}x")
     two = (os.cpu_count() or 1) >= 2
     print(f"seeds in parallel (1 thread each) on {os.cpu_count()} cores: "
           f"{(os.cpu_count() or 1) * old / new1 if two else old / new1:.2f}x the baseline's "
