@@ -25,7 +25,7 @@ from edge_client.errors import ConfigError, SaflError
 
 from .datasets import assign_groups, dirichlet_label_skew, load_default
 from .report import Progress, format_table, plot_accuracy, summary_rows, write_metrics
-from .simulation import FleetSpec, RunResult, Strategy, run_federation
+from .simulation import FleetSpec, RunResult, Strategy, plan_fleet, run_federation
 
 __all__ = ["demo_strategies", "run_demo", "DEFAULT_ROUNDS"]
 
@@ -63,7 +63,10 @@ def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
                         progress=Progress(strategy.name, rounds))
     fleet = strategy.device.get("fleet", "sim")
     found = fleet_status(BrokerConfig(url=url), fleet, wait=1.0)["summary"]
-    stations = [doc for key, doc in found.items() if key != "cloud"]
+    # Retained status of an earlier recipe's stations may linger on the broker (a flat fleet
+    # has one station, a hierarchical one a station per factory): count this fleet's only.
+    ids = {values["station_id"] for values in plan_fleet(strategy, spec).stations}
+    stations = [doc for key, doc in found.items() if key != "cloud" and doc.get("station") in ids]
     cloud = found.get("cloud", {})
 
     def total(docs, section, key):

@@ -89,7 +89,7 @@ def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpe
         idx = spec.partitions[k]
         np.savez(part, x=data.x_train[idx], y=data.y_train[idx])
         source = {"kind": "replay", "path": str(part), "loop": True,
-                  "seed": plan.replay_seeds[k], "per_iteration": spec.arrivals_per_step,
+                  "seed": plan.replay_seeds[k], "per_iteration": plan.stream_rates[k],
                   "initial": spec.initial_samples}
         path = run_dir / f"{did}.toml"
         path.write_text(toml_text({"device": _public(values), "model": model(values["_backend"]),

@@ -109,6 +109,9 @@ class FleetPlan:
     stations: list[dict[str, Any]]
     devices: list[dict[str, Any]]  # each with its partition index "_k" and backend "_backend"
     replay_seeds: list[int]
+    # Samples each device senses per local-step time: in proportion to its share of the
+    # fleet's data, so that the seen counts behind P_real are the fleet's distribution.
+    stream_rates: list[float]
 
 
 _DEVICE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DeviceConfig)}
@@ -138,7 +141,9 @@ def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
                             "seed": seeds[3 * k], **strategy.device, "fleet": fleet,
                             "_k": int(k), "_backend": spec.backends[k % len(spec.backends)]})
             replay[k] = seeds[3 * k + 1]
-    return FleetPlan(fleet, cloud, stations, devices, replay)
+    sizes = np.array([len(p) for p in spec.partitions], dtype=np.float64)
+    rates = spec.arrivals_per_step * sizes * n_dev / sizes.sum()
+    return FleetPlan(fleet, cloud, stations, devices, replay, [float(r) for r in rates])
 
 
 def _public(values: dict[str, Any]) -> dict[str, Any]:
@@ -202,20 +207,11 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     for entry in devices:
         by_station.setdefault(entry[0].config.station, []).append(entry)
 
-    # A device with a larger partition senses more: its share of the fleet's stream is its
-    # share of the data (carried fractions keep the rates exact over time).
-    sizes = np.array([len(p) for p in spec.partitions], dtype=np.float64)
-    rate = spec.arrivals_per_step * sizes * len(sizes) / sizes.sum()
-    carry = np.zeros(len(sizes))
-
     def feed(topic: str, message: m.Message) -> None:
         # Each new iteration, the sensors of that factory have produced fresh samples.
         for dev, source, runner in by_station.get(message.sender, ()):
-            k = number[dev.id]
-            carry[k] += rate[k] * dev.config.local_steps
-            n, carry[k] = int(carry[k]), carry[k] - int(carry[k])
-            if n:
-                x, y = source.read(n)
+            x, y = source.paced(plan.stream_rates[number[dev.id]], dev.config.local_steps)
+            if len(y):
                 runner.publish(dev.ingest(x, y, _SIM_CLOCK()))
 
     rows: list[dict[str, Any]] = []

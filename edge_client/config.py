@@ -214,8 +214,9 @@ class SourceConfig(PreprocessSettings):
     loop: bool = False
     seed: int = 0  # of the replay order
     # Replay at the federation's pace: ``per_iteration`` samples arrive with each station
-    # model (0: stream through the pump as fast as training takes them), after ``initial``.
-    per_iteration: int = 0
+    # model (0: stream through the pump as fast as training takes them), after ``initial``;
+    # fractional rates carry over between iterations.
+    per_iteration: float = 0.0
     initial: int = 0
     queue_size: int = 256
     retries: int = 5

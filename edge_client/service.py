@@ -173,13 +173,15 @@ class DeviceService:
     def _paced(self, device: Device, source, transport: MqttTransport) -> Callable:
         if not isinstance(source, ReplaySource):
             raise ConfigError("per_iteration", "federation-paced replay needs an array source")
-        n = self.source.per_iteration * device.config.local_steps
+        rate, steps = self.source.per_iteration, device.config.local_steps
 
         def attach(runner: RoleRunner) -> None:
             # Subscribed after the role: the device stores each station model, then that
             # iteration's samples arrive, as in the in-process simulation.
             def on_model(topic: str, message: m.Message) -> None:
-                runner.publish(device.ingest(*source.read(n), runner.clock()))
+                x, y = source.paced(rate, steps)
+                if len(y):
+                    runner.publish(device.ingest(x, y, runner.clock()))
             transport.subscribe(station_model_topic(device.config.fleet,
                                                     device.config.station), on_model)
         return attach

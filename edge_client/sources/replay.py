@@ -37,6 +37,7 @@ class ReplaySource:
         self.counters: Counter[str] = Counter()
         self._order = rng.permutation(len(y))
         self._pos = 0
+        self._carry = 0.0  # fraction of a sample owed by paced()
 
     def read(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         idx = []
@@ -58,6 +59,15 @@ class ReplaySource:
             if not len(y):
                 return
             yield x[0], int(y[0])
+
+    def paced(self, rate: float, local_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """The samples that arrive in one station iteration at ``rate`` per local-step time:
+        fractions carry over, so a device sensing 4.3 samples a step gets exactly that on
+        average.  The simulator and a replaying device service both pace replay with it."""
+        self._carry += rate * local_steps
+        n = int(self._carry)
+        self._carry -= n
+        return self.read(n)
 
     def close(self) -> None:
         pass
