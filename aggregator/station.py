@@ -224,6 +224,11 @@ class Station(RoleBase):
             return self._reject("bad_histogram", f"next batch of {msg.next_batch_counts.sum()} "
                                 f"samples, the batch size is {self.config.batch_size}")
         msg = self._plausible_seen(msg)
+        if not 0.0 <= msg.local_accuracy <= 1.0:
+            # Only a metric, but a metric operators act on: an accuracy outside [0, 1] is
+            # dropped (as not measured) and counted; the histograms still count.
+            self.counters["clipped.local_accuracy"] += 1
+            msg = dataclasses.replace(msg, local_accuracy=0.0, local_samples=0)
         joined = msg.sender not in self.stats or msg.sender in self.offline
         self.stats[msg.sender] = msg
         self._seen_at[msg.sender] = self.iteration

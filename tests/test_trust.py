@@ -3,6 +3,8 @@ station and cloud refusing what one compromised participant claims."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -231,3 +233,14 @@ def test_the_cloud_clips_a_station_count_to_what_its_devices_saw():
     out = cloud.handle(up("b", 3.0, 10**12), 0.0)
     assert cloud.counters["clipped.station_samples"] == 1
     np.testing.assert_allclose(out[0].weights, 2.0)  # 100 vs at most 100: equal weight
+
+
+def test_an_impossible_local_accuracy_is_dropped_not_the_stats():
+    st = _station(n=4)
+    _start(st)
+    lie = dataclasses.replace(_stats("d0"), local_accuracy=7.5, local_samples=100)
+    st.handle(lie, 1.0)
+    assert st.counters["clipped.local_accuracy"] == 1
+    assert "d0" in st.stats and st.local_accuracies() == []
+    st.handle(dataclasses.replace(_stats("d1"), local_accuracy=0.75, local_samples=100), 1.0)
+    assert st.local_accuracies() == [0.75]
