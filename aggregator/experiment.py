@@ -238,11 +238,8 @@ class _RunCache:
 def merge_seeds(results: list[RunResult]) -> list[RunResult]:
     """One result per strategy: accuracy and loss averaged over its seeds per round, with
     ``accuracy_sd`` (sample standard deviation) beside them."""
-    by: dict[str, list[RunResult]] = {}
-    for r in results:
-        by.setdefault(r.strategy, []).append(r)
     merged = []
-    for name, runs in by.items():
+    for name, runs in by_strategy(results).items():
         if len(runs) == 1:
             merged.append(runs[0])
             continue

@@ -18,12 +18,18 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tomllib
 
 from edge_client.errors import ConfigError
 
-from .experiment import ExperimentConfig, _run_one, _RunCache, load_experiment, run_summary
+from .experiment import (
+    ExperimentConfig,
+    _mean_sd,
+    _run_one,
+    _RunCache,
+    load_experiment,
+    run_summary,
+)
 from .report import format_table
 
 __all__ = ["run_sweep", "load_grid"]
@@ -82,9 +88,7 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1) -> list[dic
                     for s in range(cfg.seed, cfg.seed + cfg.seeds)]
             row: dict[str, Any] = {**point, "strategy": name}
             for key in ("accuracy", "local_q1", "worst10_q1", "local_end"):
-                values = np.array([r[key] for r in runs], dtype=float)
-                row[key] = round(float(values.mean()), 4)
-                row[f"{key}_sd"] = round(float(values.std(ddof=1)), 4) if len(runs) > 1 else ""
+                row[key], row[f"{key}_sd"] = _mean_sd([r[key] for r in runs])
             rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "sweep.csv", "w", newline="") as fh:
