@@ -70,8 +70,10 @@ class ExperimentConfig:
     rand_per_group: int = 1
     sync_period: int = 10
     rounds: int = 30
-    # Samples to train in all (every strategy consumes the same per round): sets the rounds
-    # when given, so runs are compared at the same data processed.
+    # Samples to train in all: when given, every run stops after the round in which its
+    # devices have trained this many, so runs are compared at the same data processed.
+    # ``rounds`` becomes the nominal count (full batches every step), which SAFL's
+    # temperature fraction refers to; a run may take more rounds, up to twice that.
     samples: int = 0
     eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
     lr: float = 0.05
@@ -153,7 +155,8 @@ def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> Flee
         parts = safl_split(data.y_train, n, rng, multi_fraction=cfg.multi_fraction,
                            classes_per_multi=cfg.classes_per_multi)
     return FleetSpec(partitions=tuple(parts), groups=tuple(assign_groups(n, cfg.factories, rng)),
-                     rounds=cfg.rounds, model=cfg.model, backends=(cfg.backend,), lr=cfg.lr,
+                     rounds=2 * cfg.rounds if cfg.samples else cfg.rounds,
+                     samples=cfg.samples, model=cfg.model, backends=(cfg.backend,), lr=cfg.lr,
                      seed=seed, arrivals_per_step=cfg.arrivals_per_step,
                      initial_samples=cfg.initial_samples, eval_samples=cfg.eval_samples,
                      eval_every=cfg.eval_every,
@@ -206,7 +209,9 @@ class _RunCache:
         self.fresh = fresh
 
     def _key(self, name: str, seed: int, attack: str) -> str:
-        text = f"{self.fleet}|{_strategy(self.cfg, name)!r}|{seed}|{attack}"
+        # ``samples`` once counted batches scheduled; runs cached then are not reused.
+        budget = "|samples-trained" if self.cfg.samples else ""
+        text = f"{self.fleet}{budget}|{_strategy(self.cfg, name)!r}|{seed}|{attack}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def _path(self, name: str, seed: int, attack: str) -> Path:
@@ -244,7 +249,8 @@ def merge_seeds(results: list[RunResult]) -> list[RunResult]:
             merged.append(runs[0])
             continue
         rows = []
-        for i, row in enumerate(runs[0].rows):
+        # Budget-stopped seeds may evaluate a different number of times: pair the first ones.
+        for i, row in enumerate(runs[0].rows[:min(len(r.rows) for r in runs)]):
             acc = [r.rows[i]["accuracy"] for r in runs]
             rows.append({**row, "accuracy": float(np.mean(acc)),
                          "samples": float(np.mean([r.rows[i]["samples"] for r in runs])),
@@ -378,8 +384,9 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     label = cfg.name + ("" if attack == "none" else f" under attack '{attack}'")
     out = Path(out or Path("runs") / f"{cfg.name}{'-full' if full else ''}")
     out.mkdir(parents=True, exist_ok=True)
+    length = f"{cfg.samples:,} samples trained each" if cfg.samples else f"{cfg.rounds} rounds"
     print(f"experiment {label}: {len(cfg.strategies)} strategies x {cfg.seeds} seed(s), "
-          f"{cfg.factories} factories x {cfg.devices_per_factory} devices, {cfg.rounds} rounds, "
+          f"{cfg.factories} factories x {cfg.devices_per_factory} devices, {length}, "
           f"{cfg.model} on {cfg.dataset}, {jobs} job(s)", file=sys.stderr)
     cache = _RunCache(out, cfg, fresh)
     threads = max(1, (os.cpu_count() or 1) // jobs)

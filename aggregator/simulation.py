@@ -57,7 +57,11 @@ class FleetSpec:
 
     partitions: tuple[np.ndarray, ...]  # sample indices per device
     groups: tuple[np.ndarray, ...]  # device numbers per station
-    rounds: int
+    rounds: int  # the cloud's rounds; only a cap when ``samples`` is set
+    # Stop after the round in which the devices have trained this many samples in all
+    # (0: run ``rounds``).  Budgets count samples trained, not batches scheduled: a device
+    # that has sensed fewer than a batch trains on what it has.
+    samples: int = 0
     model: str = "mlp"
     backends: tuple[str, ...] = ("numpy",)  # assigned to devices in turn: a mixed fleet
     artifacts: str | None = None  # exported model folder, for the "ort" backend
@@ -221,14 +225,18 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     def record(topic: str, message: m.Message) -> None:
         if progress:
             progress(message.round, rows[-1]["accuracy"] if rows else float("nan"))
-        if message.round % spec.eval_every and not message.final:
+        trained = sum(d.counters["samples_trained"] for d, _, _ in devices)
+        spent = 0 < spec.samples <= trained
+        if spent:
+            bus.stop()
+        if message.round % spec.eval_every and not (message.final or spent):
             return
         evaluator.set_flat(message.weights)
         loss, acc = evaluator.evaluate(x_eval, y_eval)
         local = local_accuracy_summary([a for s in stations for a in s.local_accuracies()])
         rows.append({
             "strategy": strategy.name, "round": message.round, "iteration": message.iteration,
-            "samples": sum(d.counters["samples_trained"] for d, _, _ in devices),
+            "samples": trained,
             "accuracy": acc, "loss": loss,
             "local_mean": local.get("local_mean", float("nan")),
             "local_worst10": local.get("local_worst10", float("nan")),
@@ -246,7 +254,8 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     for runner in [*runners, *(r for _, _, r in devices)]:
         runner.start()
     bus.deliver()
-    if cloud.state != "done":
+    if cloud.state != "done" and not (spec.samples and rows
+                                      and rows[-1]["samples"] >= spec.samples):
         raise SaflError(f"federation stalled in round {cloud.round} (cloud {cloud.state}); "
                         f"station states {[r.role.state for r in runners[1:]]}")
     counters: dict[str, int] = {}

@@ -54,6 +54,7 @@ class LocalBus:
         self.messages: Counter[str] = Counter()
         self.payload_bytes: Counter[str] = Counter()
         self.closed = False
+        self._stopping = False
 
     def publish(self, topic: str, message: m.Message) -> None:
         if self.closed:
@@ -73,14 +74,21 @@ class LocalBus:
     def deliver(self) -> int:
         """Deliver queued messages, and those they cause, until the queue is empty."""
         count = 0
-        while self._queue:
+        while self._queue and not self._stopping:
             topic, message = self._queue.popleft()
             handlers = list(self._exact.get(topic, ()))
             handlers += [(i, h) for i, f, h in self._wild if matches(f, topic)]
             for _, handler in sorted(handlers, key=lambda pair: pair[0]):
                 handler(topic, message)
             count += 1
+        if self._stopping:
+            self._queue.clear()
         return count
+
+    def stop(self) -> None:
+        """End ``deliver`` once the message being handled has reached every subscriber;
+        what was still queued is dropped (a simulation that has trained its budget)."""
+        self._stopping = True
 
     def close(self) -> None:
         self.closed = True

@@ -95,3 +95,19 @@ def test_p_real_is_the_fleets_label_distribution(digits):
     assert np.abs(mean_of_devices - truth).max() > 0.04
     assert [row["round"] for row in r.rows] == [0, 3, 6]  # eval_every
     assert r.rows[-1]["samples"] > r.rows[1]["samples"] > 0
+
+
+def test_a_sample_budget_counts_samples_trained(digits):
+    # Devices that have sensed less than a batch train on what they have, so a budget in
+    # scheduled batches under-trains; the run goes on until the samples trained reach it.
+    import dataclasses
+    spec = dataclasses.replace(_spec(digits, rounds=40), eval_every=4, samples=3000)
+    s = demo_strategies(super_node_size=3, sync_period=2)[1]
+    r = run_federation(digits, s, spec)
+    rounds = [row["round"] for row in r.rows]
+    assert r.rows[-1]["samples"] >= 3000 > r.counters["samples_trained"] - 3 * 2 * 2 * 32
+    assert rounds[-1] < 40 and rounds[:-1] == list(range(0, rounds[-1], 4))
+    # Stopped in the round that crossed the budget, and evaluated there.
+    unbounded = run_federation(digits, s, dataclasses.replace(spec, samples=0,
+                                                              rounds=rounds[-1] - 1))
+    assert unbounded.counters["samples_trained"] < 3000
