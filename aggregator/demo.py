@@ -89,7 +89,7 @@ def _embedded_broker():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "broker", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "safl", "broker", "--port",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30

@@ -147,7 +147,7 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     procs: dict[str, subprocess.Popen] = {}
-    argv = fleet_commands(paths, program=(sys.executable, "-m", "edge_client.cli"))
+    argv = fleet_commands(paths, program=(sys.executable, "-m", "safl"))
     for name, command in (commands or {}).items():
         argv[name] = [*command, "--config", str(paths[name])]
 

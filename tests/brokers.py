@@ -111,7 +111,7 @@ class Amqtt(_BrokerProcess):
     def __init__(self, folder: Path) -> None:
         self.port = free_port()
         self.log = open(Path(folder) / "amqtt.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "broker",
+        self.proc = subprocess.Popen([sys.executable, "-m", "safl", "broker",
                                       "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         wait_for_port(self.port, self.proc, timeout=30)

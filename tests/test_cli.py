@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from edge_client.cli import main
+from safl.cli import main
 
 
 def _loaded_after(code: str) -> list[str]:
@@ -32,7 +32,41 @@ def test_numpy_device_runs_a_training_step_without_torch():
 
 
 def test_cli_parser_does_not_import_the_aggregator():
-    assert _loaded_after("from edge_client import cli; cli._parser()") == []
+    assert _loaded_after("from safl import cli; cli._parser()") == []
+
+
+def test_safl_device_dispatches_without_loading_the_aggregator(tmp_path):
+    # A bad config stops the device at start-up: everything up to there is what it loads.
+    code = (f"from safl.cli import main\n"
+            f"assert main(['device', '--config', r'{tmp_path / 'none.toml'}']) == 2")
+    assert _loaded_after(code) == []
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """Top-level packages each module of ``package`` imports, lazily or not (from source)."""
+    import ast
+    from pathlib import Path
+
+    found = {}
+    for path in (Path(__file__).parent.parent / package).rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        found[str(path)] = names
+    return found
+
+
+def test_the_layers_import_downwards_only():
+    # edge_client (devices) < models (artifacts on the trainers' registry) and aggregator
+    # (stations, cloud, simulation) < safl (the command, the only composition root).
+    upward = {"edge_client": {"aggregator", "models", "safl"},
+              "models": {"aggregator", "safl"}, "aggregator": {"models", "safl"}}
+    for package, banned in upward.items():
+        for path, names in _imports(package).items():
+            assert not names & banned, f"{path} imports {names & banned}"
 
 
 @pytest.mark.slow
@@ -55,7 +89,7 @@ def test_cli_reports_errors_with_exit_code(tmp_path, capsys):
 
 def test_version_models_list_and_json_logs(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "edge_client.cli", *args],
+        return subprocess.run([sys.executable, "-m", "safl", *args],
                               capture_output=True, text=True, timeout=60)
     assert run("--version").stdout.startswith("safl ")
     listing = run("models", "list").stdout
@@ -77,7 +111,7 @@ def test_version_models_list_and_json_logs(tmp_path):
 def test_services_log_at_info_by_default_and_commands_at_warning():
     import logging
 
-    from edge_client.cli import _parser, _setup_logging
+    from safl.cli import _parser, _setup_logging
     root = logging.getLogger()
     saved = root.level, list(root.handlers)
     try:
@@ -95,7 +129,7 @@ def test_services_log_at_info_by_default_and_commands_at_warning():
 
 def test_demo_without_matplotlib_still_writes_its_csv(tmp_path):
     code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from edge_client.cli import main\n"
+            "from safl.cli import main\n"
             f"sys.exit(main(['demo', '--bus', 'local', '--rounds', '2', '--out', r'{tmp_path}']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
@@ -130,7 +164,7 @@ def test_sigterm_stops_the_demo_its_roles_and_its_broker(tmp_path):
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "demo", "--rounds", "200",
+    proc = subprocess.Popen([sys.executable, "-m", "safl", "demo", "--rounds", "200",
                              "--out", str(tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -153,7 +187,7 @@ def test_a_busy_broker_port_is_one_line():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        out = subprocess.run([sys.executable, "-m", "edge_client.cli", "broker", "--port",
+        out = subprocess.run([sys.executable, "-m", "safl", "broker", "--port",
                               str(taken.getsockname()[1])], capture_output=True, text=True,
                              timeout=60)
     assert out.returncode == 1 and "port taken" in out.stderr

@@ -13,8 +13,8 @@ from aggregator.datasets import assign_groups, dirichlet_label_skew, safl_split
 from aggregator.experiment import DEFAULT_STRATEGIES, ExperimentConfig, samples_to
 from aggregator.simulation import FleetSpec, RunResult, plan_fleet, run_federation
 from aggregator.strategies import build_strategy
-from edge_client.cli import main
 from edge_client.errors import ConfigError
+from safl.cli import main
 
 SETTINGS = ExperimentConfig(name="t", factories=2, devices_per_factory=4, super_node=2,
                             sync_period=3, rounds=2).settings

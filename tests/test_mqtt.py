@@ -280,7 +280,7 @@ def test_a_device_service_stops_cleanly_on_sigterm(tmp_path, digits):
         "source": {"kind": "replay", "path": str(tmp_path / "d0.npz"), "loop": True},
         "broker": {"url": server.url, "username": "d0", "password": Mosquitto.PASSWORD}}))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "device", "--config",
+    proc = subprocess.Popen([sys.executable, "-m", "safl", "device", "--config",
                              str(config), "--metrics-port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -316,7 +316,7 @@ def test_a_broken_config_names_the_key_before_connecting(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text('[device]\ndevice_id = "d0"\nstation = "st0"\nmix = 2.0\n'
                       '[source]\nkind = "synthetic"\n')
-    out = subprocess.run([sys.executable, "-m", "edge_client.cli", "device", "--config",
+    out = subprocess.run([sys.executable, "-m", "safl", "device", "--config",
                           str(config)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "'mix'" in out.stderr
 
@@ -362,7 +362,7 @@ def test_a_fleet_written_by_the_demo_starts_by_hand_as_its_readme_says(tmp_path)
     import subprocess
     import sys
 
-    from edge_client.cli import main
+    from safl.cli import main
 
     folder = tmp_path / "fleet"
     assert main(["demo", "--fleet-out", str(folder), "--rounds", "2"]) == 0
@@ -374,7 +374,7 @@ def test_a_fleet_written_by_the_demo_starts_by_hand_as_its_readme_says(tmp_path)
     try:
         for line in lines:  # exactly the documented commands, with this broker's URL
             args = line.replace("mqtt://127.0.0.1:1883", broker.url).split()[1:]
-            procs.append(subprocess.Popen([sys.executable, "-m", "edge_client.cli", *args],
+            procs.append(subprocess.Popen([sys.executable, "-m", "safl", *args],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         assert procs[0].wait(240) == 0  # the cloud finishes its rounds
     finally:

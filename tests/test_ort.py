@@ -13,10 +13,10 @@ import pytest
 from aggregator.datasets import assign_groups, dirichlet_label_skew
 from aggregator.demo import demo_strategies
 from aggregator.simulation import FleetSpec, run_federation
-from edge_client.cli import main
 from edge_client.errors import ArtifactError
 from edge_client.trainers import build_trainer, layout_hash
 from edge_client.trainers.manifest import Manifest
+from safl.cli import main
 
 
 def test_manifest_describes_the_flat_layout(exported):
@@ -181,7 +181,7 @@ def test_learning_rate_control(exported):
 
 
 def test_export_keeps_onnx_runtimes_native_logging_quiet(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "edge_client.cli", "models", "export", "mlp",
+    out = subprocess.run([sys.executable, "-m", "safl", "models", "export", "mlp",
                           "--out", str(tmp_path / "art")], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr

@@ -32,7 +32,7 @@ def _env(folder: Path) -> dict[str, str]:
 def test_the_own_model_tutorial_runs_as_written(tmp_path):
     (tmp_path / "my_models.py").write_text(_blocks("<!-- file: my_models.py -->")[0])
     export, federate = _blocks("<!-- run -->")
-    command = export.replace("\\\n", " ").replace("safl ", f"{sys.executable} -m edge_client.cli ")
+    command = export.replace("\\\n", " ").replace("safl ", f"{sys.executable} -m safl ")
     out = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=_env(tmp_path),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

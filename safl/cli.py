@@ -1,0 +1,267 @@
+"""The ``safl`` command: one subcommand per role and task, each importing its module only
+when chosen (``safl device`` loads what ``safl-device`` loads; see ``safl/__init__.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from edge_client.cli import (
+    add_common_arguments,
+    add_device_arguments,
+    add_role_arguments,
+    overrides,
+    run_device,
+    run_guarded,
+    setup_logging,
+)
+from edge_client.errors import ConfigError
+
+__all__ = ["main"]
+
+SERVICES = ("device", "station", "cloud", "broker")  # log at INFO by default
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from aggregator.demo import run_demo
+
+    if args.fleet_out:
+        from aggregator.demo import write_demo_fleet
+        write_demo_fleet(args.fleet_out, broker=args.broker or "mqtt://127.0.0.1:1883",
+                         rounds=args.rounds or 20, seed=args.seed)
+        print(f"wrote a fleet to {args.fleet_out.resolve()}: start it with the commands in "
+              f"{args.fleet_out.resolve() / 'README.md'}")
+        return 0
+    bus = args.bus or "mqtt"
+    if args.broker and bus == "local":
+        raise ConfigError("broker", "--broker runs the fleet over MQTT; drop --bus local")
+    # SIGTERM unwinds like Ctrl-C, so the demo stops its role processes and its broker.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    run_demo(rounds=args.rounds, out=args.out, seed=args.seed, bus=bus, broker=args.broker)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from models.export import export_model, export_onnx
+
+    shape = tuple(int(d) for d in args.input_shape.split(",")) if args.input_shape else None
+    sources = [x for x in (args.name, args.from_module, args.from_onnx) if x]
+    if len(sources) != 1:
+        raise ConfigError("name", "give one of: a zoo name, --from-module package.module:"
+                          "factory, or --from-onnx FILE")
+    if args.from_onnx:
+        manifest = export_onnx(args.from_onnx, args.out, optimizer=args.optimizer,
+                               input_shape=shape, force=args.force)
+    else:
+        if args.from_module and not shape:
+            raise ConfigError("input-shape", "--from-module needs --input-shape (e.g. 1,28,28)")
+        manifest = export_model(args.name or args.from_module, args.out,
+                                optimizer=args.optimizer, num_classes=args.classes,
+                                input_shape=shape, force=args.force)
+    print(f"exported {manifest.model}: {manifest.num_params} parameters, input "
+          f"{manifest.input_shape}, layout {manifest.layout_hash} -> {args.out}")
+    return 0
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from aggregator.broker import run_broker
+
+    return run_broker(args.host, args.port)
+
+
+def _station(args: argparse.Namespace) -> int:
+    from aggregator.config import StationConfig
+    from aggregator.services import StationService
+    from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
+    from edge_client.service import load_role_file
+
+    cfg = load_role_file(args.config, {"station": StationConfig, "model": ModelConfig,
+                                       "broker": BrokerConfig, "service": ServiceConfig},
+                         overrides(args, broker={"broker": "url"},
+                                    service={"metrics_port": "metrics_port",
+                                             "state_dir": "state_dir"}))
+    StationService(**cfg).run()
+    return 0
+
+
+def _cloud(args: argparse.Namespace) -> int:
+    from aggregator.config import CloudConfig
+    from aggregator.services import CloudService
+    from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
+    from edge_client.service import load_role_file
+
+    cfg = load_role_file(args.config, {"cloud": CloudConfig, "model": ModelConfig,
+                                       "broker": BrokerConfig, "service": ServiceConfig},
+                         overrides(args, broker={"broker": "url"}, cloud={"rounds": "rounds"},
+                                    service={"metrics_port": "metrics_port",
+                                             "state_dir": "state_dir"}))
+    CloudService(**cfg, eval_path=args.eval or "", out=str(args.out or "")).run()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from aggregator.status import fleet_status, format_status
+    from edge_client.config import BrokerConfig, load_config
+
+    broker = load_config(BrokerConfig, "broker", args.config, {"url": args.broker})
+    print(format_status(fleet_status(broker, args.fleet, args.wait), args.fleet))
+    return 0
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    from aggregator.results import run_experiments
+
+    run_experiments(args.configs, out=args.out, jobs=args.jobs, full=args.full,
+                    fresh=args.fresh, finished_only=args.finished_only, report=args.report)
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from aggregator.sweep import run_sweep
+
+    run_sweep(args.config, out=args.out, jobs=args.jobs)
+    return 0
+
+
+def _provision(args: argparse.Namespace) -> int:
+    from aggregator.provision import provision
+
+    created = provision(args.fleet, args.out, force=args.force, revoke=tuple(args.revoke),
+                        prefix=args.prefix)
+    print(f"provisioned {args.out}: CA {'created' if created['ca'] else 'kept'}, "
+          f"{len(created['credentials'])} new credentials"
+          + (f", revoked {', '.join(created['revoked'])}" if created["revoked"] else ""))
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    try:
+        from edge_client.trainers.zoo import DEFAULT_INPUT, MODELS
+    except ImportError:
+        print("mlp, softmax (numpy backend); the torch zoo needs: pip install "
+              "'safl-edge[torch]'")
+        return 0
+    for name in MODELS:
+        print(f"{name:<12} input {DEFAULT_INPUT.get(name, '?')}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="safl", description="safl-edge: SAFL and FedGS "
+                                     "federated learning for edge fleets")
+    add_common_arguments(parser, "safl")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="SAFL+FedGS vs FedGS vs FedAvg on a real fleet")
+    demo.add_argument("--rounds", type=int, default=None,
+                      help="external syncs (default 20 over MQTT, 100 with --bus local)")
+    demo.add_argument("--bus", choices=("mqtt", "local"), default=None,
+                      help="mqtt (default): one process per role over a broker; local: the "
+                      "in-process bus")
+    demo.add_argument("--broker", default=None,
+                      help="mqtt://host:port of an external broker (default: start the "
+                      "embedded amqtt broker)")
+    demo.add_argument("--out", type=Path, default=None, help="output folder "
+                      "(default runs/<timestamp>)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--fleet-out", type=Path, default=None, metavar="DIR",
+                      help="write the SAFL+FedGS fleet's files (absolute paths, README with "
+                      "the commands) to DIR and start nothing")
+    demo.set_defaults(run=_demo)
+
+    for name, run, text in (("device", run_device, "run a device (SAFL on its sensor stream)"),
+                            ("station", _station, "run a base station (FedGS super nodes)"),
+                            ("cloud", _cloud, "run the cloud aggregator")):
+        p = sub.add_parser(name, help=text)
+        p.set_defaults(run=run)
+        if name == "device":
+            add_device_arguments(p)
+            continue
+        add_role_arguments(p, name)
+        p.add_argument("--state-dir", default=None, help="checkpoint every round here and "
+                       "resume from it on start (overrides [service] state_dir)")
+        if name == "cloud":
+            p.add_argument("--rounds", type=int, default=None)
+            p.add_argument("--eval", default=None, help=".npz test set (x, y) to score rounds")
+            p.add_argument("--out", type=Path, default=None, help="where metrics.csv goes")
+    status = sub.add_parser("status", help="print the fleet: stations, devices online, round")
+    status.add_argument("--broker", default=None, help="mqtt://host:port")
+    status.add_argument("--config", type=Path, default=None, help="a TOML file with [broker]")
+    status.add_argument("--fleet", default="default")
+    status.add_argument("--wait", type=float, default=1.5, help="seconds to collect retained state")
+    status.set_defaults(run=_status)
+
+    exp = sub.add_parser("experiment", help="strategies side by side on one fleet (in process)")
+    exp.add_argument("configs", type=Path, nargs="+", help="experiment TOML files "
+                     "(experiments/*.toml)")
+    exp.add_argument("--out", type=Path, default=None, help="output folder (default runs/<name>)")
+    exp.add_argument("--jobs", type=int, default=1, help="strategies run in parallel")
+    exp.add_argument("--full", action="store_true",
+                     help="the papers' unscaled settings (SPEC §5; hours on 2 cores)")
+    exp.add_argument("--report", type=Path, default=None,
+                     help="write a results.md with tables and claim verdicts")
+    exp.add_argument("--fresh", action="store_true",
+                     help="rerun every strategy instead of reusing finished runs in --out")
+    exp.add_argument("--finished-only", action="store_true",
+                     help="report the runs already finished in --out, run nothing")
+    exp.set_defaults(run=_experiment)
+
+    sweep = sub.add_parser("sweep", help="an experiment's strategies over the grid in its "
+                           "[sweep] table, to choose defaults")
+    sweep.add_argument("config", type=Path)
+    sweep.add_argument("--out", type=Path, default=None, help="default runs/<name>-sweep")
+    sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel")
+    sweep.set_defaults(run=_sweep)
+
+    prov = sub.add_parser("provision", help="CA, credentials, broker configs and role configs "
+                          "for a fleet file")
+    prov.add_argument("fleet", type=Path, help="the fleet TOML file")
+    prov.add_argument("--out", type=Path, required=True)
+    prov.add_argument("--revoke", action="append", default=[], metavar="ID",
+                      help="remove a device's or station's credential (repeatable)")
+    prov.add_argument("--prefix", type=Path, default=None,
+                      help="where the files will live on the hosts (default: --out)")
+    prov.add_argument("--force", action="store_true", help="start over: a new CA and credentials")
+    prov.set_defaults(run=_provision)
+
+    broker = sub.add_parser("broker", help="the embedded amqtt broker on loopback (development)")
+    broker.add_argument("--host", default="127.0.0.1")
+    broker.add_argument("--port", type=int, default=1883)
+    broker.set_defaults(run=_broker)
+
+    models = sub.add_parser("models", help="the model zoo").add_subparsers(dest="models_command",
+                                                                          required=True)
+    export = models.add_parser("export", help="write ONNX Runtime training artifacts, an "
+                               "inference model and a manifest (needs torch and onnx)")
+    export.add_argument("name", nargs="?", default=None,
+                        help="zoo model: mlp, small_cnn, femnist_cnn, camera_cnn")
+    export.add_argument("--from-module", default=None, metavar="PACKAGE.MODULE:FACTORY",
+                        help="your torch model: factory(input_shape, num_classes) -> nn.Module")
+    export.add_argument("--from-onnx", default=None, metavar="FILE",
+                        help="your ONNX classifier (first output: logits); ORT devices only")
+    export.add_argument("--out", type=Path, required=True, help="artifacts folder")
+    export.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    export.add_argument("--classes", type=int, default=10)
+    export.add_argument("--input-shape", default=None,
+                        help="comma-separated sample shape, e.g. 3,64,64 (default per model)")
+    export.add_argument("--force", action="store_true", help="overwrite a non-empty folder")
+    export.set_defaults(run=_export)
+    listing = models.add_parser("list", help="the zoo's models and their default input shapes")
+    listing.set_defaults(run=_models_list)
+    return parser
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    setup_logging(args, service=args.command in SERVICES)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging(args)
+    return run_guarded(args.run, args, "safl")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
