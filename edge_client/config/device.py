@@ -1,0 +1,60 @@
+"""``DeviceConfig``: the ``[device]`` table (SPEC §2-3: buffer, SAFL, upload gate)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import ConfigError
+from .loading import check_id, check_range
+
+__all__ = ["DeviceConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceConfig:
+    """Settings of one device (SPEC §2-3)."""
+
+    device_id: str
+    station: str
+    fleet: str = "default"
+    batch_size: int = 32
+    local_steps: int = 1
+    lr: float = 0.05
+    temperature: float = 50.0  # SAFL's maximum temperature L, in iterations
+    mix: float = 0.5  # SAFL's eps: 1 recovers FedAvg/FedGS exactly
+    granularity: str = "element"
+    nu: float = 0.0  # upload-gate regulariser; 0 always uploads
+    # The annealed merge uses the local model only while it is this many station
+    # iterations old or younger; an older one starts from the aggregate (docs/algorithms.md).
+    merge_max_age: int = 20
+    gate_min_holdout: int = 100  # held-out samples before the upload gate may hold back
+    # Device-local accuracy: the deployable (merged) model on the held-out slice, measured
+    # when selected at most once per this many iterations and reported with the stats; 0: off.
+    local_eval_interval: int = 50
+    prox_mu: float = 0.0  # FedProx proximal weight; 0 disables
+    buffer_capacity: int = 1024
+    holdout_every: int = 10
+    holdout_capacity: int = 256
+    seed: int = 0  # of the merge masks and upload-gate draws
+    hello_interval: float = 2.0  # seconds between stats repeats until a model arrives
+
+    def __post_init__(self) -> None:
+        from ..safl import GRANULARITIES
+        for key in ("device_id", "station", "fleet"):
+            check_id(key, getattr(self, key))
+        check_range("batch_size", self.batch_size, 1)
+        check_range("local_steps", self.local_steps, 1)
+        check_range("lr", self.lr, 0, low_open=True)
+        check_range("temperature", self.temperature, 0, low_open=True)
+        check_range("mix", self.mix, 0, 1)
+        check_range("nu", self.nu, 0)
+        check_range("merge_max_age", self.merge_max_age, 0)
+        check_range("gate_min_holdout", self.gate_min_holdout, 0)
+        check_range("local_eval_interval", self.local_eval_interval, 0)
+        check_range("prox_mu", self.prox_mu, 0)
+        check_range("buffer_capacity", self.buffer_capacity, 1)
+        check_range("holdout_every", self.holdout_every, 0)
+        check_range("holdout_capacity", self.holdout_capacity, 1)
+        check_range("hello_interval", self.hello_interval, 0, low_open=True)
+        if self.granularity not in GRANULARITIES:
+            raise ConfigError("granularity", f"must be one of {GRANULARITIES}")

@@ -1,0 +1,112 @@
+"""Loading a config: TOML tables, environment variables and CLI flags into frozen dataclasses.
+
+Precedence, lowest first: dataclass defaults, the role's TOML table, environment
+variables ``SAFL_<ROLE>_<KEY>``, then explicit overrides (CLI flags).  Unknown
+keys and wrong types are refused with a :class:`ConfigError` naming the key;
+range checks live in each config's ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (JetPack 6)
+    import tomli as tomllib
+
+from ..errors import ConfigError
+from ..messages import ID_PATTERN, is_id
+
+__all__ = ["load_config", "from_mapping", "check_range", "check_id"]
+
+C = TypeVar("C")
+
+
+def check_range(key: str, value: float, low: float | None = None, high: float | None = None,
+                *, low_open: bool = False) -> None:
+    """Raise a ConfigError naming ``key`` unless ``low <= value <= high``."""
+    if low is not None and (value <= low if low_open else value < low):
+        raise ConfigError(key, f"must be {'>' if low_open else '>='} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ConfigError(key, f"must be <= {high}, got {value!r}")
+
+
+def check_id(key: str, value: str) -> None:
+    """Ids become MQTT topic levels: the one pattern messages check too (no '/', '+', '#')."""
+    if not is_id(value):
+        raise ConfigError(key, f"must be an id matching {ID_PATTERN.pattern} (letters, digits, "
+                          f"'_', '.', ':', '-'; no '/', '+' or '#'), got {value!r}")
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+            return value.lower() in ("1", "true", "yes")
+        if isinstance(value, bool):
+            return value
+    elif hint in (int, float):
+        # TOML gives 1 for a float key; env and CLI give strings. An int key refuses 1.5.
+        numeric = hint is float and isinstance(value, int) or isinstance(value, hint)
+        if numeric and not isinstance(value, bool):
+            return hint(value)
+        if isinstance(value, str):
+            try:
+                return hint(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, (list, tuple)):
+            inner = typing.get_args(hint)[0]
+            return tuple(_coerce(key, v.strip() if isinstance(v, str) else v, inner)
+                         for v in items if v != "")
+    raise ConfigError(key, f"expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def from_mapping(cls: type[C], values: Mapping[str, Any]) -> C:
+    """Build config ``cls`` from a flat mapping, refusing unknown keys."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise ConfigError(key, f"unknown key for {cls.__name__}; known: {sorted(names)}")
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in values:
+            raise ConfigError(f.name, f"is required by {cls.__name__} and missing")
+    return cls(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
+
+
+def load_config(cls: type[C], role: str, path: str | Path | None = None,
+                overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> C:
+    """Load the ``[role]`` table of a TOML file, then environment, then overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", f"{path} is not valid TOML: {exc}") from exc
+        table = doc.get(role, {})
+        if not isinstance(table, dict):
+            raise ConfigError(role, f"must be a table in {path}")
+        values.update(table)
+    prefix = f"SAFL_{role.upper()}_"
+    env = os.environ if environ is None else environ
+    values.update({k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)})
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return from_mapping(cls, values)

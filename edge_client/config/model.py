@@ -1,0 +1,55 @@
+"""``ModelConfig``: the ``[model]`` table every role shares."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from ..errors import ConfigError
+from .loading import check_range
+
+__all__ = ["ModelConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The federation's model (the ``[model]`` table every role shares).
+
+    ``backend`` is the trainer this role uses; ``artifacts`` the exported folder
+    for ``ort``.  ``seed`` fixes the initial weights the cloud broadcasts.  ``module``
+    names your own torch model instead of a zoo ``name``.
+    """
+
+    @property
+    def spec(self) -> str:
+        """What the trainers build: your module, else the zoo name."""
+        return self.module or self.name
+
+    name: str = "mlp"
+    backend: str = "numpy"
+    input_shape: tuple[int, ...] = (28, 28)
+    num_classes: int = 10
+    artifacts: str = ""
+    seed: int = 0
+    device: str = "auto"  # torch: "auto" (CUDA where available), "cpu", "cuda" or "cuda:N"
+    # Your own torch model, "package.module:factory" (docs/own-model.md): used instead of name.
+    module: str = ""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("numpy", "torch", "ort"):
+            raise ConfigError("backend", f"must be numpy, torch or ort, got {self.backend!r}")
+        if self.module and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.module):
+            raise ConfigError("module", f"must be 'package.module:factory', got {self.module!r}")
+        if self.module and self.backend == "numpy":
+            raise ConfigError("module", "your own model needs backend = 'torch' (or 'ort' with "
+                              "artifacts from safl models export --from-module)")
+        if re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is None:
+            raise ConfigError("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got "
+                              f"{self.device!r}")
+        if self.device not in ("auto", "cpu") and self.backend != "torch":
+            raise ConfigError("device", f"{self.device!r} needs backend = 'torch'")
+        if self.backend == "ort" and not self.artifacts:
+            raise ConfigError("artifacts", "the ort backend needs the exported artifacts folder")
+        if not self.input_shape or min(self.input_shape) < 1:
+            raise ConfigError("input_shape", f"must be positive sizes, got {self.input_shape}")
+        check_range("num_classes", self.num_classes, 2)
