@@ -17,8 +17,9 @@ import numpy as np
 from edge_client import messages as m
 from edge_client.admission import Admission
 from edge_client.codec import encode, reseal
+from edge_client.runner import RoleRunner
 from edge_client.topics import topic_for
-from edge_client.transport import LocalBus, RoleRunner
+from edge_client.transport import LocalBus
 
 __all__ = ["ATTACKS", "tamper", "forge_nan", "install"]
 

@@ -23,9 +23,9 @@ import numpy as np
 from edge_client import messages as m
 from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
 from edge_client.mqtt import MqttTransport
-from edge_client.service import StopFlag, model_trainer, role_transport, serve, with_metrics
+from edge_client.runner import RoleRunner, StopFlag, serve
+from edge_client.service import model_trainer, role_transport, with_metrics
 from edge_client.sources.replay import load_arrays
-from edge_client.transport import RoleRunner
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .cloud import CLOUD_ID, Cloud
@@ -47,7 +47,7 @@ def _summaries(transport: MqttTransport, topic: str, fields, every: float = 1.0)
     """``serve`` keywords that publish the retained summary every second and once at the end."""
     last = [0.0]
 
-    def hook(runner: RoleRunner, now: float) -> None:
+    def hook(now: float) -> None:
         if now - last[0] >= every:
             last[0] = now
             transport.publish_json(topic, fields())
@@ -147,8 +147,9 @@ class StationService:
         checkpoint = _checkpointing(role, self.service.state_dir, cfg.station_id, lambda msg: (
             isinstance(msg, m.StationUpdate) or isinstance(msg, m.StationModel)
             and msg.iteration % cfg.sync_period == 0))
-        serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-              attach=lambda runner: runner.observers.extend([*checkpoint, note_start]),
+        runner = RoleRunner(role, transport)
+        runner.observers.extend([*checkpoint, note_start])
+        serve(runner, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
               metrics=metrics,
               **_summaries(transport, status_topic_json(cfg.fleet, "station", cfg.station_id),
                            summary))
@@ -199,16 +200,15 @@ class CloudService:
                     "accuracy": last.get("accuracy"), "counters": dict(role.counters),
                     "transport": dict(transport.counters)}
 
-        def attach(runner: RoleRunner) -> None:
-            runner.observers.extend([*checkpoint, evaluate])
-
         metrics = with_metrics(self.service, "cloud", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
              "last_accuracy": rows[-1].get("accuracy") if rows else None}),
             labels={"fleet": cfg.fleet})
-        serve(role, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-              attach=attach, linger=1.0, metrics=metrics,
+        runner = RoleRunner(role, transport)
+        runner.observers.extend([*checkpoint, evaluate])
+        serve(runner, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
+              linger=1.0, metrics=metrics,
               **_summaries(transport, status_topic_json(cfg.fleet, "cloud", CLOUD_ID), summary))
         if self.out:
             out = Path(self.out)

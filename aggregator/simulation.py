@@ -23,10 +23,11 @@ from edge_client.admission import Admission
 from edge_client.config import DeviceConfig, from_mapping
 from edge_client.device import Device
 from edge_client.errors import SaflError
+from edge_client.runner import RoleRunner, StopFlag, pace_replay, serve
 from edge_client.sources.replay import ReplaySource
-from edge_client.topics import global_model_topic, station_model_topic
+from edge_client.topics import global_model_topic
 from edge_client.trainers import build_trainer, layout_hash
-from edge_client.transport import LocalBus, RoleRunner
+from edge_client.transport import LocalBus
 
 from .attacks import install
 from .cloud import Cloud
@@ -207,17 +208,6 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         devices.append((dev, source, runner))
         number[dev.id] = k
 
-    by_station: dict[str, list[tuple[Device, ReplaySource, RoleRunner]]] = {}
-    for entry in devices:
-        by_station.setdefault(entry[0].config.station, []).append(entry)
-
-    def feed(topic: str, message: m.Message) -> None:
-        # Each new iteration, the sensors of that factory have produced fresh samples.
-        for dev, source, runner in by_station.get(message.sender, ()):
-            x, y = source.paced(plan.stream_rates[number[dev.id]], dev.config.local_steps)
-            if len(y):
-                runner.publish(dev.ingest(x, y, _SIM_CLOCK()))
-
     rows: list[dict[str, Any]] = []
     x_eval, y_eval = data.x_test[:spec.eval_samples], data.y_test[:spec.eval_samples]
     stations = [r.role for r in runners[1:]]
@@ -250,12 +240,16 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         })
 
     bus.subscribe(global_model_topic(fleet), record)
-    bus.subscribe(station_model_topic(fleet, "+"), feed)
-    for runner in [*runners, *(r for _, _, r in devices)]:
-        runner.start()
-    bus.deliver()
-    if cloud.state != "done" and not (spec.samples and rows
-                                      and rows[-1]["samples"] >= spec.samples):
+    for dev, source, runner in devices:
+        # Each new iteration, the sensors of that factory have produced fresh samples.
+        pace_replay(runner, source, plan.stream_rates[number[dev.id]])
+
+    def budget_spent() -> bool:
+        return bool(spec.samples and rows and rows[-1]["samples"] >= spec.samples)
+
+    serve([*runners, *(r for _, _, r in devices)], bus, stop=StopFlag(install=False),
+          done=lambda: cloud.state == "done" or budget_spent() or bus.idle, linger=0.0)
+    if cloud.state != "done" and not budget_spent():
         raise SaflError(f"federation stalled in round {cloud.round} (cloud {cloud.state}); "
                         f"station states {[r.role.state for r in runners[1:]]}")
     counters: dict[str, int] = {}

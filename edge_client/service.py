@@ -1,16 +1,12 @@
-"""Running a role as a service: the loop, signals, and the device service.
-
-:func:`serve` connects a transport, starts the role, then delivers messages and
-ticks deadlines until SIGTERM/SIGINT or until the role is done.  The station and
-cloud services (in :mod:`aggregator.services`) use the same loop.
+"""A role as a service: config files, the trainer and MQTT transport a role's tables
+describe, the metrics endpoint, and the device service.  The loop itself is
+:func:`edge_client.runner.serve`, which the station and cloud services
+(:mod:`aggregator.services`) and the simulations run too.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,75 +27,15 @@ from .device import Device
 from .errors import ConfigError
 from .metrics import MetricsServer
 from .mqtt import MqttTransport
-from .role import Role
+from .runner import RoleRunner, StopFlag, pace_replay, serve
 from .sources import SourcePump, build_source, feed_device
 from .sources.replay import ReplaySource
-from .topics import station_model_topic
 from .trainers import build_trainer, layout_hash
-from .transport import RoleRunner, Transport
 
-__all__ = ["serve", "StopFlag", "DeviceService", "load_role_file", "with_metrics",
-           "model_trainer", "role_transport"]
+__all__ = ["DeviceService", "load_role_file", "with_metrics", "model_trainer",
+           "role_transport"]
 
 log = logging.getLogger(__name__)
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT (when installed from the main thread) or by hand."""
-
-    def __init__(self, install: bool = True) -> None:
-        self.event = threading.Event()
-        if install and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.event.set())
-
-    def __bool__(self) -> bool:
-        return self.event.is_set()
-
-
-def serve(role: Role, transport: Transport, *, stop: StopFlag,
-          done: Callable[[], bool] = lambda: False,
-          hooks: tuple[Callable[[RoleRunner, float], None], ...] = (),
-          attach: Callable[[RoleRunner], None] | None = None,
-          on_stop: Callable[[], None] | None = None,
-          metrics: MetricsServer | None = None,
-          clock: Callable[[], float] = time.monotonic, idle_sleep: float = 0.05,
-          linger: float = 0.5) -> RoleRunner:
-    """Run ``role`` on ``transport`` until ``stop`` is set or ``done()`` is true.
-
-    ``hooks`` run every loop turn; ``attach`` may add subscriptions that must see a
-    message after the role has; ``metrics`` is closed with the service.
-    """
-    runner = RoleRunner(role, transport, clock)
-    if attach is not None:
-        attach(runner)
-    transport.connect()
-    try:
-        runner.start()
-        while not stop and not done():
-            if metrics is not None:
-                metrics.beat()
-            busy = transport.deliver()
-            runner.tick()
-            for hook in hooks:
-                try:
-                    hook(runner, clock())
-                except Exception:  # feeding or reporting failed once: count it, keep serving
-                    runner.count_error("errors.tick", "a service hook failed")
-            if not busy:
-                wait = getattr(transport, "wait", None)  # wake as soon as a frame arrives
-                wait(idle_sleep) if wait else time.sleep(idle_sleep)
-        end = time.monotonic() + linger  # let the last answers go out before saying goodbye
-        while time.monotonic() < end and not stop:
-            transport.deliver()
-            time.sleep(idle_sleep)
-        if on_stop is not None:
-            on_stop()
-    finally:
-        transport.close()
-        if metrics is not None:
-            metrics.close()
-    return runner
 
 
 def load_role_file(path: str | Path | None, tables: dict[str, type],
@@ -149,46 +85,35 @@ class DeviceService:
     # end) are metrics too.  None for federation-paced replay.
     pump: SourcePump | None = field(default=None, init=False, repr=False)
 
-    def build(self) -> tuple[Device, MqttTransport, dict[str, Any]]:
-        """The role, its transport, and the ``serve`` keywords that feed it samples."""
+    def build(self) -> tuple[RoleRunner, MqttTransport, tuple[Callable[[float], None], ...]]:
+        """The device bound to its transport, and the ``serve`` hooks that feed it samples
+        (none when the federation paces a replay)."""
         cfg, mc = self.device, self.model
         trainer = model_trainer(mc, cfg.lr)
         device = Device(cfg, trainer, num_classes=mc.num_classes, sample_shape=mc.input_shape,
                         rng=np.random.default_rng(cfg.seed))
         transport = role_transport(self.broker, fleet=cfg.fleet, role="dev",
                                    participant=cfg.device_id, trainer=trainer)
+        runner = RoleRunner(device, transport)
         source, drops = build_source(self.source, sample_shape=mc.input_shape,
                                      num_classes=mc.num_classes,
                                      rng=np.random.default_rng(self.source.seed))
         if self.source.initial and isinstance(source, ReplaySource):
             device.buffer.push(*source.read(self.source.initial))
         if self.source.per_iteration:
-            return device, transport, {"attach": self._paced(device, source, transport)}
+            if not isinstance(source, ReplaySource):
+                raise ConfigError("per_iteration", "federation-paced replay needs an array "
+                                  "source")
+            pace_replay(runner, source, self.source.per_iteration)
+            return runner, transport, ()
         pump = SourcePump(source, capacity=self.source.queue_size, drop_when_full=drops,
                           name=cfg.device_id).start()
         self.pump = pump
-        return device, transport, {
-            "hooks": (lambda runner, now: runner.publish(feed_device(device, pump, now)),)}
-
-    def _paced(self, device: Device, source, transport: MqttTransport) -> Callable:
-        if not isinstance(source, ReplaySource):
-            raise ConfigError("per_iteration", "federation-paced replay needs an array source")
-        rate, steps = self.source.per_iteration, device.config.local_steps
-
-        def attach(runner: RoleRunner) -> None:
-            # Subscribed after the role: the device stores each station model, then that
-            # iteration's samples arrive, as in the in-process simulation.
-            def on_model(topic: str, message: m.Message) -> None:
-                x, y = source.paced(rate, steps)
-                if len(y):
-                    runner.publish(device.ingest(x, y, runner.clock()))
-            transport.subscribe(station_model_topic(device.config.fleet,
-                                                    device.config.station), on_model)
-        return attach
+        return runner, transport, (lambda now: runner.publish(feed_device(device, pump, now)),)
 
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
-        device, transport, feeding = self.build()
-        pump = self.pump
+        runner, transport, hooks = self.build()
+        device, pump = runner.role, self.pump
         metrics = with_metrics(self.service, "device", lambda: (
             {**device.counters, **transport.counters,
              **({f"source.{k}": v for k, v in pump.metrics().items() if k != "queued"}
@@ -197,7 +122,7 @@ class DeviceService:
                                     else {})}),
             labels={"fleet": device.config.fleet, "station": device.config.station,
                     "device": device.id})
-        serve(device, transport, stop=stop or StopFlag(), metrics=metrics,
-              done=(lambda: device.finished) if exit_when_done else (lambda: False), **feeding)
+        serve(runner, transport, stop=stop or StopFlag(), metrics=metrics, hooks=hooks,
+              done=(lambda: device.finished) if exit_when_done else (lambda: False))
         log.info("device %s finished: %s %s", device.id, dict(device.counters), device.metrics())
         return device

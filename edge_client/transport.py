@@ -1,38 +1,44 @@
-"""The transport interface, the in-process bus, and the runner binding a role to either.
+"""The transport contract, and the in-process bus that implements it.
 
-A role is any object with ``subscriptions()``, ``start(now)``, ``handle(msg,
-now)`` and ``tick(now)`` returning messages to publish.  :class:`RoleRunner`
-drives it over a :class:`Transport`; the MQTT transport and :class:`LocalBus`
-both implement that interface, so roles cannot tell them apart.
+A transport connects, carries typed messages between topic publishers and subscribers,
+and lets its owner wait for traffic.  The MQTT transport (``mqtt.py``) and
+:class:`LocalBus` both implement :class:`Transport`, so the one serve loop
+(``runner.py``) drives a service and a simulation alike and roles cannot tell them apart.
+This module knows nothing of roles.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Protocol
 
 from . import messages as m
-from .admission import LogLimiter
 from .errors import SaflError
-from .role import Role
-from .topics import matches, topic_for
+from .topics import matches
 
-__all__ = ["Transport", "LocalBus", "RoleRunner"]
-
-log = logging.getLogger(__name__)
+__all__ = ["Transport", "LocalBus", "Handler"]
 
 Handler = Callable[[str, m.Message], None]
 
 
 class Transport(Protocol):
-    """Publish typed messages to topics and deliver them to subscribers."""
+    """What the serve loop needs of a transport.
 
-    def publish(self, topic: str, message: m.Message) -> None: ...
+    ``connect`` blocks until messages can flow, and announces the participant's presence
+    where the transport has one (MQTT: a retained ``Presence`` and its Last Will; every
+    role on the in-process bus is always there).  ``subscribe`` may come before
+    ``connect``.  ``deliver`` hands every received message to its subscribers in
+    subscription order, on the caller's thread, and returns how many it handed;
+    ``wait(timeout)`` blocks until traffic may have arrived (at once where nothing arrives
+    from outside).  ``close`` says goodbye and drops what is still queued.
+    """
+
+    def connect(self) -> None: ...
     def subscribe(self, topic_filter: str, handler: Handler) -> None: ...
+    def publish(self, topic: str, message: m.Message) -> None: ...
     def deliver(self) -> int: ...
+    def wait(self, timeout: float) -> None: ...
     def close(self) -> None: ...
 
 
@@ -55,6 +61,17 @@ class LocalBus:
         self.payload_bytes: Counter[str] = Counter()
         self.closed = False
         self._stopping = False
+
+    def connect(self) -> None:
+        """Nothing to reach: the bus is in this process."""
+
+    def wait(self, timeout: float) -> None:
+        """Returns at once: only this process's own handlers publish here."""
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued: until someone publishes, nothing more happens."""
+        return not self._queue
 
     def publish(self, topic: str, message: m.Message) -> None:
         if self.closed:
@@ -93,56 +110,3 @@ class LocalBus:
     def close(self) -> None:
         self.closed = True
         self._queue.clear()
-
-
-class RoleRunner:
-    """Runs one role on a transport: subscribes it, feeds it, publishes what it returns."""
-
-    def __init__(self, role: Role, transport: Transport,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.role = role
-        self.transport = transport
-        self.clock = clock
-        self.errors = 0
-        self._limiter = LogLimiter()
-        self.observers: list[Callable[[m.Message], None]] = []  # see what the role sends
-        for topic_filter in role.subscriptions():
-            transport.subscribe(topic_filter, self._on_message)
-
-    def start(self) -> None:
-        self.publish(self.role.start(self.clock()))
-
-    def tick(self) -> None:
-        """One tick of the role; an error in it is counted (``errors.tick``), never raised."""
-        try:
-            out = self.role.tick(self.clock())
-        except Exception:  # the last line: a service never exits because of one tick
-            self.count_error("errors.tick", "%s failed in tick", type(self.role).__name__)
-            return
-        self.publish(out)
-
-    def count_error(self, key: str, *log_args: object) -> None:
-        """Count an unexpected error under ``key``; its traceback is logged at most once a
-        minute per key, so a bug hit every loop turn fills no disk."""
-        self.errors += 1
-        counters = getattr(self.role, "counters", None)
-        if counters is not None:
-            counters[key] += 1
-        if log_args and self._limiter.allow(type(self.role).__name__, key):
-            log.exception(*log_args)
-
-    def publish(self, out: list[m.Message]) -> None:
-        for message in out:
-            for observe in self.observers:
-                observe(message)
-            self.transport.publish(topic_for(message), message)
-
-    def _on_message(self, topic: str, message: m.Message) -> None:
-        try:
-            out = self.role.handle(message, self.clock())
-        except Exception:
-            # Roles count their own rejections; this is the last line that keeps a service up.
-            self.count_error("rejected.internal", "%s failed on %s from %s",
-                             type(self.role).__name__, type(message).__name__, topic)
-            return
-        self.publish(out)

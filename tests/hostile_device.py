@@ -11,7 +11,8 @@ import logging
 
 from aggregator.attacks import tamper
 from edge_client.config import BrokerConfig, DeviceConfig, ModelConfig, ServiceConfig, SourceConfig
-from edge_client.service import DeviceService, StopFlag, load_role_file, serve
+from edge_client.runner import StopFlag, serve
+from edge_client.service import DeviceService, load_role_file
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     cfg = load_role_file(args.config, {"device": DeviceConfig, "model": ModelConfig,
                                        "source": SourceConfig, "broker": BrokerConfig,
                                        "service": ServiceConfig}, {})
-    device, transport, feeding = DeviceService(**cfg).build()
+    runner, transport, hooks = DeviceService(**cfg).build()
     honest = transport.publish
 
     def publish(topic, message):
@@ -33,7 +34,7 @@ def main() -> None:
         else:
             honest(topic, sent)
     transport.publish = publish
-    serve(device, transport, stop=StopFlag(), done=lambda: device.finished, **feeding)
+    serve(runner, transport, stop=StopFlag(), done=lambda: runner.role.finished, hooks=hooks)
 
 
 if __name__ == "__main__":

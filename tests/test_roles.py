@@ -12,9 +12,10 @@ from edge_client import messages as m
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
 from edge_client.errors import ShapeError
+from edge_client.runner import RoleRunner
 from edge_client.topics import global_model_topic
 from edge_client.trainers import build_trainer
-from edge_client.transport import LocalBus, RoleRunner
+from edge_client.transport import LocalBus
 
 CLOCK = lambda: 0.0  # noqa: E731
 F = 10

@@ -1,0 +1,154 @@
+"""Running roles on a transport: :class:`RoleRunner` binds one role to a transport,
+:func:`serve` is the loop every service and every simulation runs, :class:`StopFlag` ends it,
+and :func:`pace_replay` feeds a replayed stream in step with the federation.
+
+A role is any object with ``subscriptions()``, ``start(now)``, ``handle(msg, now)`` and
+``tick(now)`` returning messages to publish (``role.py``); a transport is anything that keeps
+the :class:`~edge_client.transport.Transport` contract (MQTT, or the in-process bus).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from . import messages as m
+from .admission import LogLimiter
+from .metrics import MetricsServer
+from .role import Role
+from .sources.replay import ReplaySource
+from .topics import station_model_topic, topic_for
+from .transport import Transport
+
+__all__ = ["RoleRunner", "StopFlag", "serve", "pace_replay"]
+
+log = logging.getLogger(__name__)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT (when installed from the main thread) or by hand."""
+
+    def __init__(self, install: bool = True) -> None:
+        self.event = threading.Event()
+        if install and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.event.set())
+
+    def __bool__(self) -> bool:
+        return self.event.is_set()
+
+
+class RoleRunner:
+    """Runs one role on a transport: subscribes it, feeds it, publishes what it returns."""
+
+    def __init__(self, role: Role, transport: Transport,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.role = role
+        self.transport = transport
+        self.clock = clock
+        self.errors = 0
+        self._limiter = LogLimiter()
+        self.observers: list[Callable[[m.Message], None]] = []  # see what the role sends
+        for topic_filter in role.subscriptions():
+            transport.subscribe(topic_filter, self._on_message)
+
+    def start(self) -> None:
+        self.publish(self.role.start(self.clock()))
+
+    def tick(self) -> None:
+        """One tick of the role; an error in it is counted (``errors.tick``), never raised."""
+        try:
+            out = self.role.tick(self.clock())
+        except Exception:  # the last line: a service never exits because of one tick
+            self.count_error("errors.tick", "%s failed in tick", type(self.role).__name__)
+            return
+        self.publish(out)
+
+    def count_error(self, key: str, *log_args: object) -> None:
+        """Count an unexpected error under ``key``; its traceback is logged at most once a
+        minute per key, so a bug hit every loop turn fills no disk."""
+        self.errors += 1
+        counters = getattr(self.role, "counters", None)
+        if counters is not None:
+            counters[key] += 1
+        if log_args and self._limiter.allow(type(self.role).__name__, key):
+            log.exception(*log_args)
+
+    def publish(self, out: list[m.Message]) -> None:
+        for message in out:
+            for observe in self.observers:
+                observe(message)
+            self.transport.publish(topic_for(message), message)
+
+    def _on_message(self, topic: str, message: m.Message) -> None:
+        try:
+            out = self.role.handle(message, self.clock())
+        except Exception:
+            # Roles count their own rejections; this is the last line that keeps a service up.
+            self.count_error("rejected.internal", "%s failed on %s from %s",
+                             type(self.role).__name__, type(message).__name__, topic)
+            return
+        self.publish(out)
+
+
+def serve(runners: RoleRunner | Sequence[RoleRunner], transport: Transport, *,
+          stop: StopFlag, done: Callable[[], bool] = lambda: False,
+          hooks: tuple[Callable[[float], None], ...] = (),
+          on_stop: Callable[[], None] | None = None,
+          metrics: MetricsServer | None = None,
+          idle_sleep: float = 0.05, linger: float = 0.5) -> None:
+    """Connect, start every runner's role, then deliver messages and tick deadlines until
+    ``stop`` is set or ``done()`` is true; close the transport whatever happens.
+
+    ``hooks`` run every loop turn with the time (feeding samples, publishing a summary); a
+    hook that fails is counted on the first runner and the loop goes on.  ``linger`` seconds
+    of delivery after the end let the last answers go out; ``metrics`` closes with the loop.
+    """
+    runners = [runners] if isinstance(runners, RoleRunner) else list(runners)
+    clock = runners[0].clock
+    transport.connect()
+    try:
+        for runner in runners:
+            runner.start()
+        while not stop and not done():
+            if metrics is not None:
+                metrics.beat()
+            busy = transport.deliver()
+            for runner in runners:
+                runner.tick()
+            for hook in hooks:
+                try:
+                    hook(clock())
+                except Exception:  # feeding or reporting failed once: count it, keep serving
+                    runners[0].count_error("errors.tick", "a service hook failed")
+            if not busy:
+                transport.wait(idle_sleep)  # wakes as soon as a frame arrives
+        end = time.monotonic() + linger
+        while time.monotonic() < end and not stop:
+            transport.deliver()
+            time.sleep(idle_sleep)
+        if on_stop is not None:
+            on_stop()
+    finally:
+        transport.close()
+        if metrics is not None:
+            metrics.close()
+
+
+def pace_replay(runner: RoleRunner, source: ReplaySource, rate: float) -> None:
+    """Feed ``runner``'s device ``rate`` samples per local step of each station model, from
+    ``source``: a replayed stream paced by the federation (simulations, and devices with
+    ``[source] per_iteration``).  Subscribed after the role, so the device has stored the
+    model when that iteration's samples arrive."""
+    device = runner.role
+    steps = device.config.local_steps
+
+    def on_model(topic: str, message: m.Message) -> None:
+        x, y = source.paced(rate, steps)
+        if len(y):
+            runner.publish(device.ingest(x, y, runner.clock()))
+    runner.transport.subscribe(station_model_topic(device.config.fleet, device.config.station),
+                               on_model)
