@@ -62,15 +62,15 @@ def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
     rows = launch_fleet(out / strategy.name, data, strategy, spec, url,
                         progress=Progress(strategy.name, rounds))
     fleet = strategy.device.get("fleet", "sim")
-    found = fleet_status(BrokerConfig(url=url), fleet, wait=1.0)["summary"]
+    found = fleet_status(BrokerConfig(url=url), fleet, wait=1.0)
     # Retained status of an earlier recipe's stations may linger on the broker (a flat fleet
     # has one station, a hierarchical one a station per factory): count this fleet's only.
     ids = {values["station_id"] for values in plan_fleet(strategy, spec).stations}
-    stations = [doc for key, doc in found.items() if key != "cloud" and doc.get("station") in ids]
-    cloud = found.get("cloud", {})
+    stations = [doc for sid, doc in found.stations.items() if sid in ids]
+    cloud_transport = found.cloud.transport if found.cloud else {}
 
     def total(docs, section, key):
-        return sum(d.get(section, {}).get(key, 0) for d in docs)
+        return sum(getattr(d, section).get(key, 0) for d in docs)
 
     result_rows = [{"strategy": strategy.name, **row} for row in rows]
     result_rows[-1].update(
@@ -78,8 +78,8 @@ def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
         skips=total(stations, "counters", "received_skips"),
         bytes_device_up=total(stations, "transport", "bytes_in"),
         bytes_device_down=total(stations, "transport", "bytes_out"),
-        bytes_station_up=cloud.get("transport", {}).get("bytes_in", 0),
-        bytes_station_down=cloud.get("transport", {}).get("bytes_out", 0))
+        bytes_station_up=cloud_transport.get("bytes_in", 0),
+        bytes_station_down=cloud_transport.get("bytes_out", 0))
     return RunResult(strategy.name, result_rows, {}, time.perf_counter() - started)
 
 

@@ -9,7 +9,7 @@ at the federation's pace), and the test set for the cloud to score; it then star
 from __future__ import annotations
 
 import csv
-import re
+import io
 import shutil
 import subprocess
 import sys
@@ -28,7 +28,6 @@ from .simulation import FleetSpec, Strategy, _public, plan_fleet
 
 __all__ = ["write_fleet", "launch_fleet", "fleet_commands", "toml_text", "Fleet"]
 
-_ROUND = re.compile(r"round (\d+): accuracy ([0-9.]+)")
 
 
 def _value(v: Any) -> str:
@@ -107,9 +106,24 @@ class Fleet:
     restart: Callable[[str], None]
     logs: Path
 
-    def cloud_log(self) -> str:
-        path = self.logs / "cloud.log"
-        return path.read_text() if path.exists() else ""
+    metrics: Path  # the cloud's metrics.csv
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The rounds the cloud has finished, from its ``metrics.csv`` (a row still being
+        written is left out)."""
+        try:
+            text = self.metrics.read_text()
+        except FileNotFoundError:
+            return []
+        text = text[:text.rfind("\n") + 1]
+        return [{k: float(v) if k in ("accuracy", "loss", "wall_s") else int(v)
+                 for k, v in row.items()} for row in csv.DictReader(io.StringIO(text))]
+
+    @property
+    def last_round(self) -> int:
+        """The last round the cloud finished (-1: none yet)."""
+        rows = self.rows()
+        return rows[-1]["round"] if rows else -1
 
 
 def fleet_commands(paths: dict[str, Path], broker: str | None = None,
@@ -157,7 +171,7 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
 
     for name in argv:
         start(name)
-    fleet = Fleet(procs, start, logs)
+    fleet = Fleet(procs, start, logs, run_dir / "metrics.csv")
     deadline = time.monotonic() + timeout
     seen = 0
     try:
@@ -171,10 +185,10 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
             if dead:
                 raise SaflError(f"{', '.join(dead)} exited with an error; logs in {logs}")
             if progress:
-                found = _ROUND.findall((logs / "cloud.log").read_text())
-                for r, acc in found[seen:]:
-                    progress(int(r), float(acc))
-                seen = len(found)
+                rows = fleet.rows()
+                for row in rows[seen:]:
+                    progress(row["round"], row.get("accuracy", float("nan")))
+                seen = len(rows)
             time.sleep(0.05)
         if procs["cloud"].returncode != 0:
             raise SaflError(f"the cloud exited with {procs['cloud'].returncode}; "
@@ -190,10 +204,7 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 p.kill()
-    if progress:
-        found = _ROUND.findall((logs / "cloud.log").read_text())
-        for r, acc in found[seen:]:
-            progress(int(r), float(acc))
-    with open(run_dir / "metrics.csv") as fh:
-        return [{k: float(v) if k in ("accuracy", "loss", "wall_s") else int(v)
-                 for k, v in row.items()} for row in csv.DictReader(fh)]
+    rows = fleet.rows()
+    for row in rows[seen:] if progress else ():
+        progress(row["round"], row.get("accuracy", float("nan")))
+    return rows

@@ -31,9 +31,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from edge_client import topics
 from edge_client.codec import DEFAULT_CHUNK_SIZE
 from edge_client.config import check_id
 from edge_client.errors import ConfigError
+from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES
 
 from .launch import toml_text
 from .pki import issue, make_ca, serial_of, write_crl, write_private
@@ -111,10 +113,7 @@ def load_fleet_file(path: str | Path) -> FleetFile:
 # Every frame travels in chunks of at most this size; brokers refuse packets much larger.
 CHUNK_SIZE = DEFAULT_CHUNK_SIZE
 MAX_PACKET = CHUNK_SIZE + 4096  # the chunk plus MQTT's fixed header, topic and properties
-CLOUD_LEAVES = ("model", "model/manifest", "status", "summary")
-DEVICE_LEAVES = ("stats", "update", "status")
 STATION_UP = ("update", "stats", "status", "summary")  # what the bridge carries to the cloud
-STATION_LEAVES = ("model", "select", *STATION_UP)
 
 
 def _broker_conf(folder: Path, port: int, prefix: Path, extra: list[str] = ()) -> str:
@@ -150,15 +149,15 @@ def _acl(rules: dict[str, list[str]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _grant(access: str, root: str, prefix: str, leaves: tuple[str, ...]) -> list[str]:
-    return [f"topic {access} {root}/{prefix}/{leaf}" for leaf in leaves]
+def _grant(access: str, below: str, leaves: tuple[str, ...]) -> list[str]:
+    return [f"topic {access} {below}/{leaf}" for leaf in leaves]
 
 
-def _monitor_rules(root: str) -> list[str]:
+def _monitor_rules(fleet: str) -> list[str]:
     """Presence, status summaries and the model manifest: never updates or models."""
-    return [*_grant("read", root, "station/+", ("status", "summary")),
-            f"topic read {root}/dev/+/status",
-            *_grant("read", root, "cloud", ("status", "summary", "model/manifest"))]
+    return [*_grant("read", topics.prefix(fleet, "station", "+"), ("status", "summary")),
+            *_grant("read", topics.prefix(fleet, "dev", "+"), ("status",)),
+            *_grant("read", topics.prefix(fleet, "cloud"), ("status", "summary", "model/manifest"))]
 
 
 class _State:
@@ -187,7 +186,7 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
     out.mkdir(parents=True, exist_ok=True)
     state = _State(out / "state.json")
     created: dict[str, list] = {"ca": [], "credentials": [], "revoked": []}
-    root = f"safl/{fleet.name}"
+    name = fleet.name
     if not (out / "ca" / "ca.pem").exists():
         make_ca(out / "ca", fleet.name)
         created["ca"].append(str(out / "ca"))
@@ -237,12 +236,12 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
               fleet.cloud_host, hosts=(fleet.cloud_host,), server=True)
     cloud_pb = prefix / "cloud" / "broker"
     (cloud_broker / "mosquitto.conf").write_text(_broker_conf(cloud_pb, fleet.cloud_port, prefix))
-    rules = {"cloud": [*_grant("write", root, "cloud", CLOUD_LEAVES),
-                       *_grant("read", root, "station/+", STATION_UP)],
-             MONITOR: _monitor_rules(root)}
+    rules = {"cloud": [*_grant("write", topics.prefix(name, "cloud"), CLOUD_LEAVES),
+                       *_grant("read", topics.prefix(name, "station", "+"), STATION_UP)],
+             MONITOR: _monitor_rules(name)}
     for s in stations:
-        rules[s.id] = [*_grant("write", root, f"station/{s.id}", STATION_UP),
-                       *_grant("read", root, "cloud", CLOUD_LEAVES)]
+        rules[s.id] = [*_grant("write", topics.prefix(name, "station", s.id), STATION_UP),
+                       *_grant("read", topics.prefix(name, "cloud"), CLOUD_LEAVES)]
     (cloud_broker / "acl").write_text(_acl(rules))
     cloud_url = f"mqtts://{fleet.cloud_host}:{fleet.cloud_port}"
     (out / "cloud" / "cloud.toml").write_text(toml_text({
@@ -266,19 +265,20 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
             f"bridge_certfile {cred / 'client.pem'}", f"bridge_keyfile {cred / 'client.key'}",
             f"remote_clientid safl-bridge-{s.id}", "cleansession false",
             "bridge_protocol_version mqttv311", "try_private true",
-            *(f"topic {root}/station/{s.id}/{leaf} out 1" for leaf in STATION_UP),
-            *(f"topic {root}/cloud/{leaf} in 1" for leaf in CLOUD_LEAVES),
+            *(f"topic {topics.prefix(name, 'station', s.id)}/{leaf} out 1" for leaf in STATION_UP),
+            *(f"topic {topics.prefix(name, 'cloud')}/{leaf} in 1" for leaf in CLOUD_LEAVES),
         ]
         (folder / "mosquitto.conf").write_text(_broker_conf(pb, s.port, prefix, bridge))
         devices = [d for d in s.devices if d not in revoked]
-        rules = {s.id: [*_grant("write", root, f"station/{s.id}", STATION_LEAVES),
-                        f"topic read {root}/dev/+/stats", f"topic read {root}/dev/+/status",
-                        *(f"topic read {root}/dev/{d}/update" for d in devices),
-                        *_grant("read", root, "cloud", CLOUD_LEAVES)],
-                 MONITOR: _monitor_rules(root)}
+        rules = {s.id: [*_grant("write", topics.prefix(name, "station", s.id), STATION_LEAVES),
+                        *_grant("read", topics.prefix(name, "dev", "+"), ("stats", "status")),
+                        *(f"topic read {topics.prefix(name, 'dev', d)}/update" for d in devices),
+                        *_grant("read", topics.prefix(name, "cloud"), CLOUD_LEAVES)],
+                 MONITOR: _monitor_rules(name)}
         for did in devices:
-            rules[did] = [*_grant("write", root, f"dev/{did}", DEVICE_LEAVES),
-                          *_grant("read", root, f"station/{s.id}", ("model", "select", "status"))]
+            rules[did] = [*_grant("write", topics.prefix(name, "dev", did), DEVICE_LEAVES),
+                          *_grant("read", topics.prefix(name, "station", s.id),
+                                  ("model", "select", "status"))]
         (folder / "acl").write_text(_acl(rules))
         url = f"mqtts://{s.host}:{s.port}"
         (out / "stations" / s.id / "station.toml").write_text(toml_text({

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,37 +21,41 @@ from typing import Any
 import numpy as np
 
 from edge_client import messages as m
+from edge_client.codec import encode
 from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
+from edge_client.documents import (
+    CloudSummary,
+    Document,
+    ModelManifest,
+    StationSummary,
+    encode_document,
+)
 from edge_client.mqtt import MqttTransport
 from edge_client.runner import RoleRunner, StopFlag, serve
 from edge_client.service import model_trainer, role_transport, with_metrics
 from edge_client.sources.replay import load_arrays
+from edge_client.topics import manifest_topic, summary_topic
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .cloud import CLOUD_ID, Cloud
 from .config import CloudConfig, StationConfig
 from .station import Station, local_accuracy_summary
 
-__all__ = ["StationService", "CloudService", "status_topic_json"]
+__all__ = ["StationService", "CloudService"]
 
 log = logging.getLogger(__name__)
 
 
-def status_topic_json(fleet: str, role: str, participant: str) -> str:
-    """Retained JSON summary a service publishes for ``safl status``."""
-    base = f"safl/{fleet}/cloud" if role == "cloud" else f"safl/{fleet}/{role}/{participant}"
-    return base + "/summary"
-
-
-def _summaries(transport: MqttTransport, topic: str, fields, every: float = 1.0) -> dict:
+def _summaries(transport: MqttTransport, topic: str, summary: Callable[[], Document],
+               every: float = 1.0) -> dict:
     """``serve`` keywords that publish the retained summary every second and once at the end."""
     last = [0.0]
 
     def hook(now: float) -> None:
         if now - last[0] >= every:
             last[0] = now
-            transport.publish_json(topic, fields())
-    return {"hooks": (hook,), "on_stop": lambda: transport.publish_json(topic, fields())}
+            transport.publish_document(topic, summary())
+    return {"hooks": (hook,), "on_stop": lambda: transport.publish_document(topic, summary())}
 
 
 def _checkpointing(role: Cloud | Station, state_dir: str, name: str, due) -> list:
@@ -127,15 +131,14 @@ class StationService:
             if not first_model and isinstance(message, m.StationModel):
                 first_model.append(time.process_time())  # start-up CPU ends here
 
-        def summary() -> dict[str, Any]:
-            return {"station": cfg.station_id, "state": role.state, "round": role.round,
-                    "cpu_s": round(time.process_time(), 3),
-                    "cpu_startup_s": round(first_model[0], 3) if first_model else None,
-                    "iteration": role.iteration, "devices": len(cfg.devices),
-                    "online": role.online_devices, "quorum": cfg.min_quorum,
-                    "missing": role.missing,
-                    **local_accuracy_summary(role.local_accuracies()),
-                    "counters": dict(role.counters), "transport": dict(transport.counters)}
+        def summary() -> StationSummary:
+            return StationSummary(
+                station=cfg.station_id, state=role.state, round=role.round,
+                iteration=role.iteration, cpu_s=round(time.process_time(), 3),
+                cpu_startup_s=round(first_model[0], 3) if first_model else None,
+                devices=len(cfg.devices), online=role.online_devices, quorum=cfg.min_quorum,
+                missing=tuple(role.missing), **local_accuracy_summary(role.local_accuracies()),
+                counters=dict(role.counters), transport=dict(transport.counters))
 
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},
@@ -151,7 +154,7 @@ class StationService:
         runner.observers.extend([*checkpoint, note_start])
         serve(runner, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
               metrics=metrics,
-              **_summaries(transport, status_topic_json(cfg.fleet, "station", cfg.station_id),
+              **_summaries(transport, summary_topic(cfg.fleet, "station", cfg.station_id),
                            summary))
         log.info("station %s finished: %s", cfg.station_id, summary())
         return role
@@ -193,12 +196,19 @@ class CloudService:
             rows.append(row)
             log_rows.append(row)
 
-        def summary() -> dict[str, Any]:
-            last = rows[-1] if rows else {}
-            return {"state": role.state, "round": role.round, "iteration": role.iteration,
-                    "stations": list(cfg.stations), "offline": sorted(role.offline),
-                    "accuracy": last.get("accuracy"), "counters": dict(role.counters),
-                    "transport": dict(transport.counters)}
+        def summary() -> CloudSummary:
+            return CloudSummary(state=role.state, round=role.round, iteration=role.iteration,
+                                stations=tuple(cfg.stations), offline=tuple(sorted(role.offline)),
+                                accuracy=rows[-1].get("accuracy") if rows else None,
+                                counters=dict(role.counters), transport=dict(transport.counters))
+
+        def manifest(message: m.Message) -> None:
+            # Chunked frames cannot be retained: a late joiner learns the state from this.
+            if isinstance(message, m.GlobalModel):
+                frame = encode(message, layout_hash=transport.layout_hash, fp16=self.broker.fp16)
+                transport.publish_document(manifest_topic(cfg.fleet), ModelManifest(
+                    round=message.round, iteration=message.iteration, size=len(frame),
+                    final=message.final, layout=transport.layout_hash))
 
         metrics = with_metrics(self.service, "cloud", lambda: (
             {**role.counters, **transport.counters},
@@ -206,12 +216,12 @@ class CloudService:
              "last_accuracy": rows[-1].get("accuracy") if rows else None}),
             labels={"fleet": cfg.fleet})
         runner = RoleRunner(role, transport)
-        runner.observers.extend([*checkpoint, evaluate])
+        runner.observers.extend([*checkpoint, evaluate, manifest])
         serve(runner, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
               linger=1.0, metrics=metrics,
-              **_summaries(transport, status_topic_json(cfg.fleet, "cloud", CLOUD_ID), summary))
+              **_summaries(transport, summary_topic(cfg.fleet, "cloud", CLOUD_ID), summary))
         if self.out:
             out = Path(self.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "cloud.json").write_text(json.dumps(summary(), indent=2) + "\n")
+            (out / "cloud.json").write_bytes(encode_document(summary()) + b"\n")
         return role, rows

@@ -1,98 +1,101 @@
-"""``safl status``: what the retained topics of a fleet say about it, as a table."""
+"""``safl status``: what the retained topics of a fleet say about it, as a table.
+
+It reads through the MQTT transport like any participant, as an observer: no presence,
+no session left on the broker, only presences, summaries and the manifest (no weights).
+"""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
-
-import paho.mqtt.client as paho
-from paho.mqtt.enums import CallbackAPIVersion
+from dataclasses import dataclass, field
 
 from edge_client import messages as m
-from edge_client.codec import decode
 from edge_client.config import BrokerConfig
-from edge_client.errors import MessageError
-from edge_client.mqtt import ConnectError
+from edge_client.documents import CloudSummary, Document, ModelManifest, StationSummary
+from edge_client.mqtt import MqttTransport
+from edge_client.topics import document_filters, presence_filters
 
-__all__ = ["fleet_status", "format_status"]
+__all__ = ["FleetStatus", "fleet_status", "format_status"]
 
 
-def fleet_status(broker: BrokerConfig, fleet: str, wait: float = 1.5) -> dict:
-    """Collect presences and summaries retained under ``safl/<fleet>/``."""
-    found: dict = {"presence": {}, "summary": {}, "manifest": None}
+@dataclass
+class FleetStatus:
+    presence: dict[tuple[str, str], bool] = field(default_factory=dict)  # (role, id): online
+    stations: dict[str, StationSummary] = field(default_factory=dict)
+    cloud: CloudSummary | None = None
+    manifest: ModelManifest | None = None
 
-    def on_message(client, userdata, msg) -> None:
-        if msg.topic.endswith("/status"):
-            try:
-                presence = decode(msg.payload, max_size=1 << 16).message
-            except MessageError:
-                return
-            if isinstance(presence, m.Presence):
-                found["presence"][(presence.role, presence.sender)] = presence.online
-        elif msg.topic.endswith(("/summary", "/manifest")):
-            try:
-                doc = json.loads(msg.payload)
-            except ValueError:
-                return
-            key = "manifest" if msg.topic.endswith("/manifest") else None
-            if key:
-                found["manifest"] = doc
-            else:
-                found["summary"][msg.topic.split("/")[-2]] = doc
 
-    client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"safl-status-{time.time_ns()}")
-    if broker.username:
-        client.username_pw_set(broker.username, broker.password or None)
-    if broker.tls:
-        client.tls_set(ca_certs=broker.ca or None, certfile=broker.cert or None,
-                       keyfile=broker.key or None)
-    client.on_message = on_message
-    client.on_connect = lambda c, *a: c.subscribe(f"safl/{fleet}/#", qos=1)
-    host, port = broker.host_port
+def fleet_status(broker: BrokerConfig, fleet: str, wait: float = 1.5) -> FleetStatus:
+    """Collect what is retained under ``safl/<fleet>/`` for ``wait`` seconds."""
+    found = FleetStatus()
+
+    def on_presence(topic: str, message: m.Message) -> None:
+        if isinstance(message, m.Presence):
+            found.presence[(message.role, message.sender)] = message.online
+
+    def on_document(topic: str, doc: Document) -> None:
+        if isinstance(doc, StationSummary):
+            found.stations[doc.station] = doc
+        elif isinstance(doc, CloudSummary):
+            found.cloud = doc
+        elif isinstance(doc, ModelManifest):
+            found.manifest = doc
+
+    # An operator's command should fail fast on a wrong address, not retry like a service.
+    broker = dataclasses.replace(broker, connect_timeout=min(broker.connect_timeout, 10.0))
+    transport = MqttTransport(broker, client_id=f"safl-status-{time.time_ns()}", fleet=fleet,
+                              persistent=False)
+    for topic_filter in presence_filters(fleet):
+        transport.subscribe(topic_filter, on_presence)
+    for topic_filter in document_filters(fleet):
+        transport.subscribe_documents(topic_filter, on_document)
+    transport.connect()
     try:
-        client.connect(host, port, 10)
-    except OSError as exc:
-        raise ConnectError(f"cannot reach {broker.url}: {exc}") from exc
-    end = time.monotonic() + wait
-    while time.monotonic() < end:
-        client.loop(timeout=0.1)
-    client.disconnect()
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            transport.deliver()
+            transport.wait(min(0.1, max(0.0, end - time.monotonic())))
+        transport.deliver()
+    finally:
+        transport.close()
     return found
 
 
-def format_status(found: dict, fleet: str) -> str:
+def format_status(found: FleetStatus, fleet: str) -> str:
     """Stations, devices online, round, iteration, last accuracy and upload counts."""
     lines = [f"fleet {fleet}"]
-    cloud = found["summary"].get("cloud") or {}
-    online = found["presence"].get(("cloud", "cloud"))
-    acc = cloud.get("accuracy")
+    cloud = found.cloud
+    online = found.presence.get(("cloud", "cloud"))
+    acc = cloud.accuracy if cloud else None
     lines.append(f"cloud: {'online' if online else 'offline' if online is False else 'unknown'}"
-                 f", state {cloud.get('state', '?')}, round {cloud.get('round', '?')}, "
-                 f"iteration {cloud.get('iteration', '?')}, last accuracy "
-                 f"{'-' if acc is None else f'{acc:.4f}'}")
-    devices = {s: o for (r, s), o in found["presence"].items() if r == "dev"}
+                 f", state {cloud.state if cloud else '?'}, round "
+                 f"{cloud.round if cloud else '?'}, iteration {cloud.iteration if cloud else '?'}"
+                 f", last accuracy {'-' if acc is None else f'{acc:.4f}'}")
+    devices = {s: o for (r, s), o in found.presence.items() if r == "dev"}
     lines.append(f"devices online: {sum(devices.values())} of {len(devices)} seen")
     lines.append(f"{'station':<10} {'presence':<9} {'state':<11} {'round':>5} {'iter':>5} "
                  f"{'online':>7} {'uploads':>8} {'skips':>6} {'rejected':>9}")
-    stations = sorted({s for (r, s) in found["presence"] if r == "station"}
-                      | {k for k in found["summary"] if k != "cloud"})
+    stations = sorted({s for (r, s) in found.presence if r == "station"} | set(found.stations))
     for sid in stations:
-        doc = found["summary"].get(sid, {})
-        counters = doc.get("counters", {})
-        rejected = sum(v for k, v in {**counters, **doc.get("transport", {})}.items()
+        doc = found.stations.get(sid)
+        presence = found.presence.get(("station", sid))
+        if doc is None:
+            lines.append(f"{sid:<10} {('online' if presence else 'offline'):<9} {'?':<11} "
+                         f"{'?':>5} {'?':>5} {'?':>7} {0:>8} {0:>6} {0:>9}")
+            continue
+        rejected = sum(v for k, v in {**doc.counters, **doc.transport}.items()
                        if k.startswith("rejected."))
-        presence = found["presence"].get(("station", sid))
         lines.append(f"{sid:<10} {('online' if presence else 'offline'):<9} "
-                     f"{doc.get('state', '?'):<11} {doc.get('round', '?'):>5} "
-                     f"{doc.get('iteration', '?'):>5} "
-                     f"{str(doc.get('online', '?')) + '/' + str(doc.get('devices', '?')):>7} "
-                     f"{counters.get('received_updates', 0):>8} "
-                     f"{counters.get('received_skips', 0):>6} {rejected:>9}")
-    for sid in stations:
-        doc = found["summary"].get(sid, {})
-        if doc.get("state") == "starved":
-            lines.append(f"{sid} waits for devices: {doc.get('online', '?')} online, "
-                         f"quorum {doc.get('quorum', '?')}")
-        if doc.get("state") == "joining" and doc.get("missing"):
-            lines.append(f"{sid} waits for its roster: missing {', '.join(doc['missing'])}")
+                     f"{doc.state:<11} {doc.round:>5} {doc.iteration:>5} "
+                     f"{f'{doc.online}/{doc.devices}':>7} "
+                     f"{doc.counters.get('received_updates', 0):>8} "
+                     f"{doc.counters.get('received_skips', 0):>6} {rejected:>9}")
+    for doc in (found.stations[sid] for sid in stations if sid in found.stations):
+        if doc.state == "starved":
+            lines.append(f"{doc.station} waits for devices: {doc.online} online, "
+                         f"quorum {doc.quorum}")
+        if doc.state == "joining" and doc.missing:
+            lines.append(f"{doc.station} waits for its roster: missing {', '.join(doc.missing)}")
     return "\n".join(lines)

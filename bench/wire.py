@@ -91,9 +91,9 @@ def main() -> None:
         finally:
             broker.stop()
     mqtt_iter = (rows[-1]["wall_s"] - rows[0]["wall_s"]) / iterations
-    docs = [found["summary"][s] for s in stations]
-    updates = sum(d["counters"].get("received_updates", 0) for d in docs)
-    cpu = sum(d["cpu_s"] - d["cpu_startup_s"] for d in docs)
+    docs = [found.stations[s] for s in stations]
+    updates = sum(d.counters.get("received_updates", 0) for d in docs)
+    cpu = sum(d.cpu_s - d.cpu_startup_s for d in docs)
     n_params = 64 * 128 + 128 + 128 * 10 + 10
     print(f"\nfleet: 2 stations x 3 devices, FedGS L=2 T=3, {args.rounds} rounds "
           f"({iterations} iterations), MLP {n_params} params")

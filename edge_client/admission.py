@@ -20,7 +20,7 @@ from collections.abc import Callable
 from . import messages as m
 from .codec import Reassembler, decode, is_chunk
 from .errors import MessageError
-from .topics import participant_of, topic_for
+from .topics import is_document_topic, participant_of, topic_for
 
 __all__ = ["Admission", "LogLimiter"]
 
@@ -67,15 +67,16 @@ class Admission:
         Seconds a chunked frame may take to complete.
     counters : Counter, optional
         Where to count (a transport shares its own); a new one by default.
+    seen_ids : int
+        Message ids remembered for exactly-once delivery (``[broker] dedupe_window``).
     """
-
-    SEEN_IDS = 8192  # message ids remembered for exactly-once delivery
 
     def __init__(self, *, fleet: str, layout_hash: str = "", num_params: int = 0,
                  max_message: int, reassembly_memory: int, chunk_timeout: float,
-                 owner: str = "", counters: Counter[str] | None = None) -> None:
+                 owner: str = "", counters: Counter[str] | None = None,
+                 seen_ids: int = 8192) -> None:
         self.fleet, self.layout_hash, self.num_params = fleet, layout_hash, num_params
-        self.max_message, self.owner = max_message, owner
+        self.max_message, self.owner, self.seen_ids = max_message, owner, seen_ids
         self.counters: Counter[str] = Counter() if counters is None else counters
         self.limiter = LogLimiter()
         self._seen: OrderedDict[bytes, None] = OrderedDict()
@@ -119,8 +120,8 @@ class Admission:
                          reason=reason, role=who[0], leaf=who[2])
 
     def _admit(self, topic: str, payload: bytes, now: float) -> m.Message | None:
-        if topic.endswith(("/manifest", "/summary")):
-            return None  # JSON documents for operators, not frames
+        if is_document_topic(topic):
+            return None  # JSON documents for operators (documents.py), not frames
         if is_chunk(payload):
             payload = self._reassembler.add(topic, payload, now)
             if payload is None:
@@ -145,7 +146,7 @@ class Admission:
             self.counters["duplicates"] += 1
             return None
         self._seen[frame.message_id] = None
-        while len(self._seen) > self.SEEN_IDS:
+        while len(self._seen) > self.seen_ids:
             self._seen.popitem(last=False)
         self.counters["messages_in"] += 1
         return msg

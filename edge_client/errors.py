@@ -14,6 +14,8 @@ __all__ = [
     "ShapeError",
     "ArtifactError",
     "SourceError",
+    "ConnectError",
+    "BrokerRefused",
 ]
 
 
@@ -64,3 +66,15 @@ class SourceError(SaflError):
     """A sample source (camera, video, replay folder, label sidecar) cannot deliver."""
 
     exit_code = 5
+
+
+class ConnectError(SaflError):
+    """The broker could not be reached within the connect timeout."""
+
+    exit_code = 6
+
+
+class BrokerRefused(SaflError):
+    """The broker answered but refused us (credentials, ACL, protocol)."""
+
+    exit_code = 7

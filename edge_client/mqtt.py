@@ -11,7 +11,6 @@ service: each is counted by reason.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import random
@@ -30,27 +29,22 @@ from . import messages as m
 from .admission import Admission
 from .codec import encode, split
 from .config import BrokerConfig
-from .errors import SaflError
+from .documents import Document, decode_document, encode_document
+from .errors import BrokerRefused, ConnectError, MessageError
 from .tls import check_pair
-from .topics import global_model_topic, matches, topic_for
+from .topics import is_document_topic, matches, topic_for
 
-__all__ = ["MqttTransport", "ConnectError", "BrokerRefused"]
+__all__ = ["MqttTransport", "ConnectError", "BrokerRefused", "REFUSED_FOR_GOOD"]
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str, m.Message], None]
+DocumentHandler = Callable[[str, Document], None]
 
 
-class ConnectError(SaflError):
-    """The broker could not be reached within the connect timeout."""
-
-    exit_code = 6
-
-
-class BrokerRefused(SaflError):
-    """The broker answered but refused us (credentials, ACL, protocol)."""
-
-    exit_code = 7
+# CONNACK reason codes (MQTT 5; paho maps 3.1.1's return codes onto them) that no retry
+# can cure: bad credentials, not authorised, banned, a bad authentication method.
+REFUSED_FOR_GOOD = frozenset({0x86, 0x87, 0x8A, 0x8C})
 
 
 class MqttTransport:
@@ -67,27 +61,33 @@ class MqttTransport:
         This participant's online status; its offline twin becomes the Last Will.
     num_params : int
         Length of every weights vector admitted (0: not checked).
+    persistent : bool
+        Keep a session on the broker across disconnects (a role); an observer such as
+        ``safl status`` leaves none behind.
     """
 
     def __init__(self, config: BrokerConfig, *, client_id: str, fleet: str,
                  layout_hash: str = "", presence: m.Presence | None = None,
-                 num_params: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+                 num_params: int = 0, clock: Callable[[], float] = time.monotonic,
+                 persistent: bool = True) -> None:
         if config.cert:
             check_pair(config.ca, config.cert, config.key)  # refuse bad files before connecting
         self.config, self.client_id, self.fleet = config, client_id, fleet
         self.layout_hash, self.presence, self.clock = layout_hash, presence, clock
+        self.persistent = persistent
         self.counters: Counter[str] = Counter()
         self._subs: list[tuple[str, Handler]] = []
+        self._doc_subs: list[tuple[str, DocumentHandler]] = []
         self._inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self.admission = Admission(fleet=fleet, layout_hash=layout_hash, num_params=num_params,
                                    max_message=config.max_message,
                                    reassembly_memory=config.reassembly_memory,
                                    chunk_timeout=config.chunk_timeout, owner=client_id,
-                                   counters=self.counters)
+                                   counters=self.counters, seen_ids=config.dedupe_window)
         self._connected = threading.Event()
         self._arrived = threading.Event()
         self._stop = threading.Event()
-        self._refused: str | None = None
+        self._refused: paho.ReasonCode | None = None
         self._thread: threading.Thread | None = None
         self._last_info: paho.MQTTMessageInfo | None = None
         self._closing = False
@@ -99,7 +99,8 @@ class MqttTransport:
         cfg = self.config
         proto = paho.MQTTv5 if self._v5 else paho.MQTTv311
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                             protocol=proto, clean_session=None if self._v5 else False,
+                             protocol=proto,
+                             clean_session=None if self._v5 else not self.persistent,
                              reconnect_on_failure=False)
         if cfg.username:
             client.username_pw_set(cfg.username, cfg.password or None)
@@ -126,11 +127,11 @@ class MqttTransport:
             except OSError:
                 pass
         if reason_code.is_failure:
-            self._refused = str(reason_code)
+            self._refused = reason_code
             log.error("broker refused %s: %s", self.client_id, reason_code)
             return
         self._refused = None
-        for topic_filter in {f for f, _ in self._subs}:
+        for topic_filter in {f for f, _ in [*self._subs, *self._doc_subs]}:
             client.subscribe(topic_filter, qos=1)
         if self.presence is not None:
             client.publish(topic_for(self.presence), encode(self.presence), qos=1, retain=True)
@@ -156,15 +157,15 @@ class MqttTransport:
         try:
             if self._v5:
                 props = Properties(PacketTypes.CONNECT)
-                props.SessionExpiryInterval = self.config.session_expiry
-                self._client.connect(host, port, self.config.keepalive, clean_start=False,
-                                     properties=props)
+                props.SessionExpiryInterval = self.config.session_expiry if self.persistent else 0
+                self._client.connect(host, port, self.config.keepalive,
+                                     clean_start=not self.persistent, properties=props)
             else:
                 self._client.connect(host, port, self.config.keepalive)
         except (OSError, ValueError) as exc:
             log.warning("%s cannot reach %s: %s", self.client_id, self.config.url, exc)
             return False
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + self.config.handshake_timeout
         while time.monotonic() < deadline and not self._connected.is_set():
             if self._client.loop(timeout=0.1) != paho.MQTT_ERR_SUCCESS or self._refused:
                 break
@@ -182,8 +183,7 @@ class MqttTransport:
         deadline = time.monotonic() + self.config.connect_timeout
         delay = self.config.backoff_min
         while not self._try_connect():
-            if self._refused and "not authori" in self._refused.lower() or (
-                    self._refused and "bad user" in self._refused.lower()):
+            if self._refused is not None and self._refused.value in REFUSED_FOR_GOOD:
                 raise BrokerRefused(f"{self.config.url} refused {self.client_id}: "
                                     f"{self._refused}")
             if time.monotonic() + delay > deadline:
@@ -212,7 +212,7 @@ class MqttTransport:
             try:
                 self.counters["reconnects"] += 1
                 self._client.reconnect()
-                deadline = time.monotonic() + 5.0
+                deadline = time.monotonic() + self.config.handshake_timeout
                 while not self._connected.is_set() and time.monotonic() < deadline:
                     if self._client.loop(timeout=0.1) != paho.MQTT_ERR_SUCCESS:
                         break
@@ -229,6 +229,12 @@ class MqttTransport:
         if self._connected.is_set():
             self._client.subscribe(topic_filter, qos=1)
 
+    def subscribe_documents(self, topic_filter: str, handler: DocumentHandler) -> None:
+        """Deliver the JSON documents (``documents.py``) published under ``topic_filter``."""
+        self._doc_subs.append((topic_filter, handler))
+        if self._connected.is_set():
+            self._client.subscribe(topic_filter, qos=1)
+
     def publish(self, topic: str, message: m.Message) -> None:
         frame = encode(message, layout_hash=self.layout_hash, fp16=self.config.fp16)
         retain = isinstance(message, m.Presence)
@@ -236,17 +242,10 @@ class MqttTransport:
             self._last_info = self._client.publish(topic, part, qos=1, retain=retain)
             self.counters["bytes_out"] += len(part)
         self.counters["messages_out"] += 1
-        if isinstance(message, m.GlobalModel):
-            # Chunks cannot be retained; a small retained manifest tells late joiners the state.
-            manifest = {"round": message.round, "iteration": message.iteration,
-                        "size": len(frame), "final": message.final,
-                        "layout": self.layout_hash}
-            self.publish_json(global_model_topic(self.fleet) + "/manifest", manifest)
 
-    def publish_json(self, topic: str, doc: dict) -> None:
-        """Publish a small retained JSON document (manifests, summaries for ``safl status``)."""
-        self._last_info = self._client.publish(topic, json.dumps(doc, default=str), qos=1,
-                                               retain=True)
+    def publish_document(self, topic: str, doc: Document) -> None:
+        """Publish a retained JSON document (a manifest, a summary for ``safl status``)."""
+        self._last_info = self._client.publish(topic, encode_document(doc), qos=1, retain=True)
 
     def deliver(self) -> int:
         """Admit queued frames and call their handlers; returns how many were delivered."""
@@ -259,6 +258,9 @@ class MqttTransport:
                 topic, payload = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            if is_document_topic(topic):
+                delivered += self._deliver_document(topic, payload)
+                continue
             message = self.admission.admit(topic, payload, now)
             if message is None:
                 continue
@@ -272,12 +274,26 @@ class MqttTransport:
             delivered += 1
         return delivered
 
+    def _deliver_document(self, topic: str, payload: bytes) -> int:
+        handlers = [h for f, h in self._doc_subs if matches(f, topic)]
+        if not handlers or not payload:  # an empty retained payload clears a document
+            return 0
+        try:
+            doc = decode_document(payload)
+        except MessageError as exc:
+            self.counters["rejected.document"] += 1
+            log.warning("%s dropped a document on %s: %s", self.client_id, topic, exc)
+            return 0
+        for handler in handlers:
+            handler(topic, doc)
+        return 1
+
     def close(self) -> None:
         """Flush what was published, say offline (retained), disconnect, stop the thread."""
         self._closing = True
         if self._last_info is not None and self._connected.is_set():
             try:
-                self._last_info.wait_for_publish(timeout=10.0)
+                self._last_info.wait_for_publish(timeout=self.config.close_timeout)
             except (RuntimeError, ValueError):
                 log.warning("%s closed with unacknowledged messages", self.client_id)
         if self.presence is not None and self._connected.is_set():

@@ -17,12 +17,33 @@ __all__ = [
     "station_model_topic",
     "global_model_topic",
     "status_topic",
+    "summary_topic",
+    "manifest_topic",
+    "presence_filters",
+    "document_filters",
+    "is_document_topic",
     "participant_of",
+    "prefix",
+    "DEVICE_LEAVES",
+    "STATION_LEAVES",
+    "CLOUD_LEAVES",
 ]
+
+# The leaves below each participant's prefix: everything it publishes (broker ACLs grant
+# them one by one, ``aggregator/provision.py``).
+DEVICE_LEAVES = ("stats", "update", "status")
+STATION_LEAVES = ("model", "select", "update", "stats", "status", "summary")
+CLOUD_LEAVES = ("model", "model/manifest", "status", "summary")
 
 
 def _root(fleet: str) -> str:
     return f"safl/{fleet}"
+
+
+def prefix(fleet: str, role: str, participant: str = "") -> str:
+    """``safl/<fleet>/cloud``, or ``safl/<fleet>/<role>/<participant>`` for ``dev`` and
+    ``station`` (``participant`` may be the ``+`` wildcard)."""
+    return f"{_root(fleet)}/cloud" if role == "cloud" else f"{_root(fleet)}/{role}/{participant}"
 
 
 def topic_for(message: m.Message) -> str:
@@ -64,6 +85,32 @@ def status_topic(fleet: str, role: str, participant: str) -> str:
     if role == "cloud":
         return f"{_root(fleet)}/cloud/status"
     return f"{_root(fleet)}/{role}/{participant}/status"
+
+
+def summary_topic(fleet: str, role: str, participant: str) -> str:
+    """Retained JSON summary a station or the cloud publishes for ``safl status``."""
+    return status_topic(fleet, role, participant).removesuffix("/status") + "/summary"
+
+
+def manifest_topic(fleet: str) -> str:
+    """Retained JSON manifest of the global model (its chunked frames cannot be retained)."""
+    return global_model_topic(fleet) + "/manifest"
+
+
+def presence_filters(fleet: str) -> list[str]:
+    """Every participant's retained presence (what ``safl status`` reads, with the next)."""
+    return [status_topic(fleet, "+", "+"), status_topic(fleet, "cloud", "cloud")]
+
+
+def document_filters(fleet: str) -> list[str]:
+    """Every summary and the model manifest: the fleet's state, and no weights."""
+    return [summary_topic(fleet, "+", "+"), summary_topic(fleet, "cloud", "cloud"),
+            manifest_topic(fleet)]
+
+
+def is_document_topic(topic: str) -> bool:
+    """JSON documents (``documents.py``) travel here, not frames."""
+    return topic.endswith(("/summary", "/manifest"))
 
 
 def device_topics(fleet: str, station: str) -> list[str]:

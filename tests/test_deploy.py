@@ -19,9 +19,9 @@ from aggregator.pki import serial_of
 from aggregator.provision import load_fleet_file, provision
 from edge_client import messages as m
 from edge_client.config import BrokerConfig, load_config
-from edge_client.errors import ConfigError
+from edge_client.errors import BrokerRefused, ConfigError, ConnectError
 from edge_client.metrics import MetricsServer, render
-from edge_client.mqtt import BrokerRefused, ConnectError, MqttTransport
+from edge_client.mqtt import MqttTransport
 from edge_client.tls import check_pair
 from edge_client.topics import topic_for
 

@@ -97,8 +97,8 @@ def test_a_hostile_device_is_refused_and_does_not_steer_the_model(tmp_path, digi
                                            password=Mosquitto.PASSWORD), plan.fleet)
     finally:
         server.stop()
-    st0 = status["summary"]["st0"]
-    counters = {**st0["counters"], **st0["transport"]}
+    st0 = status.stations["st0"]
+    counters = {**st0.counters, **st0.transport}
     with capsys.disabled():
         print(f"\n{attack}: {counters.get(reason, 0)} refused ({reason}), "
               f"{counters.get('refused_replies', 0)} counted as answers, "
@@ -118,7 +118,7 @@ def test_an_aggregator_killed_mid_run_resumes_from_its_checkpoint(tmp_path, digi
     events: dict[str, object] = {}
 
     def fault(fleet) -> None:
-        if "killed" not in events and "round 6:" in fleet.cloud_log():
+        if "killed" not in events and fleet.last_round >= 6:
             fleet.procs[victim].send_signal(signal.SIGKILL)
             fleet.procs[victim].wait()
             arrays, meta = load_checkpoint(checkpoint)
@@ -149,7 +149,7 @@ def test_a_broker_restart_is_survived(tmp_path, digits, honest, persistence, cap
     restarted = []
 
     def fault(fleet) -> None:
-        if not restarted and "round 6:" in fleet.cloud_log():
+        if not restarted and fleet.last_round >= 6:
             server.stop()
             time.sleep(1.0)
             server.start()

@@ -18,8 +18,9 @@ from test_deploy import Broker, _broker_cfg, _transport, _update, fleet  # noqa:
 from aggregator.provision import MAX_PACKET, provision
 from edge_client import messages as m
 from edge_client.config import BrokerConfig
-from edge_client.mqtt import ConnectError
-from edge_client.topics import topic_for
+from edge_client.documents import StationSummary
+from edge_client.errors import ConnectError
+from edge_client.topics import summary_topic, topic_for
 
 pytest.importorskip("cryptography")
 needs_mosquitto = pytest.mark.skipif(shutil.which("mosquitto") is None,
@@ -169,7 +170,8 @@ def test_the_monitor_reads_presence_and_summaries_never_models(factory):
     model = m.StationModel(fleet="plant", sender="st0", round=0, iteration=0,
                            weights=np.zeros(8))
     station.publish(topic_for(model), model)
-    station.publish_json("safl/plant/station/st0/summary", {"state": "collecting"})
+    station.publish_document(summary_topic("plant", "station", "st0"), StationSummary(
+        station="st0", state="collecting", round=0, iteration=0, devices=1, online=1, quorum=1))
     time.sleep(1.0)
     monitor.loop_stop()
     monitor.disconnect()

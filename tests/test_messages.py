@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -70,3 +71,34 @@ def test_topics():
     assert matches("safl/#", "safl/f/cloud/model")
     assert not matches("safl/f/cloud", "safl/f/cloud/model")
     assert m.payload_nbytes(_update()) == 16
+
+
+def test_documents_round_trip_and_refuse_what_they_do_not_describe():
+    from edge_client.documents import (
+        CloudSummary,
+        ModelManifest,
+        StationSummary,
+        decode_document,
+        encode_document,
+    )
+    docs = [ModelManifest(round=3, iteration=30, size=1024, final=False, layout="ab12"),
+            StationSummary(station="st0", state="collecting", round=1, iteration=12, devices=4,
+                           online=3, quorum=2, missing=("d3",), local_mean=0.8,
+                           counters={"received_updates": 9}),
+            CloudSummary(state="done", round=5, iteration=50, stations=("st0",),
+                         accuracy=None)]
+    for doc in docs:
+        assert decode_document(encode_document(doc)) == doc
+    newer = json.loads(encode_document(docs[0]))
+    newer["added_later"] = 1  # a newer writer's extra field is ignored
+    assert decode_document(json.dumps(newer).encode()) == docs[0]
+    bad = [b"not json", b"[1, 2]", b'{"kind": "Nope", "version": 1}',
+           json.dumps({**newer, "version": 2}).encode(),
+           json.dumps({k: v for k, v in newer.items() if k != "size"}).encode(),
+           json.dumps({**newer, "round": True}).encode(),  # a bool is no round number
+           json.dumps({**newer, "size": "1024"}).encode(),
+           json.dumps({**json.loads(encode_document(docs[1])), "counters": {"a": 1.5}}).encode(),
+           b"{" + b" " * (1 << 16) + b"}"]
+    for payload in bad:
+        with pytest.raises(MessageError, match="document"):
+            decode_document(payload)

@@ -192,11 +192,16 @@ def test_a_station_below_quorum_waits_instead_of_closing_empty_iterations():
     st.tick(10.0)  # the timeout closes this iteration untrained, and the next one waits again
     assert st.iteration == 1 and st.state == "starved" and st.deadline == 20.0
     assert st.tick(15.0) == [] and st.iteration == 1
-    from aggregator.status import format_status
-    found = {"presence": {("station", "s"): True}, "summary": {"s": {
-        "state": st.state, "online": st.online_devices, "devices": 3, "quorum": 2}}}
+    from aggregator.status import FleetStatus, format_status
+    from edge_client.documents import StationSummary
+
+    def summary(**fields):
+        return {"s": StationSummary(station="s", round=0, iteration=1, devices=3, quorum=2,
+                                    **fields)}
+    found = FleetStatus(presence={("station", "s"): True},
+                        stations=summary(state=st.state, online=st.online_devices))
     assert "s waits for devices: 1 online, quorum 2" in format_status(found, "t")
-    joining = {"presence": {}, "summary": {"s": {"state": "joining", "missing": ["d1", "d2"]}}}
+    joining = FleetStatus(stations=summary(state="joining", online=0, missing=("d1", "d2")))
     assert "s waits for its roster: missing d1, d2" in format_status(joining, "t")
     assert _station().missing == ["d0", "d1", "d2"]
     out = st.handle(_stats("d1"), 16.0)  # a second device: the quorum is there

@@ -32,6 +32,9 @@ class BrokerConfig:
     max_message: int = 64 * 1024 * 1024  # largest reassembled frame accepted
     reassembly_memory: int = 256 * 1024 * 1024
     chunk_timeout: float = 60.0
+    dedupe_window: int = 8192  # message ids remembered for exactly-once delivery
+    handshake_timeout: float = 5.0  # seconds one CONNECT may take to be answered
+    close_timeout: float = 10.0  # seconds to flush what was published before disconnecting
     fp16: bool = False
     connect_timeout: float = 30.0
     backoff_min: float = 0.5
@@ -69,6 +72,9 @@ class BrokerConfig:
         check_range("max_message", self.max_message, self.chunk_size)
         check_range("reassembly_memory", self.reassembly_memory, self.chunk_size)
         check_range("chunk_timeout", self.chunk_timeout, 0, low_open=True)
+        check_range("dedupe_window", self.dedupe_window, 1)
+        check_range("handshake_timeout", self.handshake_timeout, 0, low_open=True)
+        check_range("close_timeout", self.close_timeout, 0)
         check_range("connect_timeout", self.connect_timeout, 0, low_open=True)
         check_range("backoff_min", self.backoff_min, 0, low_open=True)
         check_range("backoff_max", self.backoff_max, self.backoff_min)

@@ -1,0 +1,132 @@
+"""The retained JSON documents beside the frames, and their one codec.
+
+Frames carry the federation (``messages.py``); documents tell operators and late joiners
+where it stands: the global model's manifest (chunked frames cannot be retained) and each
+service's summary for ``safl status``.  Each document is a frozen dataclass; on the wire it
+is a JSON object with its ``kind`` and ``version``.  Decoding checks every field against
+its annotation and refuses, with :class:`MessageError`, a document that is not JSON, of an
+unknown kind or version, missing a field, or with a field of the wrong type; fields a newer
+writer added are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import MessageError
+
+__all__ = ["ModelManifest", "StationSummary", "CloudSummary", "Document", "DOCUMENT_VERSION",
+           "encode_document", "decode_document"]
+
+DOCUMENT_VERSION = 1
+MAX_DOCUMENT = 1 << 16  # bytes: documents are small, and a retained one is read by all
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelManifest:
+    """The cloud's latest global model: what a late joiner should expect."""
+
+    round: int
+    iteration: int
+    size: int  # bytes of the model's frame
+    final: bool
+    layout: str  # the model layout's hash
+
+
+@dataclass(frozen=True, kw_only=True)
+class StationSummary:
+    """A base station's state, roster and counters."""
+
+    station: str
+    state: str
+    round: int
+    iteration: int
+    devices: int  # on the roster
+    online: int
+    quorum: int
+    missing: tuple[str, ...] = ()  # of the roster, while joining
+    cpu_s: float = 0.0
+    cpu_startup_s: float | None = None  # until the first station model
+    local_mean: float | None = None  # device-local accuracy (docs/algorithms.md)
+    local_worst10: float | None = None
+    counters: Mapping[str, int] = field(default_factory=dict)
+    transport: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CloudSummary:
+    """The cloud's state, its stations and the last accuracy it measured."""
+
+    state: str
+    round: int
+    iteration: int
+    stations: tuple[str, ...]
+    offline: tuple[str, ...] = ()
+    accuracy: float | None = None
+    counters: Mapping[str, int] = field(default_factory=dict)
+    transport: Mapping[str, int] = field(default_factory=dict)
+
+
+Document = ModelManifest | StationSummary | CloudSummary
+_KINDS: dict[str, type] = {cls.__name__: cls for cls in (ModelManifest, StationSummary,
+                                                          CloudSummary)}
+
+
+def encode_document(doc: Document) -> bytes:
+    return json.dumps({"kind": type(doc).__name__, "version": DOCUMENT_VERSION,
+                       **dataclasses.asdict(doc)}, sort_keys=True).encode()
+
+
+def _check(name: str, value: Any, hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _check(name, value, next(a for a in args if a is not type(None)))
+    if origin is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise MessageError("document", f"{name!r} must be a list of strings")
+        return tuple(value)
+    if origin is Mapping:
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and type(v) is int for k, v in value.items()):
+            raise MessageError("document", f"{name!r} must map names to integers")
+        return dict(value)
+    if hint is float and type(value) in (int, float) and math.isfinite(value):
+        return float(value)
+    if type(value) is not hint:  # bool is not an int here, nor an int a string
+        raise MessageError("document", f"{name!r} must be {hint.__name__}, got "
+                           f"{str(value)[:40]!r}")
+    return value
+
+
+def decode_document(payload: bytes) -> Document:
+    if len(payload) > MAX_DOCUMENT:
+        raise MessageError("document", f"{len(payload)} bytes, more than {MAX_DOCUMENT}")
+    try:
+        doc = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MessageError("document", f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise MessageError("document", "not a JSON object")
+    if doc.get("kind") not in _KINDS:
+        raise MessageError("document", f"unknown kind {str(doc.get('kind'))[:40]!r}")
+    if doc.get("version") != DOCUMENT_VERSION:
+        raise MessageError("document", f"version {doc.get('version')!r}, this reader knows "
+                           f"{DOCUMENT_VERSION}")
+    cls = _KINDS[doc["kind"]]
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in doc:
+            values[f.name] = _check(f.name, doc[f.name], hints[f.name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise MessageError("document", f"{doc['kind']} without {f.name!r}")
+    return cls(**values)
