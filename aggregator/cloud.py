@@ -20,19 +20,32 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import ShapeError
-from edge_client.role import RoleBase
+from edge_client.role import RoleBase, RoleState
 from edge_client.topics import cloud_topics
 
 from .config import CloudConfig
 from .fusion import FUSION_RULES, build_server_optimizer
 
-__all__ = ["Cloud", "CLOUD_ID"]
+__all__ = ["Cloud", "CloudState", "CLOUD_ID"]
 
 CLOUD_ID = "cloud"
 
 
+class CloudState(RoleState):
+    JOINING = "joining"  # waiting for every station's label counts
+    COLLECTING = "collecting"  # the stations' updates of the current round
+    DONE = "done"  # the final global model went out
+
+
+_C = CloudState
+
+
 class Cloud(RoleBase):
     """The cloud aggregator; ``initial_weights`` is the round-0 global model."""
+
+    TRANSITIONS = {_C.JOINING: frozenset({_C.COLLECTING, _C.DONE}),
+                   _C.COLLECTING: frozenset({_C.COLLECTING, _C.DONE}),
+                   _C.DONE: frozenset()}
 
     def __init__(self, config: CloudConfig, *, initial_weights: np.ndarray,
                  num_classes: int) -> None:
@@ -43,7 +56,7 @@ class Cloud(RoleBase):
         self.optimizer = build_server_optimizer(
             config.server_optimizer, lr=config.server_lr, beta1=config.beta1,
             beta2=config.beta2, tau=config.tau)
-        self.state = "joining"
+        self.state = _C.JOINING
         self.round = 0
         self.iteration = 0
         self.deadline = float("inf")
@@ -69,7 +82,7 @@ class Cloud(RoleBase):
 
     def start(self, now: float) -> list[m.Message]:
         """A cloud resumed from a checkpoint repeats its current global model."""
-        if self.state == "joining":
+        if self.state == _C.JOINING:
             return []
         self.deadline = now + self.config.round_timeout
         return [self._global_model()]
@@ -92,14 +105,14 @@ class Cloud(RoleBase):
         self.optimizer.load_state({k[4:]: v for k, v in arrays.items() if k.startswith("opt_")})
         self._counts = {k[7:]: np.array(v) for k, v in arrays.items()
                         if k.startswith("counts_") and k[7:] in self.config.stations}
-        self.state, self.round, self.iteration = meta["state"], meta["round"], meta["iteration"]
+        self.state, self.round, self.iteration = _C(meta["state"]), meta["round"], meta["iteration"]
         self._consumed = {k: int(v) for k, v in meta["consumed"].items()}
         self.counters.update(meta["counters"])
         self._updates = {}
 
     def tick(self, now: float) -> list[m.Message]:
         """Close the round at its deadline if a quorum of stations reported."""
-        if self.state == "collecting" and now >= self.deadline:
+        if self.state == _C.COLLECTING and now >= self.deadline:
             if len(self._updates) >= self.config.min_stations:
                 self.counters["stations_missed"] += len(self.config.stations) - len(self._updates)
                 return self._close_round(now)
@@ -122,10 +135,10 @@ class Cloud(RoleBase):
             return self._reject("wrong_length", f"counts of width {message.seen_counts.size}")
         if isinstance(message, m.StationStats):
             self._counts[message.sender] = np.array(message.seen_counts)
-            if self.state == "joining" and len(self._counts) == len(self.config.stations):
+            if self.state == _C.JOINING and len(self._counts) == len(self.config.stations):
                 return self._broadcast(now)
             return []
-        if self.state != "collecting" or message.round != self.round:
+        if self.state != _C.COLLECTING or message.round != self.round:
             return self._reject("stale_iteration", f"update for round {message.round}, "
                                 f"cloud is at {self.round} ({self.state})")
         if message.weights.size != self.weights.size:
@@ -155,7 +168,7 @@ class Cloud(RoleBase):
             return []
         if msg.online:
             self.offline.discard(msg.sender)
-            if self.state == "joining" or msg.sender in self._updates:
+            if self.state == _C.JOINING or msg.sender in self._updates:
                 return []
             # A (re)started station may have missed this round's model: repeat it.
             self.counters["rebroadcasts"] += 1
@@ -164,7 +177,7 @@ class Cloud(RoleBase):
         self.counters["stations_offline"] += 1
         waiting = [s for s in self.config.stations
                    if s not in self._updates and s not in self.offline]
-        if self.state == "collecting" and not waiting \
+        if self.state == _C.COLLECTING and not waiting \
                 and len(self._updates) >= self.config.min_stations:
             return self._close_round(now)
         return []
@@ -184,11 +197,11 @@ class Cloud(RoleBase):
 
     def _broadcast(self, now: float) -> list[m.Message]:
         final = self.round >= self.config.rounds
-        self.state = "done" if final else "collecting"
+        self.move(_C.DONE if final else _C.COLLECTING, f"round {self.round} begins")
         self.deadline = now + self.config.round_timeout
         return [self._global_model()]
 
     def _global_model(self) -> m.GlobalModel:
         return m.GlobalModel(fleet=self.config.fleet, sender=CLOUD_ID, round=self.round,
                              iteration=self.iteration, weights=self.weights,
-                             p_real=self.p_real, final=self.state == "done")
+                             p_real=self.p_real, final=self.state == _C.DONE)

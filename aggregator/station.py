@@ -23,7 +23,7 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import ShapeError
-from edge_client.role import RoleBase
+from edge_client.role import RoleBase, RoleState
 from edge_client.topics import station_topics
 
 from .config import StationConfig
@@ -31,7 +31,7 @@ from .fusion import FUSION_RULES
 from .selection import SELECTORS
 from .trust import NormGuard, ShareCap, bound_seen_counts
 
-__all__ = ["Station", "local_accuracy_summary"]
+__all__ = ["StationState", "Station", "local_accuracy_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +47,34 @@ def local_accuracy_summary(accuracies: list[float]) -> dict[str, float]:
     return {"local_mean": float(np.mean(ranked)), "local_worst10": float(np.mean(worst))}
 
 
-class Station(RoleBase):
-    """Base station ``m`` (one factory).
+class StationState(RoleState):
+    JOINING = "joining"  # waiting for its devices' first stats
+    WAITING = "waiting"  # for the global model
+    COLLECTING = "collecting"  # the replies of a super node
+    # Fewer devices ready than the quorum: it waits, up to ``iteration_timeout`` an
+    # iteration, instead of closing iterations without training.
+    STARVED = "starved"
+    RESUMING = "resuming"  # restarted from a checkpoint taken mid-round
+    DONE = "done"
 
-    States: ``joining`` (waiting for every device's first stats), ``waiting``
-    (for the global model), ``collecting`` (replies of a super node), ``starved``
-    (fewer devices online than the quorum: it waits, up to ``iteration_timeout``,
-    instead of closing iterations without training), ``done``.
-    """
+
+_S = StationState
+
+
+class Station(RoleBase):
+    """Base station ``m`` (one factory), in one of the :class:`StationState` states."""
+
+    # A global model may arrive in any state but ``done`` (the cloud repeats it to a
+    # station that comes back); an iteration ends into the next one, or the upload.
+    TRANSITIONS = {
+        _S.JOINING: frozenset({_S.WAITING, _S.COLLECTING, _S.STARVED, _S.DONE}),
+        _S.WAITING: frozenset({_S.COLLECTING, _S.STARVED, _S.DONE}),
+        _S.COLLECTING: frozenset({_S.COLLECTING, _S.STARVED, _S.WAITING, _S.RESUMING,
+                                  _S.DONE}),
+        _S.STARVED: frozenset({_S.COLLECTING, _S.STARVED, _S.WAITING, _S.RESUMING, _S.DONE}),
+        _S.RESUMING: frozenset({_S.COLLECTING, _S.STARVED}),
+        _S.DONE: frozenset(),
+    }
 
     def __init__(self, config: StationConfig, *, num_params: int, num_classes: int,
                  rng: np.random.Generator) -> None:
@@ -63,7 +83,7 @@ class Station(RoleBase):
         self.num_params = num_params
         self.num_classes = num_classes
         self.rng = rng
-        self.state = "joining"
+        self.state = _S.JOINING
         self.stats: dict[str, m.DeviceStats] = {}
         self.offline: set[str] = set()
         self.weights: np.ndarray | None = None
@@ -95,10 +115,10 @@ class Station(RoleBase):
 
     def start(self, now: float) -> list[m.Message]:
         """A station resumed from a checkpoint repeats its upload or begins the iteration."""
-        if self.state == "waiting" and self.weights is not None:
+        if self.state == _S.WAITING and self.weights is not None:
             return self._reannounce()
-        if self.state in ("collecting", "starved"):
-            self.state = "resuming"
+        if self.state in (_S.COLLECTING, _S.STARVED):
+            self.move(_S.RESUMING, "a restart mid-round")
             return self._begin_iteration(now)
         return []
 
@@ -133,14 +153,14 @@ class Station(RoleBase):
                 self.stats[d] = m.DeviceStats(fleet=cfg.fleet, sender=d, round=0, iteration=0,
                                               station=self.id, seen_counts=arrays[f"seen_{d}"],
                                               next_batch_counts=arrays[f"next_{d}"])
-        self.state, self.round, self.iteration = meta["state"], meta["round"], meta["iteration"]
+        self.state, self.round, self.iteration = _S(meta["state"]), meta["round"], meta["iteration"]
         self._consumed = int(meta["consumed"])
         self._seen_at = {d: int(i) for d, i in meta["seen_at"].items() if d in cfg.devices}
         self.guard.restore(meta["norms"])
         self.share.restore(meta["recent"])
         self.rng.bit_generator.state = meta["rng"]
         self.counters.update(meta["counters"])
-        if self.state == "waiting" and meta["upload_samples"] is not None:
+        if self.state == _S.WAITING and meta["upload_samples"] is not None:
             self._upload = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
                                            iteration=self.iteration, weights=self.weights,
                                            num_samples=meta["upload_samples"],
@@ -157,22 +177,22 @@ class Station(RoleBase):
 
     def tick(self, now: float) -> list[m.Message]:
         """Close the iteration at its deadline; repeat the join until the cloud answers."""
-        if self.state == "joining" and self._limiter.allow(self.id, "joining"):
+        if self.state == _S.JOINING and self._limiter.allow(self.id, "joining"):
             missing = self.missing
             log.info("station %s joining: %d of %d devices reported, waiting for %s", self.id,
                      len(self.stats), self.config.min_devices, ", ".join(missing[:20])
                      + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
-        if self.state == "waiting" and self.weights is None and now >= self._next_hello:
+        if self.state == _S.WAITING and self.weights is None and now >= self._next_hello:
             self._next_hello = now + self.config.hello_interval
             self.counters["hellos"] += 1
             return [self._station_stats()]
-        if self.state == "starved" and now >= self.deadline:
+        if self.state == _S.STARVED and now >= self.deadline:
             self.counters["iterations_without_data"] += 1
             log.warning("station %s: iteration %d closes untrained, %d devices online < quorum "
                         "%d", self.id, self.iteration, self.online_devices, self.config.min_quorum)
             self.members, self._replies = (), {}
             return self._close_iteration(now)
-        if self.state == "collecting" and now >= self.deadline:
+        if self.state == _S.COLLECTING and now >= self.deadline:
             missing = len(self.members) - len(self._replies)
             self.counters["replies_missed"] += missing
             log.info("station %s: iteration %d deadline passed, %d of %d replies missing",
@@ -202,7 +222,7 @@ class Station(RoleBase):
 
     def _on_refusal(self, msg: m.Refusal, now: float) -> list[m.Message]:
         """The transport refused a member's frame: its answer for this iteration."""
-        if msg.role != "dev" or msg.leaf != "update" or self.state != "collecting" \
+        if msg.role != "dev" or msg.leaf != "update" or self.state != _S.COLLECTING \
                 or msg.sender not in self.members or msg.sender in self._replies:
             return []
         return self._refused_reply(msg.sender, now)
@@ -233,8 +253,8 @@ class Station(RoleBase):
         self.stats[msg.sender] = msg
         self._seen_at[msg.sender] = self.iteration
         self.offline.discard(msg.sender)
-        if self.state == "joining" and len(self.stats) >= self.config.min_devices:
-            self.state = "waiting"
+        if self.state == _S.JOINING and len(self.stats) >= self.config.min_devices:
+            self.move(_S.WAITING, "enough devices reported")
             self._next_hello = now + self.config.hello_interval
             return [self._station_stats()]
         out: list[m.Message] = []
@@ -273,7 +293,7 @@ class Station(RoleBase):
             return []
         self.offline.add(msg.sender)
         self.counters["devices_offline"] += 1
-        if self.state == "collecting" and msg.sender in self.members \
+        if self.state == _S.COLLECTING and msg.sender in self.members \
                 and msg.sender not in self._replies:
             # Its Last Will fired: do not wait for it until the deadline.
             self.counters["replies_missed"] += 1
@@ -285,7 +305,7 @@ class Station(RoleBase):
         return sum(1 for d in self.members if d not in self._replies and d not in self.offline)
 
     def _on_reply(self, msg: m.DeviceUpdate | m.SkipNotice, now: float) -> list[m.Message]:
-        if self.state != "collecting" or msg.iteration != self.iteration:
+        if self.state != _S.COLLECTING or msg.iteration != self.iteration:
             return self._reject("stale_iteration", f"reply for iteration {msg.iteration}, "
                                 f"station is at {self.iteration} ({self.state})")
         if msg.sender not in self.members:
@@ -333,12 +353,14 @@ class Station(RoleBase):
                 self.counters["duplicates"] += 1  # repeated after a restart: applied already
                 return []
             return self._reject("stale_iteration", f"global round {msg.round} already applied")
+        if self.state == _S.DONE:
+            return self._reject("stale_iteration", "the federation has ended")
         self._upload = None
         self.weights = np.array(msg.weights)
         self.p_real = np.array(msg.p_real)
         self.round, self.iteration = msg.round, msg.iteration
         if msg.final:
-            self.state = "done"
+            self.move(_S.DONE, "the final global model")
             return [self._model_message(final=True)]
         return self._begin_iteration(now)
 
@@ -348,7 +370,7 @@ class Station(RoleBase):
 
     def _unstarve(self, now: float) -> list[m.Message]:
         """A starved station begins its iteration as soon as a quorum is ready."""
-        if self.state == "starved" and len(self._ready()) >= self.config.min_quorum:
+        if self.state == _S.STARVED and len(self._ready()) >= self.config.min_quorum:
             return self._begin_iteration(now)
         return []
 
@@ -357,12 +379,13 @@ class Station(RoleBase):
         ready = self._ready()
         if len(ready) < cfg.min_quorum:
             # Wait for devices, each iteration up to its timeout, rather than close it untrained.
-            newly = self.state != "starved"
+            newly = self.state != _S.STARVED
             if newly:
                 log.warning("station %s: %d devices ready, quorum %d: waiting up to %.0f s an "
                             "iteration", self.id, len(ready), cfg.min_quorum,
                             cfg.iteration_timeout)
-            self.state, self.deadline = "starved", now + cfg.iteration_timeout
+            self.move(_S.STARVED, "too few devices ready for an iteration")
+            self.deadline = now + cfg.iteration_timeout
             self.members, self._replies = (), {}
             return [self._model_message()] if newly else []  # wakes paced devices
         capped = [d for d in ready if self.share.eligible(d)]
@@ -381,7 +404,7 @@ class Station(RoleBase):
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
         self._replies = {}
         self.deadline = now + cfg.iteration_timeout
-        self.state = "collecting"
+        self.move(_S.COLLECTING, "a super node selected")
         out: list[m.Message] = [self._model_message(),
                                 m.Selection(fleet=cfg.fleet, sender=self.id, round=self.round,
                                             iteration=self.iteration, members=self.members,
@@ -404,7 +427,7 @@ class Station(RoleBase):
         self.iteration += 1
         if self.iteration % cfg.sync_period:
             return self._begin_iteration(now)
-        self.state = "waiting"
+        self.move(_S.WAITING, "the synchronisation period ended")
         self._upload = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
                                        iteration=self.iteration, weights=self.weights,
                                        num_samples=self._consumed,
@@ -414,7 +437,7 @@ class Station(RoleBase):
 
     def _reannounce(self) -> list[m.Message]:
         """The cloud (re)appeared: tell it our counts, and repeat an unanswered upload."""
-        if self.state == "joining":
+        if self.state == _S.JOINING:
             return []
         self.counters["reannouncements"] += 1
         return [self._station_stats(), *([self._upload] if self._upload is not None else [])]

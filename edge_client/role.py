@@ -1,21 +1,26 @@
-"""What every role (device, station, cloud) shares: the protocol and rejection counting.
+"""What every role (device, station, cloud) shares: the protocol, rejection counting, and
+explicit states.
 
 A role never raises on bad input: it counts it under ``rejected.<reason>``, logs
 it at most once a minute per sender and reason, and leaves its accepted state
-untouched.
+untouched.  A role with states names them in a :class:`RoleState` enum and moves between
+them only through :meth:`RoleBase.move` and its transition table, so a move the table
+lacks is refused (``rejected.bad_transition``) with the role, the state and the event.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Protocol
+from collections.abc import Mapping
+from enum import Enum
+from typing import ClassVar, Protocol
 
 from . import messages as m
 from .admission import LogLimiter
 from .errors import SaflError
 
-__all__ = ["Role", "RoleBase"]
+__all__ = ["Role", "RoleBase", "RoleState", "TransitionError"]
 
 
 class Role(Protocol):
@@ -25,8 +30,31 @@ class Role(Protocol):
     def tick(self, now: float) -> list[m.Message]: ...
 
 
+class RoleState(str, Enum):
+    """A role's state: an enum member that prints, formats and serialises as its name."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class TransitionError(SaflError):
+    """A role was asked to move between two states its transition table does not join."""
+
+    reason = "bad_transition"
+
+
 class RoleBase:
-    """Counters, logging and the error boundary of ``handle``; subclasses write ``_handle``."""
+    """Counters, logging and the error boundary of ``handle``; subclasses write ``_handle``.
+
+    A role with states sets ``TRANSITIONS`` (state -> the states it may move to) and
+    ``state``, and changes ``state`` only with :meth:`move`.
+    """
+
+    TRANSITIONS: ClassVar[Mapping[RoleState, frozenset[RoleState]]] = {}
+    state: RoleState
 
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
@@ -53,6 +81,13 @@ class RoleBase:
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         raise NotImplementedError
+
+    def move(self, new: RoleState, event: str) -> None:
+        """Go to ``new`` because of ``event``, if the transition table allows it."""
+        if new not in self.TRANSITIONS.get(self.state, frozenset()):
+            raise TransitionError(f"{type(self).__name__.lower()} {self.id} in state "
+                                  f"{self.state.value} cannot go to {new.value} on {event}")
+        self.state = new
 
     def _reject(self, reason: str, detail: str) -> list[m.Message]:
         self.counters[f"rejected.{reason}"] += 1

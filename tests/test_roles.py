@@ -456,3 +456,103 @@ def test_a_role_bug_is_counted_every_time_and_logged_once(caplog):
             runner.tick()
     assert role.counters["rejected.internal"] == 50 and role.counters["errors.tick"] == 50
     assert len(caplog.records) == 2  # one traceback per kind of failure a minute
+
+
+def _whole(role) -> dict:
+    """Everything a station or cloud exposes about where it is."""
+    doc = {"state": role.state, "round": role.round, "iteration": role.iteration,
+           "deadline": role.deadline, "offline": sorted(role.offline),
+           "weights": None if role.weights is None else role.weights.tolist(),
+           "counters": dict(role.counters)}
+    if isinstance(role, Station):
+        doc.update(members=role.members, replies=sorted(role._replies))
+    return doc
+
+
+def _walk(role, base: dict, steps) -> None:
+    """Feed ``(event or "tick", time, changes from base)`` steps, checking the whole state."""
+    for event, now, expected in steps:
+        if event == "tick":
+            role.tick(now)
+        else:
+            role.handle(event, now)
+        assert _whole(role) == {**base, **expected}, (event, now)
+
+
+def _global(rnd, w, final=False):
+    return m.GlobalModel(fleet="t", sender="cloud", round=rnd, iteration=2 * rnd,
+                         weights=np.full(4, float(w)), p_real=[0.5, 0.5], final=final)
+
+
+def test_the_station_moves_through_its_states_as_its_table_says():
+    from aggregator.station import StationState as S
+    st = _station(n=2, sync_period=2)
+    base = {"round": 0, "iteration": 0, "deadline": 0.0, "offline": [], "weights": None,
+            "counters": {}, "members": (), "replies": []}
+    missed = {"received_updates": 2, "replies_missed": 2, "iterations_below_quorum": 1}
+    steps = [  # (event, time, the whole state after it)
+        (_stats("d0"), 0.0, {"state": S.JOINING}),
+        (_stats("d1"), 0.0, {"state": S.WAITING}),
+        (_global(0, 1.0), 1.0, {"state": S.COLLECTING, "weights": [1.0] * 4,
+                                "members": ("d0", "d1"), "deadline": 11.0}),
+        (_upd("d0", 0, 3.0), 2.0, {"state": S.COLLECTING, "weights": [1.0] * 4,
+                                   "members": ("d0", "d1"), "deadline": 11.0,
+                                   "replies": ["d0"], "counters": {"received_updates": 1}}),
+        (_upd("d1", 0, 5.0), 3.0, {"state": S.COLLECTING, "iteration": 1,
+                                   "weights": [4.0] * 4, "members": ("d0", "d1"),
+                                   "deadline": 13.0, "counters": {"received_updates": 2}}),
+        ("tick", 13.0, {"state": S.WAITING, "iteration": 2, "weights": [4.0] * 4,
+                        "members": ("d0", "d1"), "deadline": 13.0, "counters": missed}),
+        (_global(1, 7.0, final=True), 14.0, {
+            "state": S.DONE, "round": 1, "iteration": 2, "weights": [7.0] * 4,
+            "members": ("d0", "d1"), "deadline": 13.0, "counters": missed}),
+        (_global(2, 9.0), 15.0, {  # nothing moves a station that is done
+            "state": S.DONE, "round": 1, "iteration": 2, "weights": [7.0] * 4,
+            "members": ("d0", "d1"), "deadline": 13.0,
+            "counters": {**missed, "rejected.stale_iteration": 1}}),
+    ]
+    _walk(st, base, steps)
+
+
+def test_the_cloud_moves_through_its_states_as_its_table_says():
+    from aggregator.cloud import CloudState as C
+    cloud = Cloud(CloudConfig(fleet="t", stations=("a", "b"), rounds=2, round_timeout=5.0),
+                  initial_weights=np.zeros(4), num_classes=2)
+
+    def counts(sid):
+        return m.StationStats(fleet="t", sender=sid, round=0, iteration=0,
+                              seen_counts=np.array([1, 3]))
+
+    def update(sid, rnd, w):
+        return m.StationUpdate(fleet="t", sender=sid, round=rnd, iteration=2 * (rnd + 1),
+                               weights=np.full(4, float(w)), num_samples=10,
+                               seen_counts=np.array([50, 50]))
+    base = {"round": 0, "iteration": 0, "deadline": float("inf"), "offline": [],
+            "weights": [0.0] * 4, "counters": {}}
+    steps = [
+        (counts("a"), 0.0, {"state": C.JOINING}),
+        (counts("b"), 1.0, {"state": C.COLLECTING, "deadline": 6.0}),
+        (update("a", 0, 2.0), 2.0, {"state": C.COLLECTING, "deadline": 6.0}),
+        (update("b", 0, 4.0), 3.0, {"state": C.COLLECTING, "round": 1, "iteration": 2,
+                                    "weights": [3.0] * 4, "deadline": 8.0}),
+        ("tick", 8.0, {"state": C.COLLECTING, "round": 1, "iteration": 2,  # no quorum yet
+                       "weights": [3.0] * 4, "deadline": 13.0,
+                       "counters": {"rounds_below_quorum": 1}}),
+        (update("a", 1, 5.0), 9.0, {"state": C.COLLECTING, "round": 1, "iteration": 2,
+                                    "weights": [3.0] * 4, "deadline": 13.0,
+                                    "counters": {"rounds_below_quorum": 1}}),
+        (update("b", 1, 7.0), 10.0, {"state": C.DONE, "round": 2, "iteration": 4,
+                                     "weights": [6.0] * 4, "deadline": 15.0,
+                                     "counters": {"rounds_below_quorum": 1}}),
+    ]
+    _walk(cloud, base, steps)
+
+
+def test_a_move_the_table_lacks_is_refused_naming_role_state_and_event():
+    from aggregator.station import StationState as S
+    from edge_client.role import TransitionError
+    st = _station(n=1)
+    with pytest.raises(TransitionError, match="station s in state joining cannot go to "
+                       "resuming on a test"):
+        st.move(S.RESUMING, "a test")
+    assert st.state == S.JOINING
