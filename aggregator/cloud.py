@@ -24,7 +24,8 @@ from edge_client.role import RoleBase, RoleState
 from edge_client.topics import cloud_topics
 
 from .config import CloudConfig
-from .fusion import FUSION_RULES, build_server_optimizer
+from .fusion import FUSION_RULES
+from .server_optimizers import build_server_optimizer
 
 __all__ = ["Cloud", "CloudState", "CLOUD_ID"]
 
@@ -53,9 +54,7 @@ class Cloud(RoleBase):
         self.config = config
         self.num_classes = num_classes
         self.weights = np.array(initial_weights, dtype=np.float32)
-        self.optimizer = build_server_optimizer(
-            config.server_optimizer, lr=config.server_lr, beta1=config.beta1,
-            beta2=config.beta2, tau=config.tau)
+        self.optimizer = build_server_optimizer(config)
         self.state = _C.JOINING
         self.round = 0
         self.iteration = 0

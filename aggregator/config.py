@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from edge_client.config import check_id, check_range
 from edge_client.errors import ConfigError
 
-from .fusion import FUSION_RULES, build_server_optimizer
+from .fusion import FUSION_RULES
 from .selection import SELECTORS
+from .server_optimizers import ServerOptimizerSettings
 
 __all__ = ["StationConfig", "CloudConfig"]
 
@@ -95,8 +96,9 @@ class StationConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CloudConfig:
-    """The cloud: its stations, the number of rounds and the external-sync rule."""
+class CloudConfig(ServerOptimizerSettings):
+    """The cloud: its stations, the number of rounds, the external-sync rule, and (from
+    :class:`ServerOptimizerSettings`) the server optimiser."""
 
     stations: tuple[str, ...]
     rounds: int
@@ -105,13 +107,9 @@ class CloudConfig:
     min_stations: int = 1
     station_weighting: str = "samples"  # or "equal", as the FedGS reference code does
     fusion: str = "fedavg"  # external sync rule; a robust one bounds a compromised station
-    server_optimizer: str = "none"
-    server_lr: float = 1.0
-    beta1: float = 0.9
-    beta2: float = 0.99
-    tau: float = 1e-3
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_id("fleet", self.fleet)
         _check_roster("stations", self.stations)
         check_range("rounds", self.rounds, 1)
@@ -121,6 +119,3 @@ class CloudConfig:
             raise ConfigError("fusion", f"must be one of {sorted(FUSION_RULES)}")
         if self.station_weighting not in ("samples", "equal"):
             raise ConfigError("station_weighting", "must be 'samples' or 'equal'")
-        # The optimiser owns its checks (kind, lr, betas, tau): build one to run them.
-        build_server_optimizer(self.server_optimizer, lr=self.server_lr, beta1=self.beta1,
-                               beta2=self.beta2, tau=self.tau)

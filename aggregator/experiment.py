@@ -55,8 +55,9 @@ DEFAULT_STRATEGIES = tuple(r for r in RECIPES if r not in (
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExperimentConfig:
-    """The ``[experiment]`` table of an experiment file."""
+class ExperimentConfig(RecipeSettings):
+    """The ``[experiment]`` table of an experiment file: the fleet, the data, the run's
+    length, and (from :class:`RecipeSettings`) the knobs every recipe shares."""
 
     name: str
     dataset: str = "fashion-mnist"
@@ -64,11 +65,7 @@ class ExperimentConfig:
     alpha: float = 0.5
     multi_fraction: float = 0.5
     classes_per_multi: int = 5
-    factories: int = 4
     devices_per_factory: int = 10
-    super_node: int = 5
-    rand_per_group: int = 1
-    sync_period: int = 10
     rounds: int = 30
     # Samples to train in all: when given, every run stops after the round in which its
     # devices have trained this many, so runs are compared at the same data processed.
@@ -86,19 +83,9 @@ class ExperimentConfig:
     holdout_capacity: int = 256  # held-out slice per device: the gate's and local accuracy's
     eval_samples: int = 2000
     target_accuracy: float = 0.7
-    temperature_rounds: float = 10.0
     # SAFL's temperature as a fraction of the run's rounds (replaces temperature_rounds when
     # > 0), so that a setting chosen on a short run means the same on a long one.
     temperature_fraction: float = 0.25  # chosen by experiments/sweep_safl.toml
-    mix: float = 0.8
-    nu: float = 0.5  # the gated recipes' (safl_gated, safl_fedgs_gated)
-    merge_max_age: int = 20  # SAFL merges only a local model at most this many iterations old
-    prox_mu: float = 0.01
-    server_lr: float = 0.03
-    momentum: float = 0.9
-    # Server optimiser of the hierarchical recipes at the cloud (FedGS, SAFL+FedGS):
-    # "fedavgm" applies the momentum above to the external synchronisation.
-    cloud_optimizer: str = "fedavgm"
     seed: int = 0
     seeds: int = 1  # runs per strategy, seeds seed, seed+1, ...: tables give mean and sd
     # What the compromised devices send (aggregator.attacks): one report section per attack.
@@ -138,12 +125,7 @@ class ExperimentConfig:
 
     @property
     def settings(self) -> RecipeSettings:
-        return RecipeSettings(factories=self.factories, super_node=self.super_node,
-                              rand_per_group=self.rand_per_group, sync_period=self.sync_period,
-                              temperature_rounds=self.temperature_rounds, mix=self.mix,
-                              nu=self.nu, merge_max_age=self.merge_max_age,
-                              prox_mu=self.prox_mu, server_lr=self.server_lr,
-                              momentum=self.momentum, cloud_optimizer=self.cloud_optimizer)
+        return self.recipe_settings
 
 
 def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> FleetSpec:

@@ -10,15 +10,12 @@ Both are registered by name.  FedProx's proximal term is device-side:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from edge_client.config import check_range
-from edge_client.errors import ConfigError, ShapeError
+from edge_client.errors import ShapeError
 
-__all__ = ["FUSION_RULES", "SERVER_OPTIMIZERS", "fedavg", "ida", "median", "trimmed_mean",
-           "krum", "multi_krum", "ServerOptimizer", "build_server_optimizer"]
+__all__ = ["FUSION_RULES", "fedavg", "ida", "median", "trimmed_mean", "krum", "multi_krum"]
 
 # Keeps IDA's inverse distance finite for an update equal to the mean.
 IDA_GUARD = 1e-8
@@ -119,71 +116,3 @@ FUSION_RULES: dict[str, Callable[[Sequence[np.ndarray], Sequence[float]], np.nda
     "krum": krum,
     "multi_krum": multi_krum,
 }
-
-
-@dataclass
-class ServerOptimizer:
-    """Applies the fused model as a pseudo-gradient ``Delta = fused - current``.
-
-    ``kind`` is one of :data:`SERVER_OPTIMIZERS`.  ``none`` adopts the fused
-    model; ``fedavgm`` keeps momentum ``v = beta1 v + Delta``; the adaptive
-    ones keep ``m = beta1 m + (1-beta1) Delta`` and a second moment ``v``
-    (Adagrad: ``v + Delta^2``; Adam: ``beta2 v + (1-beta2) Delta^2``; Yogi:
-    ``v - (1-beta2) Delta^2 sign(v - Delta^2)``) and step ``lr m / (sqrt v + tau)``.
-    """
-
-    kind: str = "none"
-    lr: float = 1.0
-    beta1: float = 0.9
-    beta2: float = 0.99
-    tau: float = 1e-3
-
-    def __post_init__(self) -> None:
-        if self.kind not in SERVER_OPTIMIZERS:
-            raise ConfigError("server_optimizer", f"must be one of {SERVER_OPTIMIZERS}")
-        check_range("server_lr", self.lr, 0, low_open=True)
-        check_range("beta1", self.beta1, 0, 1)
-        check_range("beta2", self.beta2, 0, 1)
-        check_range("tau", self.tau, 0, low_open=True)
-        self._m: np.ndarray | None = None
-        self._v: np.ndarray | None = None
-
-    def state(self) -> dict[str, np.ndarray]:
-        """The moments, for a checkpoint (empty before the first step)."""
-        return {} if self._m is None else {"m": self._m, "v": self._v}
-
-    def load_state(self, state: dict[str, np.ndarray]) -> None:
-        if state:
-            self._m = np.array(state["m"], dtype=np.float64)
-            self._v = np.array(state["v"], dtype=np.float64)
-
-    def step(self, current: np.ndarray, fused: np.ndarray) -> np.ndarray:
-        """Return the next global model; ``current`` and ``fused`` are left untouched."""
-        current = np.asarray(current, dtype=np.float64)
-        delta = np.asarray(fused, dtype=np.float64) - current
-        if self.kind == "none":
-            return np.asarray(fused, dtype=np.float32).copy()
-        if self._m is None:
-            self._m = np.zeros_like(delta)
-            # Reddi et al. initialise v to tau^2 so the first steps are bounded.
-            self._v = np.full_like(delta, self.tau**2)
-        if self.kind == "fedavgm":
-            self._m = self.beta1 * self._m + delta
-            return (current + self.lr * self._m).astype(np.float32)
-        self._m = self.beta1 * self._m + (1 - self.beta1) * delta
-        sq = delta**2
-        if self.kind == "fedadagrad":
-            self._v = self._v + sq
-        elif self.kind == "fedadam":
-            self._v = self.beta2 * self._v + (1 - self.beta2) * sq
-        else:  # fedyogi
-            self._v = self._v - (1 - self.beta2) * sq * np.sign(self._v - sq)
-        return (current + self.lr * self._m / (np.sqrt(self._v) + self.tau)).astype(np.float32)
-
-
-SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadagrad", "fedadam", "fedyogi")
-
-
-def build_server_optimizer(kind: str, **params: float) -> ServerOptimizer:
-    """Build a registered server optimiser by name."""
-    return ServerOptimizer(kind=kind, **params)

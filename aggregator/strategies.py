@@ -14,6 +14,7 @@ and trimmed mean (Yin et al., 2018); Krum and Multi-Krum (Blanchard et al., 2017
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,20 +27,29 @@ __all__ = ["RecipeSettings", "RECIPES", "build_strategy"]
 
 @dataclass(frozen=True, kw_only=True)
 class RecipeSettings:
-    """The knobs recipes share (one experiment fixes them for every strategy)."""
+    """The knobs recipes share (one experiment fixes them for every strategy; an
+    experiment's config extends this class, so each knob is declared here only)."""
 
-    factories: int
-    super_node: int  # L per factory
-    rand_per_group: int
-    sync_period: int  # T
-    temperature_rounds: float  # SAFL's L, in rounds
-    mix: float  # SAFL's eps
-    nu: float  # upload gate
-    merge_max_age: int  # iterations a local model stays fresh enough to merge
-    prox_mu: float
-    server_lr: float  # adaptive server optimisers
-    momentum: float  # FedAvgM
-    cloud_optimizer: str = "fedavgm"  # of the hierarchical recipes' external sync
+    factories: int = 4
+    super_node: int = 5  # L per factory
+    rand_per_group: int = 1
+    sync_period: int = 10  # T
+    temperature_rounds: float = 10.0  # SAFL's L, in rounds
+    mix: float = 0.8  # SAFL's eps
+    nu: float = 0.5  # upload gate (the gated recipes: safl_gated, safl_fedgs_gated)
+    merge_max_age: int = 20  # iterations a local model stays fresh enough to merge
+    prox_mu: float = 0.01
+    server_lr: float = 0.03  # adaptive server optimisers
+    momentum: float = 0.9  # FedAvgM
+    # Server optimiser of the hierarchical recipes at the cloud (FedGS, SAFL+FedGS):
+    # "fedavgm" applies the momentum above to the external synchronisation.
+    cloud_optimizer: str = "fedavgm"
+
+    @property
+    def recipe_settings(self) -> RecipeSettings:
+        """Just these knobs (of an experiment config, say)."""
+        return RecipeSettings(**{f.name: getattr(self, f.name)
+                                 for f in dataclasses.fields(RecipeSettings)})
 
 
 def _cloud(s: RecipeSettings) -> dict:

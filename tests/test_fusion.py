@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregator.fusion import FUSION_RULES, ServerOptimizer, fedavg, ida
+from aggregator.fusion import FUSION_RULES, fedavg, ida
+from aggregator.server_optimizers import ServerOptimizerSettings, build_server_optimizer
 from edge_client.errors import ConfigError, ShapeError
 
 
@@ -37,22 +38,26 @@ def test_fusion_does_not_mutate_and_rejects_bad_input():
             rule([a, np.zeros(3)], [1, 1])
 
 
+def _opt(kind, **params):
+    return build_server_optimizer(ServerOptimizerSettings(server_optimizer=kind, **params))
+
+
 def test_server_optimizers_one_step_by_hand():
     w, fused = np.array([1.0]), np.array([3.0])  # Delta = 2
-    assert ServerOptimizer("none").step(w, fused).tolist() == [3.0]
-    m = ServerOptimizer("fedavgm", lr=0.5, beta1=0.9)
+    assert _opt("none").step(w, fused).tolist() == [3.0]
+    m = _opt("fedavgm", server_lr=0.5, beta1=0.9)
     assert m.step(w, fused)[0] == pytest.approx(1 + 0.5 * 2)
     assert m.step(np.array([2.0]), np.array([3.0]))[0] == pytest.approx(2 + 0.5 * (0.9 * 2 + 1))
     tau = 1e-3
     for kind, v in (("fedadagrad", tau**2 + 4), ("fedadam", 0.99 * tau**2 + 0.01 * 4),
                     ("fedyogi", tau**2 - 0.01 * 4 * np.sign(tau**2 - 4))):
-        opt = ServerOptimizer(kind, lr=0.1, beta1=0.9, beta2=0.99, tau=tau)
+        opt = _opt(kind, server_lr=0.1, beta1=0.9, beta2=0.99, tau=tau)
         expected = 1 + 0.1 * (0.1 * 2) / (np.sqrt(v) + tau)
         assert opt.step(w, fused)[0] == pytest.approx(expected, rel=1e-5), kind
 
 
 def test_server_optimizer_validates_its_settings():
     with pytest.raises(ConfigError, match="server_optimizer"):
-        ServerOptimizer("sgd")
+        _opt("sgd")
     with pytest.raises(ConfigError, match="beta1"):
-        ServerOptimizer("fedadam", beta1=1.5)
+        _opt("fedadam", beta1=1.5)
