@@ -71,17 +71,19 @@ def encode(message: m.Message, *, layout_hash: str = "", fp16: bool = False,
             wire = _DTYPES[weights_dtype] if f.name == "weights" else np.dtype(
                 _WIRE_DTYPE[value.dtype.name])
             arrays.append([f.name, wire.str, int(value.size)])
-            blobs.append(np.ascontiguousarray(value, dtype=wire).tobytes())
+            # A view where the array already has the wire's layout: the frame is the one copy.
+            blobs.append(memoryview(np.ascontiguousarray(value, dtype=wire)).cast("B"))
         else:
             scalars[f.name] = list(value) if isinstance(value, tuple) else value
     mid = message_id or os.urandom(16)
     header = json.dumps({"id": mid.hex(), "layout": layout_hash, "fields": scalars,
                          "arrays": arrays}, separators=(",", ":")).encode()
-    payload = b"".join(blobs)
     fixed = _PREFIX.pack(MAGIC, WIRE_VERSION, _CODES[type(message)], weights_dtype, 0,
-                         len(header), len(payload), bytes(32))[:_FIXED]
-    digest = hashlib.sha256(fixed + header + payload).digest()
-    return fixed + digest + header + payload
+                         len(header), sum(b.nbytes for b in blobs), bytes(32))[:_FIXED]
+    digest = hashlib.sha256(fixed)
+    for part in (header, *blobs):
+        digest.update(part)
+    return b"".join((fixed, digest.digest(), header, *blobs))
 
 
 def decode(data: bytes, *, max_size: int) -> Frame:
@@ -100,8 +102,11 @@ def decode(data: bytes, *, max_size: int) -> Frame:
     if hlen > MAX_HEADER or _PREFIX.size + hlen + plen != len(data):
         raise MessageError("wrong_length", f"prefix announces {hlen}+{plen} bytes, frame "
                            f"carries {len(data) - _PREFIX.size}")
-    body = memoryview(data)[_PREFIX.size:]
-    if hashlib.sha256(data[:_FIXED] + body).digest() != digest:
+    whole = memoryview(data)
+    body = whole[_PREFIX.size:]
+    check = hashlib.sha256(whole[:_FIXED])
+    check.update(body)
+    if check.digest() != digest:
         raise MessageError("bad_checksum", "sha256 of the frame does not match")
     cls = _TYPES[code]
     mid, layout, fields, table = _parse_header(bytes(body[:hlen]))
@@ -192,8 +197,9 @@ def split(frame: bytes, chunk_size: int) -> list[bytes]:
         raise ValueError(f"chunk_size {chunk_size} leaves no room for data")
     mid = os.urandom(16)
     count = -(-len(frame) // body)
-    return [_CHUNK.pack(CHUNK_MAGIC, WIRE_VERSION, mid, i, count, len(frame))
-            + frame[i * body:(i + 1) * body] for i in range(count)]
+    view = memoryview(frame)  # slices of a view: each chunk is copied once, when joined
+    return [b"".join((_CHUNK.pack(CHUNK_MAGIC, WIRE_VERSION, mid, i, count, len(frame)),
+                      view[i * body:(i + 1) * body])) for i in range(count)]
 
 
 def is_chunk(data: bytes) -> bool:
@@ -252,7 +258,7 @@ class Reassembler:
         if index in entry["chunks"]:
             self._count("duplicate_chunks")
             return None
-        piece = data[_CHUNK.size:]
+        piece = memoryview(data)[_CHUNK.size:]  # joined once, below
         while self.buffered + len(piece) > self.memory_cap and len(self._parts) > 1:
             oldest = next(k for k in self._parts if k != key)
             self._drop(oldest)

@@ -226,9 +226,7 @@ class Device(RoleBase):
             self.counters["gate.warming_up"] += 1
             return 0.0, True
         _, local_acc = self.trainer.evaluate(hx, hy)
-        self.trainer.set_flat(zbar)
-        _, global_acc = self.trainer.evaluate(hx, hy)
-        self.trainer.set_flat(z)
+        _, global_acc = self.trainer.evaluate(hx, hy, weights=zbar)
         gap = performance_gap(local_acc, global_acc)
         return gap, bool(self.rng.random() < upload_probability(gap, self.config.nu))
 

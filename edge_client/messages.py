@@ -100,15 +100,26 @@ def _scalar_fields(cls: type) -> tuple[tuple[str, object], ...]:
     return _SCALARS[cls]
 
 
+def _immutable(value: object, dtype: type) -> bool:
+    """An array over bytes nobody can write (a decoded frame's): freezing needs no copy."""
+    if not isinstance(value, np.ndarray) or value.dtype != np.dtype(dtype) \
+            or value.flags.writeable:
+        return False
+    base = value.base
+    return isinstance(base, bytes) or (isinstance(base, memoryview) and base.readonly
+                                       and isinstance(base.obj, bytes))
+
+
 def _frozen_vector(name: str, value: object, dtype: type) -> np.ndarray:
-    arr = np.array(value, dtype=dtype, copy=True)
+    arr = value if _immutable(value, dtype) else np.array(value, dtype=dtype, copy=True)
     if arr.ndim != 1:
         raise MessageError("wrong_shape", f"{name} must be 1-D, got shape {arr.shape}")
     if not np.isfinite(arr).all():
         raise MessageError("non_finite", f"{name} contains NaN or Inf")
     if dtype is np.int64 and (arr < 0).any():
         raise MessageError("negative_count", f"{name} has negative counts")
-    arr.flags.writeable = False
+    if arr.flags.writeable:
+        arr.flags.writeable = False
     return arr
 
 

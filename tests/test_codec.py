@@ -133,3 +133,18 @@ def test_reassembly_timeout_and_memory_cap():
     assert err.value.reason == "oversize" and small.buffered == 0
     with pytest.raises(MessageError):
         Reassembler(max_size=1000, memory_cap=1 << 20, timeout=5.0).add("t", chunks[0], 0.0)
+
+
+def test_a_decoded_model_is_frozen_without_a_copy_and_a_built_one_with_one():
+    w = np.arange(6, dtype=np.float32)
+    msg = m.DeviceUpdate(fleet="f", sender="d", round=0, iteration=0, station="s",
+                         weights=w, num_samples=3)
+    w[0] = 99.0  # the sender's array is not the message's
+    assert msg.weights[0] == 0.0 and not msg.weights.flags.writeable
+    frame = encode(msg)
+    got = decode(frame, max_size=1 << 20).message
+    np.testing.assert_array_equal(got.weights, msg.weights)
+    # Read straight from the (immutable) frame: nothing can make it writeable again.
+    assert np.shares_memory(got.weights, np.frombuffer(frame, dtype=np.uint8))
+    with pytest.raises(ValueError):
+        got.weights.flags.writeable = True

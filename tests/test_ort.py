@@ -74,6 +74,12 @@ def test_vectors_cross_between_torch_and_ort(exported, name, shape):
     assert np.abs(ort.logits(x) - tor.logits(x)).max() <= 1e-4
 
 
+def test_ort_evaluates_a_given_vector_and_keeps_its_own(exported, evaluates_as_if_loaded):
+    ort = build_trainer("mlp", backend="ort", artifacts=exported("mlp"), lr=0.05)
+    x = np.random.default_rng(4).random((64, 784), dtype=np.float32)
+    evaluates_as_if_loaded(ort, x, np.arange(64) % 10)
+
+
 def test_numpy_mlp_vector_runs_in_ort(exported):
     ort = build_trainer("mlp", backend="ort", artifacts=exported("mlp"), lr=0.05)
     npy = build_trainer("mlp", backend="numpy", input_shape=(28, 28), num_classes=10, lr=0.05)

@@ -63,6 +63,16 @@ def test_torch_cnn_trains_through_flat_vectors(digits):
     assert np.array_equal(tr.get_flat(), flat)
 
 
+@pytest.mark.parametrize("model, backend", [("mlp", "numpy"), ("softmax", "numpy"),
+                                            ("mlp", "torch"), ("small_cnn", "torch")])
+def test_trainers_evaluate_a_given_vector_without_swapping(digits, model, backend,
+                                                           evaluates_as_if_loaded):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    tr = build_trainer(model, backend=backend, input_shape=(8, 8), num_classes=10, lr=0.1)
+    evaluates_as_if_loaded(tr, digits.x_test[:200], digits.y_test[:200])
+
+
 def test_set_flat_refuses_wrong_length_and_nan():
     tr = _mlp()
     before = tr.get_flat()

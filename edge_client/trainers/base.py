@@ -31,7 +31,10 @@ class Trainer(Protocol):
 
     def train_step(self, x: np.ndarray, y: np.ndarray) -> float: ...
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]: ...
+    def evaluate(self, x: np.ndarray, y: np.ndarray,
+                 weights: np.ndarray | None = None) -> tuple[float, float]:
+        """Loss and accuracy on ``(x, y)`` of ``weights`` (a flat vector) if given, else of
+        the trainer's parameters; the trainer's parameters are unchanged either way."""
 
 
 def check_flat(flat: np.ndarray, size: int) -> np.ndarray:

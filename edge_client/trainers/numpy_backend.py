@@ -38,12 +38,7 @@ class NumpyTrainer:
             layout += [(f"{name}.weight", (fan_out, fan_in)), (f"{name}.bias", (fan_out,))]
         self.layout = tuple(layout)
         self._flat = np.empty(sum(math.prod(s) for _, s in layout), dtype=np.float32)
-        self._params = []
-        offset = 0
-        for _, shape in layout:
-            size = math.prod(shape)
-            self._params.append(self._flat[offset:offset + size].reshape(shape))
-            offset += size
+        self._params = self._views(self._flat)
         rng = np.random.default_rng(seed)
         for i, (fan_in, _) in enumerate(self._dims):
             bound = 1.0 / math.sqrt(fan_in)  # torch.nn.Linear's default init
@@ -66,10 +61,21 @@ class NumpyTrainer:
             raise ShapeError(f"input has {x.shape[1]} features, model expects {self._dims[0][0]}")
         return x
 
-    def _forward(self, x: np.ndarray) -> list[np.ndarray]:
+    def _views(self, flat: np.ndarray) -> list[np.ndarray]:
+        """The tensors of ``flat`` (this layout), as views: no copy."""
+        views, offset = [], 0
+        for _, shape in self.layout:
+            size = math.prod(shape)
+            views.append(flat[offset:offset + size].reshape(shape))
+            offset += size
+        return views
+
+    def _forward(self, x: np.ndarray, params: list[np.ndarray] | None = None
+                 ) -> list[np.ndarray]:
+        params = self._params if params is None else params
         acts = [x]
         for i in range(len(self._dims)):
-            z = acts[-1] @ self._params[2 * i].T + self._params[2 * i + 1]
+            z = acts[-1] @ params[2 * i].T + params[2 * i + 1]
             acts.append(np.maximum(z, 0.0) if i < len(self._dims) - 1 else z)
         return acts
 
@@ -89,12 +95,15 @@ class NumpyTrainer:
             self._params[2 * i + 1] -= np.float32(self.lr) * gb
         return loss
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        """Mean cross-entropy and accuracy on ``(x, y)``."""
+    def evaluate(self, x: np.ndarray, y: np.ndarray,
+                 weights: np.ndarray | None = None) -> tuple[float, float]:
+        """Mean cross-entropy and accuracy on ``(x, y)``, of ``weights`` if given (else of
+        the trainer's own parameters, which stay as they are either way)."""
         y = np.asarray(y)
         if len(y) == 0:
             return float("nan"), float("nan")
-        logits = self.logits(x)
+        params = None if weights is None else self._views(check_flat(weights, self.num_params))
+        logits = self._forward(self._inputs(x), params)[-1]
         loss, _ = _softmax_xent(logits, y)
         return loss, float((logits.argmax(axis=1) == y).mean())
 

@@ -143,7 +143,16 @@ class OrtTrainer:
         dummy = np.zeros(len(x), dtype=np.int64)  # the eval graph still takes labels
         return np.concatenate([out[1] for out in self._eval_chunks(x, dummy)])
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    def evaluate(self, x: np.ndarray, y: np.ndarray,
+                 weights: np.ndarray | None = None) -> tuple[float, float]:
+        if weights is not None:
+            # An ORT session evaluates the parameters it holds: lend it these, then restore.
+            own = self.get_flat()
+            self.set_flat(weights)
+            try:
+                return self.evaluate(x, y)
+            finally:
+                self.set_flat(own)
         y = np.asarray(y)
         if len(y) == 0:
             return float("nan"), float("nan")

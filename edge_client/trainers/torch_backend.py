@@ -7,6 +7,8 @@ float32 numpy vectors, so a CUDA device federates with CPU, numpy and ORT device
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -57,13 +59,20 @@ class TorchTrainer:
         return sum(p.numel() for p in self._params)
 
     def get_flat(self) -> np.ndarray:
+        # torch.cat already made a new tensor; its numpy view is the caller's to keep.
         with torch.no_grad():
-            return torch.cat([p.reshape(-1) for p in self._params]).cpu().numpy().copy()
+            return torch.cat([p.reshape(-1) for p in self._params]).cpu().numpy()
+
+    def _wrap(self, flat: np.ndarray) -> torch.Tensor:
+        """A received vector as a tensor on the model's device, without a copy on the CPU.
+        Frozen message vectors are read-only and torch only reads them here, so its warning
+        about wrapping a read-only buffer does not apply."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(flat).to(self.device)
 
     def set_flat(self, flat: np.ndarray) -> None:
-        flat = check_flat(flat, self.num_params)
-        # Frozen message vectors are read-only; torch wants a writeable buffer to wrap.
-        vec = torch.from_numpy(flat if flat.flags.writeable else flat.copy()).to(self.device)
+        vec = self._wrap(check_flat(flat, self.num_params))
         offset = 0
         with torch.no_grad():
             for p in self._params:  # copy_ keeps each parameter's memory layout
@@ -92,18 +101,29 @@ class TorchTrainer:
                 p -= self.lr * p.grad
         return float(loss.detach())
 
-    def _logits(self, x: np.ndarray) -> torch.Tensor:
+    def _logits(self, x: np.ndarray, weights: np.ndarray | None = None) -> torch.Tensor:
         self.module.eval()
         with torch.no_grad():
-            return self.module(self._inputs(x))
+            if weights is None:
+                return self.module(self._inputs(x))
+            # The given vector's views stand in for the parameters: nothing is swapped.
+            vec, offset, params = self._wrap(check_flat(weights, self.num_params)), 0, {}
+            for (name, shape), p in zip(self.layout, self._params, strict=True):
+                view = vec[offset:offset + p.numel()].view(shape)
+                # Conv kernels (a small share of the vector) copied into the parameter's own
+                # strides: oneDNN runs a kernel view of another layout 1.3x slower.
+                params[name] = torch.empty_like(p).copy_(view) if view.dim() == 4 else view
+                offset += p.numel()
+            return torch.func.functional_call(self.module, params, (self._inputs(x),))
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         return self._logits(x).cpu().numpy()
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    def evaluate(self, x: np.ndarray, y: np.ndarray,
+                 weights: np.ndarray | None = None) -> tuple[float, float]:
         if len(y) == 0:
             return float("nan"), float("nan")
-        logits, target = self._logits(x), self._targets(y)
+        logits, target = self._logits(x, weights), self._targets(y)
         loss = torch.nn.functional.cross_entropy(logits, target)
         return float(loss), float((logits.argmax(1) == target).float().mean())
 
