@@ -36,6 +36,7 @@ wheel: $(VENV)/.test-deps
 	$(PYTHON) -m venv .wheel-venv
 	.wheel-venv/bin/pip install --quiet dist/*.whl
 	.wheel-venv/bin/safl --version
+	.wheel-venv/bin/safl-device --version
 	.wheel-venv/bin/python -c "import edge_client.device, aggregator.station; print('wheel ok')"
 
 lint: $(VENV)/.test-deps
@@ -45,6 +46,7 @@ bench: $(VENV)/.test-deps
 	$(PY) bench/selection.py
 	$(PY) bench/device_footprint.py
 	$(PY) bench/wire.py
+	$(PY) bench/weight_path.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache dist dist.log .wheel-venv
