@@ -14,8 +14,11 @@ Run: ``python bench/wire.py [--rounds N]``.  Needs Debian's mosquitto.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,10 +63,89 @@ def frame_table(super_node: int = 4) -> None:
               f"{iteration / ((1 + super_node) * 4 * n):>14.4f}")
 
 
+def _raw_latency(url: str, payload: bytes, reps: int) -> float:
+    """Median one-way latency of ``payload`` between two raw paho clients (QoS 1)."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    host, port = url.removeprefix("mqtt://").split(":")
+    got = threading.Event()
+    clients = []
+    for name in ("raw-pub", "raw-sub"):
+        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=name)
+        c.username_pw_set("tester", Mosquitto.PASSWORD)
+        c.connect(host, int(port))
+        c.loop_start()
+        clients.append(c)
+    pub, sub = clients
+    sub.on_message = lambda *_: got.set()
+    sub.subscribe("bench/raw", qos=1)
+    time.sleep(0.3)
+    times = []
+    for _ in range(reps + 3):
+        got.clear()
+        start = time.perf_counter()
+        pub.publish("bench/raw", payload, qos=1)
+        got.wait(5.0)
+        times.append(time.perf_counter() - start)
+    for c in clients:
+        c.loop_stop()
+        c.disconnect()
+    return statistics.median(times[3:])
+
+
+def _transport_latency(url: str, n: int, reps: int) -> tuple[float, int]:
+    """Median one-way latency of a DeviceUpdate of ``n`` weights, transport to handler."""
+    from edge_client.mqtt import MqttTransport
+    from edge_client.topics import topic_for
+
+    cfg = BrokerConfig(url=url, username="tester", password=Mosquitto.PASSWORD)
+    msg = m.DeviceUpdate(fleet="bench", sender="d0", round=0, iteration=0, station="s",
+                         weights=np.random.default_rng(0).standard_normal(n).astype(np.float32),
+                         num_samples=32)
+    got = []
+    sender = MqttTransport(cfg, client_id="d0", fleet="bench")
+    receiver = MqttTransport(cfg, client_id="s", fleet="bench", num_params=n)
+    receiver.subscribe(topic_for(msg), lambda topic, message: got.append(message))
+    for t in (sender, receiver):
+        t.connect()
+    time.sleep(0.3)
+    times = []
+    try:
+        for _ in range(reps + 3):
+            got.clear()
+            start = time.perf_counter()
+            sender.publish(topic_for(msg), msg)
+            while not got:  # what a service's loop does: wait, then deliver on its thread
+                receiver.wait(0.5)
+                receiver.deliver()
+            times.append(time.perf_counter() - start)
+    finally:
+        for t in (sender, receiver):
+            t.close()
+    return statistics.median(times[3:]), len(encode(msg, layout_hash="0" * 16))
+
+
+def latency_table(reps: int) -> None:
+    n = 101_770
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = Mosquitto(Path(tmp), ["tester"], ["user tester", "topic readwrite #"])
+        try:
+            ours, frame = _transport_latency(broker.url, n, reps)
+            raw = _raw_latency(broker.url, bytes(frame), reps)
+        finally:
+            broker.stop()
+    print(f"\none-way latency of a {n}-parameter update ({frame} bytes) over Mosquitto, "
+          f"median of {reps}: raw paho {1e3 * raw:.2f} ms, safl transport {1e3 * ours:.2f} ms, "
+          f"ratio {ours / raw:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=100)
     args = parser.parse_args()
+    latency_table(args.reps)
     print("wire bytes over raw float32 model bytes (256 KiB chunks, 62-class stats, L = 4):")
     frame_table()
 
