@@ -176,7 +176,7 @@ class Device(RoleBase):
 
     def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
         cfg, t = self.config, model.iteration
-        zbar = np.array(model.weights)
+        zbar = model.weights  # read-only; the merge, the trainer and the gate only read it
         self.trainer.set_flat(self._start_model(zbar, t))
         self._measure_local(t)
         consumed = 0
@@ -203,7 +203,8 @@ class Device(RoleBase):
             # keeping.  A skip is still an answer, so the station does not wait for us.
             self.counters["skipped.non_finite"] += 1
             return [self._stats(model.round, t), m.SkipNotice(**header, gap=0.0)]
-        self._local, self._local_iteration = z, t
+        if cfg.mix < 1.0:  # only a merge reads it: with mix = 1 a device holds no model copy
+            self._local, self._local_iteration = z, t
         gap, upload = self._upload_gate(z, zbar)
         self.counters["steps"] += 1
         self.counters["samples_trained"] += consumed

@@ -556,3 +556,14 @@ def test_a_move_the_table_lacks_is_refused_naming_role_state_and_event():
                        "resuming on a test"):
         st.move(S.RESUMING, "a test")
     assert st.state == S.JOINING
+
+
+@pytest.mark.parametrize("mix, keeps", [(1.0, False), (0.5, True)])
+def test_a_device_keeps_its_local_model_only_for_a_merge(digits, mix, keeps):
+    # 1,000 simulated devices of a 100k-parameter model would otherwise hold 400 MB of local
+    # models that FedGS (mix = 1) never reads.
+    bus, runners, cloud, station, devices, globals_, _ = _fleet(
+        digits, rounds=2, device_kw={"mix": mix, "temperature": 50.0})
+    _run(bus, runners)
+    assert globals_[-1].final and all(d.counters["steps"] for d in devices)
+    assert all((d._local is not None) == keeps for d in devices)
