@@ -35,6 +35,7 @@ from .datasets import (
     safl_split,
 )
 from .report import Progress, format_table, plot_accuracy, write_metrics
+from .selection import blas_threads
 from .simulation import FleetSpec, RunResult, run_federation
 from .strategies import RECIPES, RecipeSettings, build_strategy
 
@@ -164,8 +165,9 @@ def _run_one(args: tuple[ExperimentConfig, str, int, str, bool, int]) -> RunResu
         import torch  # the aggregator may load torch; the device package never must
         torch.set_num_threads(threads)  # parallel jobs each get their share of the cores
     data = _dataset(cfg.dataset)
-    return run_federation(data, _strategy(cfg, name), _fleet(cfg, data, seed, attack),
-                          Progress(f"{name}/{seed}", cfg.rounds) if show else None)
+    with blas_threads(threads):  # the run's share of the cores, for numpy's BLAS too
+        return run_federation(data, _strategy(cfg, name), _fleet(cfg, data, seed, attack),
+                              Progress(f"{name}/{seed}", cfg.rounds) if show else None)
 
 
 # Settings that shape no single run: the list of runs, the report, and the recipe knobs

@@ -39,6 +39,7 @@ from edge_client.topics import manifest_topic, summary_topic
 from .checkpoint import load_checkpoint, save_checkpoint
 from .cloud import CLOUD_ID, Cloud
 from .config import CloudConfig, StationConfig
+from .selection import blas_threads
 from .station import Station, local_accuracy_summary
 
 __all__ = ["StationService", "CloudService"]
@@ -152,10 +153,11 @@ class StationService:
             and msg.iteration % cfg.sync_period == 0))
         runner = RoleRunner(role, transport)
         runner.observers.extend([*checkpoint, note_start])
-        serve(runner, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-              metrics=metrics,
-              **_summaries(transport, summary_topic(cfg.fleet, "station", cfg.station_id),
-                           summary))
+        with blas_threads(1):  # selection's linear algebra is small: threads only spin
+            serve(runner, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
+                  metrics=metrics,
+                  **_summaries(transport, summary_topic(cfg.fleet, "station", cfg.station_id),
+                               summary))
         log.info("station %s finished: %s", cfg.station_id, summary())
         return role
 

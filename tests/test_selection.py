@@ -106,3 +106,16 @@ def test_bad_inputs_raise_typed_errors():
         gbp_cs(hists, np.zeros(F), 2)
     with pytest.raises(SelectionError, match="brute-force limit"):
         brute_force_selection(*_instance(rng, 60), 20)
+
+
+def test_selection_runs_on_pinned_blas_threads():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from aggregator.selection import blas_threads
+
+    def blas():
+        return [i["num_threads"] for i in threadpoolctl.threadpool_info()
+                if i["user_api"] == "blas"]
+    before = blas()
+    with blas_threads(1):
+        assert blas() and set(blas()) == {1}
+    assert blas() == before
