@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .experiment import by_strategy, run_summary
 from .simulation import RunResult
+from .summary import by_strategy, run_summary
 
 __all__ = ["Claim", "assess_claims", "markdown_section", "BASELINES", "verdict"]
 

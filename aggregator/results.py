@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from .claims import assess_claims, markdown_section
-from .experiment import load_experiment, result_rows, run_experiment
+from .experiment import load_experiment, run_experiment
+from .summary import result_rows
 
 __all__ = ["run_experiments", "REPORT_HEAD"]
 

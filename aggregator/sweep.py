@@ -22,15 +22,9 @@ import tomllib
 
 from edge_client.errors import ConfigError
 
-from .experiment import (
-    ExperimentConfig,
-    _mean_sd,
-    _run_one,
-    _RunCache,
-    load_experiment,
-    run_summary,
-)
+from .experiment import ExperimentConfig, _run_one, _RunCache, load_experiment
 from .report import format_table
+from .summary import mean_sd, run_summary
 
 __all__ = ["run_sweep", "load_grid"]
 
@@ -88,7 +82,7 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1) -> list[dic
                     for s in range(cfg.seed, cfg.seed + cfg.seeds)]
             row: dict[str, Any] = {**point, "strategy": name}
             for key in ("accuracy", "local_q1", "worst10_q1", "local_end"):
-                row[key], row[f"{key}_sd"] = _mean_sd([r[key] for r in runs])
+                row[key], row[f"{key}_sd"] = mean_sd([r[key] for r in runs])
             rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "sweep.csv", "w", newline="") as fh:

@@ -10,9 +10,10 @@ import pytest
 
 from aggregator.claims import assess_claims, verdict
 from aggregator.datasets import assign_groups, dirichlet_label_skew, safl_split
-from aggregator.experiment import DEFAULT_STRATEGIES, ExperimentConfig, samples_to
+from aggregator.experiment import DEFAULT_STRATEGIES, ExperimentConfig
 from aggregator.simulation import FleetSpec, RunResult, plan_fleet, run_federation
 from aggregator.strategies import build_strategy
+from aggregator.summary import samples_to
 from edge_client.errors import ConfigError
 from safl.cli import main
 
@@ -124,7 +125,8 @@ def test_bad_experiment_configs_name_the_key(tmp_path):
 
 @pytest.mark.slow
 def test_parallel_jobs_give_the_same_results(tmp_path):
-    from aggregator.experiment import result_rows, run_experiment
+    from aggregator.experiment import run_experiment
+    from aggregator.summary import result_rows
 
     config = tmp_path / "two.toml"
     config.write_text(open("experiments/quick.toml").read()
@@ -180,7 +182,8 @@ def test_a_samples_budget_sets_rounds_and_the_temperature_follows_the_run():
 
 
 def test_finished_runs_are_reused_and_can_be_reported_alone(tmp_path, capsys):
-    from aggregator.experiment import result_rows, run_experiment
+    from aggregator.experiment import run_experiment
+    from aggregator.summary import result_rows
 
     one, two = tmp_path / "one.toml", tmp_path / "two.toml"
     text = open("experiments/quick.toml").read().replace("rounds = 6", "rounds = 2")

@@ -1,0 +1,122 @@
+"""The figures tables and verdicts are made of: one run's (accuracy as the mean of its last
+evaluations, samples to a sustained target, device-local accuracy early and late) and a
+strategy's over its seeds (mean and sample sd, seed-averaged curves)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .simulation import RunResult
+
+__all__ = ["merge_seeds", "by_strategy", "run_summary", "samples_to", "result_rows",
+           "mean_sd", "LAST_K"]
+
+
+def merge_seeds(results: list[RunResult]) -> list[RunResult]:
+    """One result per strategy: accuracy and loss averaged over its seeds per round, with
+    ``accuracy_sd`` (sample standard deviation) beside them."""
+    merged = []
+    for name, runs in by_strategy(results).items():
+        if len(runs) == 1:
+            merged.append(runs[0])
+            continue
+        rows = []
+        # Budget-stopped seeds may evaluate a different number of times: pair the first ones.
+        for i, row in enumerate(runs[0].rows[:min(len(r.rows) for r in runs)]):
+            acc = [r.rows[i]["accuracy"] for r in runs]
+            rows.append({**row, "accuracy": float(np.mean(acc)),
+                         "samples": float(np.mean([r.rows[i]["samples"] for r in runs])),
+                         "accuracy_sd": float(np.std(acc, ddof=1)),
+                         "loss": float(np.mean([r.rows[i]["loss"] for r in runs]))})
+        counters: dict[str, int] = {}
+        for r in runs:
+            for key, value in r.counters.items():
+                counters[key] = counters.get(key, 0) + value
+        merged.append(RunResult(name, rows, counters, sum(r.wall_s for r in runs)))
+    return merged
+
+
+LAST_K = 3  # a run's accuracy: the mean of its last evaluations, not one noisy point
+
+
+def samples_to(rows: list[dict[str, Any]], target: float) -> int | None:
+    """Samples trained when the accuracy reached ``target`` and held it at every later
+    evaluation (None: it never held)."""
+    held = None
+    for r in rows:
+        if r["accuracy"] >= target:
+            held = r["samples"] if held is None else held
+        else:
+            held = None
+    return held
+
+
+def _nanmean(values: list[float]) -> float:
+    values = [v for v in values if v == v]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def run_summary(result: RunResult, target: float) -> dict[str, float | int | None]:
+    """One run's figures: accuracy (mean of the last ``LAST_K`` evaluations), samples to a
+    sustained ``target``, and device-local accuracy (mean, worst 10%) over the first quarter
+    of the samples and at the end."""
+    rows = result.rows
+    quarter = [r for r in rows if r["samples"] <= rows[-1]["samples"] / 4] or rows[:1]
+    tail = rows[-LAST_K:]
+    return {"accuracy": float(np.mean([r["accuracy"] for r in tail])),
+            "samples_to_target": samples_to(rows, target),
+            "local_q1": _nanmean([r["local_mean"] for r in quarter]),
+            "worst10_q1": _nanmean([r["local_worst10"] for r in quarter]),
+            "local_end": _nanmean([r["local_mean"] for r in tail]),
+            "worst10_end": _nanmean([r["local_worst10"] for r in tail]),
+            "samples": rows[-1]["samples"]}
+
+
+def by_strategy(results: list[RunResult]) -> dict[str, list[RunResult]]:
+    """Per-seed results grouped by strategy, seeds in run order (seed k pairs with seed k:
+    the same partitions, initial weights and device seeds)."""
+    out: dict[str, list[RunResult]] = {}
+    for r in results:
+        out.setdefault(r.strategy, []).append(r)
+    return out
+
+
+def mean_sd(values: list[float], digits: int = 4) -> tuple[float | None, float | str | None]:
+    """Mean and sample sd over seeds; None where no seed measured it (no local accuracy)."""
+    arr = np.array(values, dtype=float)
+    if np.isnan(arr).any():
+        return None, None
+    return round(float(arr.mean()), digits), \
+        round(float(arr.std(ddof=1)), digits) if len(arr) > 1 else ""
+
+
+def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]:
+    """One row per strategy for ``results.csv``: mean and sample sd over seeds of the
+    accuracy (mean of the last evaluations), samples to a sustained ``target`` (``never``
+    when some seed did not hold it), device-local accuracy, traffic."""
+    out = []
+    for name, runs in by_strategy(results).items():
+        sums = [run_summary(r, target) for r in runs]
+        acc, acc_sd = mean_sd([s["accuracy"] for s in sums])
+        reach = [s["samples_to_target"] for s in sums]
+        held = sum(v is not None for v in reach)
+        lq1, lq1_sd = mean_sd([s["local_q1"] for s in sums])
+        w10, _ = mean_sd([s["worst10_q1"] for s in sums])
+        lend, _ = mean_sd([s["local_end"] for s in sums])
+        last = runs[0].rows[-1]
+        refused = sum(v for r in runs for k, v in r.counters.items()
+                      if k.startswith(("rejected.", "clipped."))) // len(runs)
+        out.append({"strategy": name, "seeds": len(runs), "accuracy": acc,
+                    "accuracy_sd": acc_sd,
+                    f"samples_to_{target:g}": (f"{np.mean(reach) / 1000:.0f}k" if held == len(runs)
+                                               else f"never ({len(runs) - held}/{len(runs)})"),
+                    "local_q1": lq1, "local_q1_sd": lq1_sd, "worst10_q1": w10,
+                    "local_end": lend, "samples": int(np.mean([s["samples"] for s in sums])),
+                    "uploads": int(np.mean([r.rows[-1]["uploads"] for r in runs])),
+                    "skips": int(np.mean([r.rows[-1]["skips"] for r in runs])),
+                    "mb_up": round((last["bytes_device_up"] + last["bytes_station_up"]) / 1e6, 1),
+                    "refused": refused,
+                    "wall_s": round(float(np.mean([r.wall_s for r in runs])), 1)})
+    return out
