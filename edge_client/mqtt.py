@@ -264,15 +264,17 @@ class MqttTransport:
             message = self.admission.admit(topic, payload, now)
             if message is None:
                 continue
-            for topic_filter, handler in list(self._subs):
-                if matches(topic_filter, topic):
-                    try:
-                        handler(topic, message)
-                    except Exception:  # a handler bug must not stop the service
-                        self.counters["rejected.internal"] += 1
-                        log.exception("handler failed on %s", topic)
+            self._dispatch([h for f, h in list(self._subs) if matches(f, topic)], topic, message)
             delivered += 1
         return delivered
+
+    def _dispatch(self, handlers: list, topic: str, item: m.Message | Document) -> None:
+        for handler in handlers:
+            try:
+                handler(topic, item)
+            except Exception:  # a handler bug must not stop the service
+                self.counters["rejected.internal"] += 1
+                log.exception("handler failed on %s", topic)
 
     def _deliver_document(self, topic: str, payload: bytes) -> int:
         handlers = [h for f, h in self._doc_subs if matches(f, topic)]
@@ -284,8 +286,7 @@ class MqttTransport:
             self.counters["rejected.document"] += 1
             log.warning("%s dropped a document on %s: %s", self.client_id, topic, exc)
             return 0
-        for handler in handlers:
-            handler(topic, doc)
+        self._dispatch(handlers, topic, doc)
         return 1
 
     def close(self) -> None:

@@ -389,3 +389,37 @@ def test_a_fleet_written_by_the_demo_starts_by_hand_as_its_readme_says(tmp_path)
         for line in toml.read_text().splitlines():
             if line.startswith(("path", "state_dir")):
                 assert line.split('"')[1].startswith("/"), line
+
+
+def test_documents_are_checked_and_a_failing_handler_is_counted(tmp_path):
+    from edge_client.documents import StationSummary
+    from edge_client.topics import summary_topic
+    server = Mosquitto(tmp_path, ["tester"], ["user tester", "topic readwrite #"])
+    try:
+        cfg = BrokerConfig(url=server.url, username="tester", password=Mosquitto.PASSWORD)
+        writer = MqttTransport(cfg, client_id="w", fleet="f")
+        reader = MqttTransport(cfg, client_id="r", fleet="f", persistent=False)
+        got = []
+
+        def broken(topic, doc):
+            raise RuntimeError("a bug in an observer")
+        for handler in (broken, lambda topic, doc: got.append(doc)):
+            reader.subscribe_documents(summary_topic("f", "+", "+"), handler)
+        writer.connect()
+        reader.connect()
+        time.sleep(0.2)
+        writer._client.publish(summary_topic("f", "station", "s0"), b"{not json", qos=1)
+        doc = StationSummary(station="s1", state="waiting", round=2, iteration=20, devices=3,
+                             online=3, quorum=1)
+        writer.publish_document(summary_topic("f", "station", "s1"), doc)
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            reader.wait(0.1)
+            reader.deliver()
+        writer.close()
+        reader.close()
+    finally:
+        server.stop()
+    assert got == [doc]  # the next handler still ran
+    assert reader.counters["rejected.internal"] == 1
+    assert reader.counters["rejected.document"] == 1
