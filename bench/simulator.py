@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
+from baseline import ROOT, checkout, probe
+
 BASELINE = "4d81892"  # main before the simulator work of issue 10
-ROOT = Path(__file__).resolve().parent.parent
 SAMPLES_PER_ROUND = 4 * 5 * 10 * 32
 
 _OLD = """
@@ -51,10 +49,7 @@ print(r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
 
 
 def _timed(code: str, cwd: Path) -> float:
-    env = {**os.environ, "PYTHONPATH": str(cwd), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, check=True,
-                         capture_output=True, text=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return float(probe(cwd, code))
 
 
 def main() -> None:
@@ -64,16 +59,9 @@ def main() -> None:
     if args.rounds % 8:
         ap.error("--rounds must be a multiple of 8 (the current evaluation cadence)")
     per_run = 157 / args.rounds  # rounds of the 1M-sample reference run
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), BASELINE], cwd=ROOT,
-                       check=True, capture_output=True)
-        try:
-            started = time.perf_counter()
-            old = _timed(_OLD.format(rounds=args.rounds), tree)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
-                           check=False, capture_output=True)
+    with checkout(BASELINE) as tree:
+        started = time.perf_counter()
+        old = _timed(_OLD.format(rounds=args.rounds), tree)
     new1 = _timed(_NEW.format(rounds=args.rounds, threads=1), ROOT)
     new2 = _timed(_NEW.format(rounds=args.rounds, threads=os.cpu_count() or 1), ROOT)
     rows = {"baseline (1 thread)": old, "current (1 thread)": new1,

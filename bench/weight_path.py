@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
+from baseline import ROOT, checkout, probe
+
 BASELINE = "b1e3f5b"  # main before the weight path lost its avoidable copies (issue 13)
-ROOT = Path(__file__).resolve().parent.parent
 
 _PROBE = r'''
 import inspect, json, statistics, sys, time, tracemalloc
@@ -98,26 +96,15 @@ print(json.dumps(out))
 
 
 def _measure(tree: Path, reps: int) -> dict[str, list[float]]:
-    done = subprocess.run([sys.executable, "-c", _PROBE, str(reps)], cwd=tree, check=True,
-                          capture_output=True, text=True,
-                          env={"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1",
-                               "PATH": "/usr/bin:/bin"})
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(probe(tree, _PROBE, str(reps)))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), BASELINE], cwd=ROOT,
-                       check=True, capture_output=True)
-        try:
-            old = _measure(tree, args.reps)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
-                           check=False, capture_output=True)
+    with checkout(BASELINE) as tree:
+        old = _measure(tree, args.reps)
     new = _measure(ROOT, args.reps)
     print(f"{'stage':<22} {'baseline ms':>12} {'now ms':>9} {'ratio':>6}   "
           f"{'peak copies: baseline':>22} {'now':>5}")
