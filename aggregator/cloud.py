@@ -24,7 +24,7 @@ from edge_client.role import RoleBase, RoleState
 from edge_client.topics import cloud_topics
 
 from .config import CloudConfig
-from .fusion import FUSION_RULES
+from .fusion import Fold, fold_for
 from .server_optimizers import build_server_optimizer
 
 __all__ = ["Cloud", "CloudState", "CLOUD_ID"]
@@ -60,7 +60,9 @@ class Cloud(RoleBase):
         self.iteration = 0
         self.deadline = float("inf")
         self._counts: dict[str, np.ndarray] = {}
-        self._updates: dict[str, m.StationUpdate] = {}
+        # This round's station updates, folded as they arrive; kept: each one's iteration.
+        self._updates: dict[str, int] = {}
+        self._fold = self._new_fold()
         self._consumed: dict[str, int] = {}  # samples each station claimed over the run
         self.offline: set[str] = set()
 
@@ -107,7 +109,7 @@ class Cloud(RoleBase):
         self.state, self.round, self.iteration = _C(meta["state"]), meta["round"], meta["iteration"]
         self._consumed = {k: int(v) for k, v in meta["consumed"].items()}
         self.counters.update(meta["counters"])
-        self._updates = {}
+        self._updates, self._fold = {}, self._new_fold()
 
     def tick(self, now: float) -> list[m.Message]:
         """Close the round at its deadline if a quorum of stations reported."""
@@ -146,7 +148,11 @@ class Cloud(RoleBase):
             self.counters["duplicates"] += 1
             return []
         self._counts[message.sender] = np.array(message.seen_counts)
-        self._updates[message.sender] = self._plausible_count(message)
+        accepted = self._plausible_count(message)
+        equal = self.config.station_weighting == "equal"
+        self._fold.add(accepted.weights, 1.0 if equal else accepted.num_samples,
+                       key=accepted.sender)
+        self._updates[message.sender] = accepted.iteration
         self.offline.discard(message.sender)
         if all(s in self._updates or s in self.offline for s in self.config.stations):
             return self._close_round(now)
@@ -181,16 +187,15 @@ class Cloud(RoleBase):
             return self._close_round(now)
         return []
 
+    def _new_fold(self) -> Fold:
+        # A round in which no station consumed data still averages, equally.
+        return fold_for(self.config.fusion, equal_if_unweighted=True)
+
     def _close_round(self, now: float) -> list[m.Message]:
-        ups = [u for _, u in sorted(self._updates.items())]  # fusion independent of arrival
-        if ups:
-            # A round in which no station consumed data still averages, equally.
-            equal = self.config.station_weighting == "equal" or not any(u.num_samples for u in ups)
-            fused = FUSION_RULES[self.config.fusion](
-                [u.weights for u in ups], [1.0 if equal else u.num_samples for u in ups])
-            self.weights = self.optimizer.step(self.weights, fused)
-            self.iteration = max(u.iteration for u in ups)
-        self._updates = {}
+        if self._updates:
+            self.weights = self.optimizer.step(self.weights, self._fold.result())
+            self.iteration = max(self._updates.values())
+        self._updates, self._fold = {}, self._new_fold()
         self.round += 1
         return self._broadcast(now)
 

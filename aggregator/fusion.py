@@ -3,22 +3,148 @@
 Fusion rules turn a set of model vectors into one (SAFL eq. 3, FedGS internal
 and external sync); server optimisers turn the fused pseudo-gradient into the
 next global model (Reddi et al., "Adaptive Federated Optimization", ICLR 2021).
-Both are registered by name.  FedProx's proximal term is device-side:
-:func:`edge_client.trainers.proximal_step`.
+Both are registered by name.  A :class:`Fold` builds a rule's result one update at a
+time, so a station or cloud need not keep every reply: FedAvg streams into a running
+float32 sum; the other rules need every update at once and keep them.  FedProx's
+proximal term is device-side: :func:`edge_client.trainers.proximal_step`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from edge_client.errors import ShapeError
 
-__all__ = ["FUSION_RULES", "fedavg", "ida", "median", "trimmed_mean", "krum", "multi_krum"]
+__all__ = ["FUSION_RULES", "Fold", "WeightedSum", "Gathered", "fold_for", "fedavg", "ida",
+           "median", "trimmed_mean", "krum", "multi_krum"]
 
 # Keeps IDA's inverse distance finite for an update equal to the mean.
 IDA_GUARD = 1e-8
+
+
+def _vector(model: np.ndarray, shape: tuple[int, ...] | None) -> np.ndarray:
+    v = np.asarray(model, dtype=np.float32)
+    if v.ndim != 1 or (shape is not None and v.shape != shape):
+        raise ShapeError(f"models must be equal-length 1-D vectors, got {v.shape}"
+                         + ("" if shape is None else f" beside {shape}"))
+    return v
+
+
+def _weight(weight: float) -> float:
+    w = float(weight)
+    if not (math.isfinite(w) and w >= 0):
+        raise ShapeError(f"a weight must be finite and non-negative, got {weight!r}")
+    return w
+
+
+class Fold:
+    """A fusion rule's result built one update at a time: :meth:`add`, then :meth:`result`."""
+
+    def add(self, model: np.ndarray, weight: float, key: str = "") -> None:
+        raise NotImplementedError
+
+    def result(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def total(self) -> float:
+        """The sum of the weights added."""
+        raise NotImplementedError
+
+
+class WeightedSum(Fold):
+    """``sum_k w_k z_k / sum_k w_k`` in one float32 pass, holding one vector whatever the count.
+
+    The running vector is kept scaled by the last weight (``sum / w_last``), so an update is
+    folded in place, ``acc *= w_last / w; acc += z``, with no scratch vector.  float32 is
+    enough: against a float64 sum of 300 small-CNN updates it differs by about 3e-8
+    (bench/fusion.py), and the order of arrival changes the result only at that rounding.
+    ``equal_if_unweighted`` averages equally when every weight is zero (a cloud round in
+    which no station consumed data) instead of refusing.
+    """
+
+    def __init__(self, *, equal_if_unweighted: bool = False) -> None:
+        self._acc: np.ndarray | None = None  # sum_k w_k z_k / w_last
+        self._plain: np.ndarray | None = None  # sum_k z_k, kept only while every weight is 0
+        self._shape: tuple[int, ...] | None = None
+        self._last = 0.0
+        self._total = 0.0
+        self._count = 0
+        self._equal = equal_if_unweighted
+
+    def add(self, model: np.ndarray, weight: float, key: str = "") -> None:
+        v, w = _vector(model, self._shape), _weight(weight)
+        self._shape = v.shape
+        self._count += 1
+        if w == 0:
+            if self._equal and self._acc is None:
+                self._plain = v.copy() if self._plain is None else np.add(self._plain, v,
+                                                                          out=self._plain)
+            return
+        if self._acc is None:
+            self._acc, self._plain = v.copy(), None
+        else:
+            if w != self._last:
+                self._acc *= np.float32(self._last / w)
+            self._acc += v
+        self._last = w
+        self._total += w
+
+    def result(self) -> np.ndarray:
+        if not self._count:
+            raise ShapeError("nothing to fuse: no models")
+        if self._acc is not None:
+            out = self._acc * np.float32(self._last / self._total)
+        elif self._plain is not None:
+            out = self._plain / np.float32(self._count)
+        else:
+            raise ShapeError("weights must be non-negative with a positive sum, got all zero")
+        # Checked once here, not per update: messages arrive checked finite already.
+        if not np.isfinite(out.sum()):
+            raise ShapeError("a model contains NaN or Inf")
+        return out
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def total(self) -> float:
+        return self._total
+
+
+class Gathered(Fold):
+    """Keeps every update for a rule that needs them all at once (IDA, median, trimmed mean,
+    Krum); the result is independent of arrival order (sorted by ``key``)."""
+
+    def __init__(self, rule: Callable[[Sequence[np.ndarray], Sequence[float]], np.ndarray], *,
+                 equal_if_unweighted: bool = False) -> None:
+        self._rule = rule
+        self._items: list[tuple[str, np.ndarray, float]] = []
+        self._equal = equal_if_unweighted
+
+    def add(self, model: np.ndarray, weight: float, key: str = "") -> None:
+        shape = self._items[0][1].shape if self._items else None
+        self._items.append((key, _vector(model, shape), _weight(weight)))
+
+    def result(self) -> np.ndarray:
+        items = sorted(self._items, key=lambda item: item[0])
+        weights = [w for _, _, w in items]
+        if self._equal and not any(weights):
+            weights = [1.0] * len(items)
+        return self._rule([v for _, v, _ in items], weights)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def total(self) -> float:
+        return sum(w for _, _, w in self._items)
 
 
 def _stack(models: Sequence[np.ndarray], weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -39,21 +165,32 @@ def _stack(models: Sequence[np.ndarray], weights: Sequence[float]) -> tuple[np.n
     return stack, w
 
 
+def _weighted_sum(models: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    if len(weights) != len(models):
+        raise ShapeError(f"{len(models)} models but {len(weights)} weights")
+    fold = WeightedSum()
+    for z, w in zip(models, weights, strict=True):
+        fold.add(z, w)
+    return fold.result()
+
+
 def fedavg(models: Sequence[np.ndarray], num_samples: Sequence[float]) -> np.ndarray:
-    """Sample-weighted average ``sum_k (n_k / n) z_k`` (McMahan et al., 2017)."""
-    stack, w = _stack(models, num_samples)
-    return ((w / w.sum()) @ stack).astype(np.float32)
+    """Sample-weighted average ``sum_k (n_k / n) z_k`` (McMahan et al., 2017), streamed."""
+    return _weighted_sum(models, num_samples)
 
 
 def ida(models: Sequence[np.ndarray], num_samples: Sequence[float]) -> np.ndarray:
     """Inverse-distance aggregation (Yeganeh et al., "Inverse Distance Aggregation", 2020).
 
-    ``eta_k ∝ n_k / (||z_k - mean(z)|| + guard)``: outlying updates count less.
+    ``eta_k ∝ n_k / (||z_k - mean(z)|| + guard)``: outlying updates count less.  Two passes
+    over the kept updates, neither stacking them: the plain mean, then the weighted sum.
     """
-    stack, w = _stack(models, num_samples)
-    dist = np.linalg.norm(stack - stack.mean(axis=0), axis=1)
-    eta = w / (dist + IDA_GUARD)
-    return ((eta / eta.sum()) @ stack).astype(np.float32)
+    if len(num_samples) != len(models):
+        raise ShapeError(f"{len(models)} models but {len(num_samples)} weights")
+    mean = _weighted_sum(models, [1.0] * len(models))
+    dist = np.array([np.linalg.norm(np.subtract(z, mean, dtype=np.float64)) for z in models])
+    eta = np.asarray(num_samples, dtype=np.float64) / (dist + IDA_GUARD)
+    return _weighted_sum(models, eta)
 
 
 # Byzantine-robust rules: one compromised participant must not move the fused model far.
@@ -116,3 +253,10 @@ FUSION_RULES: dict[str, Callable[[Sequence[np.ndarray], Sequence[float]], np.nda
     "krum": krum,
     "multi_krum": multi_krum,
 }
+
+
+def fold_for(rule: str, *, equal_if_unweighted: bool = False) -> Fold:
+    """The fold that builds ``FUSION_RULES[rule]``: streamed for FedAvg, gathered otherwise."""
+    if rule == "fedavg":
+        return WeightedSum(equal_if_unweighted=equal_if_unweighted)
+    return Gathered(FUSION_RULES[rule], equal_if_unweighted=equal_if_unweighted)

@@ -27,7 +27,7 @@ from edge_client.role import RoleBase, RoleState
 from edge_client.topics import station_topics
 
 from .config import StationConfig
-from .fusion import FUSION_RULES
+from .fusion import Fold, fold_for
 from .selection import SELECTORS
 from .trust import NormGuard, ShareCap, bound_seen_counts
 
@@ -93,7 +93,9 @@ class Station(RoleBase):
         self.members: tuple[str, ...] = ()
         self.deadline = 0.0
         self._next_hello = 0.0
-        self._replies: dict[str, m.Message] = {}  # DeviceUpdate, SkipNotice or Refusal
+        # Who answered this iteration, and how; the updates themselves go into the fold.
+        self._replies: dict[str, str] = {}  # "update", "skip" or "refused"
+        self._fold: Fold = fold_for(config.fusion)
         self._consumed = 0
         self._upload: m.StationUpdate | None = None  # sent, not yet answered by a global model
         self._seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
@@ -228,9 +230,7 @@ class Station(RoleBase):
         return self._refused_reply(msg.sender, now)
 
     def _refused_reply(self, device: str, now: float) -> list[m.Message]:
-        self._replies[device] = m.Refusal(fleet=self.config.fleet, sender=device, round=0,
-                                          iteration=0, reason="refused", role="dev",
-                                          leaf="update")
+        self._replies[device] = "refused"
         self.counters["refused_replies"] += 1
         if self._awaited() == 0:
             return self._close_iteration(now)
@@ -321,9 +321,14 @@ class Station(RoleBase):
             if problem:
                 self._reject(*problem)
                 return self._refused_reply(msg.sender, now)
-        self._replies[msg.sender] = msg
-        kind = "updates" if isinstance(msg, m.DeviceUpdate) else "skips"
-        self.counters[f"received_{kind}"] += 1
+        if isinstance(msg, m.DeviceUpdate):
+            # Folded now and not kept: the station holds one running sum, not every reply.
+            self._fold.add(msg.weights, msg.num_samples, key=msg.sender)
+            self._replies[msg.sender] = "update"
+            self.counters["received_updates"] += 1
+        else:
+            self._replies[msg.sender] = "skip"
+            self.counters["received_skips"] += 1
         if self._awaited() == 0:
             return self._close_iteration(now)
         return []
@@ -402,7 +407,7 @@ class Station(RoleBase):
         self.members = tuple(sorted(ready[i] for i in [*fixed, *picked]))
         self.share.record(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
-        self._replies = {}
+        self._replies, self._fold = {}, fold_for(cfg.fusion)
         self.deadline = now + cfg.iteration_timeout
         self.move(_S.COLLECTING, "a super node selected")
         out: list[m.Message] = [self._model_message(),
@@ -416,12 +421,10 @@ class Station(RoleBase):
 
     def _close_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config
-        # Sorted by sender so the fused model does not depend on arrival order.
-        updates = [r for _, r in sorted(self._replies.items()) if isinstance(r, m.DeviceUpdate)]
-        if len(updates) >= cfg.min_quorum:
-            self.weights = FUSION_RULES[cfg.fusion]([u.weights for u in updates],
-                                                    [u.num_samples for u in updates])
-            self._consumed += sum(u.num_samples for u in updates)
+        fold, self._fold = self._fold, fold_for(cfg.fusion)
+        if len(fold) >= cfg.min_quorum:
+            self.weights = fold.result()
+            self._consumed += int(fold.total)
         else:
             self.counters["iterations_below_quorum"] += 1
         self.iteration += 1
