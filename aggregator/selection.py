@@ -83,44 +83,77 @@ def _trivial(candidates: np.ndarray, n_select: int) -> np.ndarray | None:
     return None
 
 
+def _greedy_fill(At: np.ndarray, y: np.ndarray, n_select: int,
+                 norms: np.ndarray) -> np.ndarray:
+    """Add, one at a time, the candidate that most lowers ``||A x - y||^2``: adding ``a_k``
+    changes it by ``||a_k||^2 + 2 g_k`` with ``g = A'r``, and ``g`` moves by one Gram column."""
+    x = np.zeros(len(At), dtype=bool)
+    g = At @ -y
+    for _ in range(n_select):
+        gain = norms + 2.0 * g
+        gain[x] = np.inf
+        k = int(np.argmin(gain))
+        x[k] = True
+        g += At @ At[k]
+    return x
+
+
 def gbp_cs(hists: np.ndarray, target: np.ndarray, n_select: int, *,
            fixed: Sequence[int] = (), max_iter: int = 100,
            rng: np.random.Generator | None = None) -> np.ndarray:
-    """GBP-CS (Li et al., FedGS, 2022): pseudo-inverse start, then gradient-guided swaps.
+    """GBP-CS (Li et al., FedGS, 2022): a relaxed start, then gradient-guided swaps.
 
-    Each loop swaps the unselected candidate with the smallest gradient entry
-    for the selected one with the largest; when that first-order pair fails to
-    lower ``D``, the exact best swap is tried before stopping (cheap for the
-    tens of candidates a factory has).  ``rng`` is unused: GBP-CS is
-    deterministic.
+    Swaps run from two starts, the paper's pseudo-inverse rounding and a greedy fill, and the
+    closer result wins, so it is never worse than greedy.  Each swap is the exact best one:
+    swapping in ``i`` for ``j`` changes the cost by ``||a_i||^2 + ||a_j||^2 + 2(g_i - g_j)
+    - 2 a_i'a_j``, the gradient ``g = A'r`` plus the curvature the paper's first-order pair
+    leaves out, for every pair at once from the selected columns' Gram products; a swap then
+    updates ``g`` and those products by one Gram column (rank one), so a pass costs
+    ``O(K' S)`` plus one ``O(K' F)`` product, not ``O(K' S F)``.  Stops when no swap lowers
+    the cost, or after ``max_iter`` swaps.  ``rng`` is unused: GBP-CS is deterministic.
     """
     candidates, A, y = selection_problem(hists, target, n_select, fixed)
     done = _trivial(candidates, n_select)
     if done is not None:
         return done
-    x = np.zeros(A.shape[1], dtype=bool)
-    xhat = np.linalg.pinv(A) @ y
-    x[np.argsort(-xhat, kind="stable")[:n_select]] = True
+    At = np.ascontiguousarray(A.T)  # (K', F): one candidate's histogram per row
+    norms = np.einsum("kf,kf->k", At, At)
+    # pinv(A) y, through A' (A A')^+ y when K' > F: an F x F pseudo-inverse, not F x K'.
+    xhat = (np.linalg.pinv(A) @ y if len(At) <= len(y)
+            else At @ (np.linalg.pinv(A @ At) @ y))
+    relaxed = np.zeros(len(At), dtype=bool)
+    relaxed[np.argsort(-xhat, kind="stable")[:n_select]] = True
+    best = None
+    for start in (relaxed, _greedy_fill(At, y, n_select, norms)):
+        x, cost = _best_swaps(A, At, y, norms, start, max_iter)
+        if best is None or cost < best[1]:
+            best = x, cost
+    return np.sort(candidates[best[0]])
+
+
+def _best_swaps(A: np.ndarray, At: np.ndarray, y: np.ndarray, norms: np.ndarray,
+                x: np.ndarray, max_iter: int) -> tuple[np.ndarray, float]:
+    """Swap the exact best pair until none lowers ``||A x - y||^2``; ``(x, cost)``."""
+    x = x.copy()
     r = A[:, x].sum(axis=1) - y
-    cost = r @ r
+    cost = float(r @ r)
+    inn = np.flatnonzero(x)
+    g = At @ r
+    gram = At @ At[inn].T  # (K', S): a_k' a_j for every candidate k and selected j
     for _ in range(max_iter):
-        g = A.T @ r
-        out, inn = np.flatnonzero(~x), np.flatnonzero(x)
-        i, j = out[np.argmin(g[out])], inn[np.argmax(g[inn])]
-        r_new = r + A[:, i] - A[:, j]
-        if r_new @ r_new >= cost:
-            # ||r + a_i - a_j||^2 for every (unselected i, selected j) pair at once.
-            diff = A[:, out][:, :, None] - A[:, inn][:, None, :]
-            costs = (cost + np.einsum("fij,fij->ij", diff, diff)
-                     + 2 * np.einsum("f,fij->ij", r, diff))
-            bi, bj = np.unravel_index(np.argmin(costs), costs.shape)
-            if costs[bi, bj] >= cost - 1e-9:
-                break
-            i, j = out[bi], inn[bj]
-            r_new = r + A[:, i] - A[:, j]
-        x[i], x[j] = True, False
-        r, cost = r_new, r_new @ r_new
-    return np.sort(candidates[x])
+        delta = ((norms + 2.0 * g)[:, None] + (norms[inn] - 2.0 * g[inn])[None, :]
+                 - 2.0 * gram)
+        delta[x] = np.inf
+        i, c = np.unravel_index(int(np.argmin(delta)), delta.shape)
+        if delta[i, c] >= -1e-9 * (1.0 + cost):
+            break
+        column = At @ At[i]
+        g += column - gram[:, c]
+        gram[:, c] = column
+        x[i], x[inn[c]] = True, False
+        inn[c] = i
+        cost += float(delta[i, c])
+    return x, cost
 
 
 def random_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,
@@ -139,15 +172,8 @@ def greedy_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,
     done = _trivial(candidates, n_select)
     if done is not None:
         return done
-    x = np.zeros(A.shape[1], dtype=bool)
-    r = -y
-    for _ in range(n_select):
-        out = np.flatnonzero(~x)
-        trial = r[:, None] + A[:, out]
-        best = out[np.argmin(np.einsum("fk,fk->k", trial, trial))]
-        x[best] = True
-        r = r + A[:, best]
-    return np.sort(candidates[x])
+    At = np.ascontiguousarray(A.T)
+    return np.sort(candidates[_greedy_fill(At, y, n_select, np.einsum("kf,kf->k", At, At))])
 
 
 def brute_force_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,

@@ -7,20 +7,61 @@ L = 6 with 2 random); times and divergences at paper scale are printed beside th
 drift study streams drifting label distributions through real StreamBuffers and selects a
 super node every iteration.
 
+The scaling study runs fleets of 100, 1,000 and 10,000 candidates (L = 10: 2 random + 8
+picked), each selector in a fresh process at this checkout and GBP-CS also at ``BASELINE``
+(a temporary git worktree), on the same instances; every divergence is a ratio to greedy's
+on the same instance, and GBP-CS is timed with BLAS pinned to one thread (as the station
+runs it) and with every core's BLAS threads.
+
 Run: ``python bench/selection.py [--trials N] [--alpha A]``.  Figures are printed, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 
 import numpy as np
+from baseline import ROOT, checkout, probe
 
 from aggregator.selection import SELECTORS, divergence, gbp_cs, random_selection
 from edge_client.buffer import StreamBuffer
 
 F, BATCH = 62, 32
+BASELINE = "9ed31b9"  # main before GBP-CS scaled (issue 14)
+
+_SCALING = r'''
+import contextlib, json, statistics, sys, time
+import numpy as np
+from aggregator.selection import SELECTORS, blas_threads, divergence
+names, trials = sys.argv[1].split(","), int(sys.argv[2])
+alpha, seed = float(sys.argv[3]), int(sys.argv[4])
+F, BATCH, n_fixed, n_select = 62, 32, 2, 8
+out = {}
+for k in (100, 1000, 10000):
+    rng = np.random.default_rng(seed + k)
+    rows = {n: ([], []) for n in names}
+    for _ in range(max(3, trials if k < 10000 else trials // 4)):
+        probs = rng.dirichlet(np.full(F, alpha), size=k)
+        hists = np.array([rng.multinomial(BATCH, p) for p in probs])
+        target = rng.dirichlet(np.full(F, 5.0))
+        fixed = list(rng.choice(k, n_fixed, replace=False))
+        picked = SELECTORS["greedy"](hists, target, n_select, fixed=fixed)
+        greedy = divergence(hists, [*picked, *fixed], target)
+        for name in rows:
+            selector, _, how = name.partition(" ")
+            with contextlib.nullcontext() if how == "unpinned" else blas_threads(1):
+                t0 = time.perf_counter()
+                chosen = SELECTORS[selector](hists, target, n_select, fixed=fixed,
+                                             rng=np.random.default_rng(0))
+                rows[name][0].append(time.perf_counter() - t0)
+            rows[name][1].append(divergence(hists, [*chosen, *fixed], target) / greedy)
+    out[k] = {n: [statistics.median(t), float(np.mean(d)), float(np.max(d))]
+              for n, (t, d) in rows.items()}
+print(json.dumps(out))
+'''
 
 
 def _instance(rng: np.random.Generator, k: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
@@ -53,6 +94,25 @@ def _table(title: str, results: dict[str, tuple[float, float]], base: str, label
     ref = results[base][1]
     for name, (t, d) in results.items():
         print(f"{name:<12} {1e3 * t:>13.3f} {d:>11.4f} {d / ref:>11.3f}")
+
+
+def scaling_study(trials: int, alpha: float, seed: int) -> None:
+    args = (str(trials), str(alpha), str(seed))
+    cores = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}  # pinned inside, where it is
+    with checkout(BASELINE) as tree:
+        old = json.loads(probe(tree, _SCALING, "gbp_cs", *args))
+    new = json.loads(probe(ROOT, _SCALING, "gbp_cs,gbp_cs unpinned,greedy,random", *args,
+                           env=cores))
+    print(f"\nscaling: F={F}, L=10 (2 random + 8 picked), batch {BATCH}, Dirichlet({alpha}); "
+          f"divergence as a ratio to greedy's on the same instance (mean, worst); "
+          f"baseline = {BASELINE}")
+    print(f"{'candidates':>10} {'selector':<22} {'ms/selection':>13} {'x greedy':>9} {'worst':>7}")
+    for k, rows in new.items():
+        both = {"gbp_cs (baseline)": old[k]["gbp_cs"], **rows}
+        for name, (t, ratio, worst) in both.items():
+            label = {"gbp_cs": "gbp_cs (1 BLAS thread)",
+                     "gbp_cs unpinned": f"gbp_cs ({os.cpu_count()} BLAS thr.)"}.get(name, name)
+            print(f"{k:>10} {label:<22} {1e3 * t:>13.2f} {ratio:>9.4f} {worst:>7.3f}")
 
 
 def drift_study(seed: int, iterations: int = 300, devices: int = 36, classes: int = 10,
@@ -109,6 +169,7 @@ def main() -> None:
     print("\npaper (FedGS, FEMNIST, Python/MXNet): brute force 979 s at 0.032 (optimum 0.028), "
           "genetic 1.0 s at 0.036, Monte Carlo 0.12 s at 0.040, GBP-CS 15.4 ms at 0.036, "
           "random 0.1 ms at 0.083")
+    scaling_study(args.trials, args.alpha, args.seed)
     drift_study(args.seed)
 
 
