@@ -7,6 +7,11 @@ role and runs ``--iterations`` SAFL iterations (annealed merge + one SGD step on
 Ratios are to the torch backend on the CPU measured in the same run.  Where torch sees a
 CUDA device, a ``torch-cuda`` row runs the same iterations on it and the accelerator is named.
 
+A second table puts the annealed merge (element masks, 101,770 parameters) beside the
+numpy MLP's SGD step on a batch of 32, both on one thread in one process, at this checkout
+and at ``BASELINE`` (a temporary git worktree), at an acceptance probability of 0.9 (early
+in a run) and 0.5; the target is a merge under 0.2x the step.
+
 Run: ``python bench/device_footprint.py [--iterations N] [--backends torch,ort,numpy]``.
 Needs the ort and torch extras for those rows.
 """
@@ -19,6 +24,40 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from baseline import ROOT, checkout, probe
+
+BASELINE = "9ed31b9"  # main before the merge drew bytes instead of floats (issue 14)
+
+_MERGE = r"""
+import json, math, statistics, time
+import numpy as np
+from edge_client.safl import annealed_merge
+from edge_client.trainers import build_trainer
+rng = np.random.default_rng(0)
+trainer = build_trainer("mlp", backend="numpy", input_shape=(28, 28), num_classes=10, lr=0.1,
+                        seed=0)
+x, y = rng.random((32, 28, 28), dtype=np.float32), rng.integers(0, 10, 32)
+local = rng.standard_normal(trainer.num_params).astype(np.float32)
+zbar = rng.standard_normal(trainer.num_params).astype(np.float32)
+
+def timed(fn, reps=400):
+    for _ in range(20):
+        fn()
+    out = []
+    for _ in range(reps):
+        s = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - s)
+    return statistics.median(out)
+
+res = {"sgd": timed(lambda: trainer.train_step(x, y))}
+for p in (0.9, 0.5):
+    res[f"merge p={p}"] = timed(lambda: annealed_merge(local, zbar, -math.log(p),
+                                                       temperature=1.0, mix=0.8, rng=rng))
+res["sgd again"] = timed(lambda: trainer.train_step(x, y))
+print(json.dumps(res))
+"""
 
 CHILD = r"""
 import json, sys, time
@@ -106,6 +145,18 @@ def main() -> None:
               f"{r['step_ms']:>8.2f} {r['peak_rss_mb']:>12.1f} "
               f"{r['step_ms'] / base['step_ms']:>11.2f} "
               f"{r['peak_rss_mb'] / base['peak_rss_mb']:>10.2f} {str(r['torch_loaded']):>13}")
+    merge = {}
+    with checkout(BASELINE) as tree:
+        merge["baseline"] = json.loads(probe(tree, _MERGE))
+    merge["now"] = json.loads(probe(ROOT, _MERGE))
+    print(f"\nannealed merge (element masks, mix 0.8) beside the numpy MLP's SGD step, one "
+          f"thread; baseline = {BASELINE}")
+    print(f"{'':<9} {'SGD step ms':>12} {'merge ms':>9} {'p':>4} {'merge / step':>13}")
+    for name, r in merge.items():
+        step = (r["sgd"] + r["sgd again"]) / 2
+        for p in (0.9, 0.5):
+            m = r[f"merge p={p}"]
+            print(f"{name:<9} {1e3 * step:>12.3f} {1e3 * m:>9.3f} {p:>4} {m / step:>13.2f}")
     if "ort" in rows:
         ort = rows["ort"]
         print(f"\ntargets: ORT peak RSS <= 120 MB ({ort['peak_rss_mb']:.0f}) and <= 0.5x torch "

@@ -82,8 +82,7 @@ def annealed_merge(
     if mix == 1.0 or p == 0.0:
         return zbar.copy()
     if granularity == "element":
-        # float32 draws: half the random bits of float64 and the same Bernoulli(p) to 2^-24.
-        u = rng.random(zbar.size, dtype=np.float32) < np.float32(p)
+        u = _element_mask(rng, zbar.size, p)
     elif granularity == "model":
         if not rng.random() < p:
             return zbar.copy()
@@ -103,6 +102,28 @@ def annealed_merge(
     out *= np.float32(1.0 - mix)
     out += zbar
     return out
+
+
+# Element masks compare one random byte per element with a threshold in steps of 1/256.
+MASK_LEVELS = 256
+
+
+def _element_mask(rng: np.random.Generator, size: int, p: float) -> np.ndarray | None:
+    """Bernoulli(``p``) per element from 8 random bits each; None when every element is kept.
+
+    The threshold is ``floor(256 p)`` or one more, chosen at random with the odds that make
+    every element's probability exactly ``p`` over merges (within one merge it is a multiple
+    of 1/256 next to ``p``).  Raw generator words, not floats: a float32 per element cost
+    0.45 ms of a 0.50 ms merge at 100k parameters, these bytes 0.07 ms (bench/device_footprint.py).
+    """
+    scaled = p * MASK_LEVELS
+    threshold = math.floor(scaled)
+    if rng.random() < scaled - threshold:
+        threshold += 1
+    if threshold >= MASK_LEVELS:
+        return None
+    bits = rng.bit_generator.random_raw((size + 7) // 8).view(np.uint8)[:size]
+    return bits < np.uint8(threshold)
 
 
 def performance_gap(local_acc: float, global_acc: float) -> float:

@@ -44,6 +44,17 @@ def test_mean_of_many_merges_matches_expectation(rng):
     assert (np.abs(draws.mean(axis=0) - expected) <= bound).all()
 
 
+def test_element_masks_keep_each_element_with_probability_exactly_p(rng):
+    # p lies halfway between two of the mask's 1/256 levels: a fixed level would be 0.002
+    # off, 17 standard deviations of the mean of these 20M draws.
+    p = 100.5 / 256
+    local, glob = np.ones(100_000, np.float32), np.zeros(100_000, np.float32)
+    rates = [annealed_merge(local, glob, -math.log(p), temperature=1.0, mix=0.0, rng=rng).mean()
+             for _ in range(200)]
+    assert abs(np.mean(rates) - p) < 5 * math.sqrt(p * (1 - p) / 2e7)
+    assert max(abs(r - p) for r in rates) < 1 / 256 + 5 * math.sqrt(p * (1 - p) / 1e5)
+
+
 def test_granularities_draw_masks_at_the_stated_level(rng):
     local, glob = np.ones(30, np.float32), np.zeros(30, np.float32)
     layout = [10, 5, 15]
