@@ -5,6 +5,9 @@ frame table) in process, then as 9 OS processes over a Mosquitto started on a fr
 port, and prints:
 
 - wire bytes per model-carrying frame / raw float32 model bytes (headers and chunking in);
+- one-way latency of a 101,770-parameter update from a sender process to a receiver
+  process, the transport against raw paho publishing the same frame, interleaved, at this
+  checkout and at ``BASELINE``;
 - iteration latency over Mosquitto / in-process (ratio, same run);
 - station CPU time per received update (the station process's CPU after start-up).
 
@@ -14,17 +17,19 @@ Run: ``python bench/wire.py [--rounds N]``.  Needs Debian's mosquitto.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from baseline import ROOT, checkout, probe  # noqa: E402
 from brokers import Mosquitto, acl_lines  # noqa: E402
 
 from aggregator.datasets import assign_groups, dirichlet_label_skew, load_dataset  # noqa: E402
@@ -34,6 +39,8 @@ from aggregator.simulation import FleetSpec, plan_fleet, run_federation  # noqa:
 from aggregator.status import fleet_status  # noqa: E402
 from edge_client import messages as m  # noqa: E402
 from edge_client.codec import DEFAULT_CHUNK_SIZE, encode, split  # noqa: E402
+
+BASELINE = "9ed31b9"  # main before chunks were hashed as they arrive (issue 14)
 from edge_client.config import BrokerConfig  # noqa: E402
 
 
@@ -63,81 +70,130 @@ def frame_table(super_node: int = 4) -> None:
               f"{iteration / ((1 + super_node) * 4 * n):>14.4f}")
 
 
-def _raw_latency(url: str, payload: bytes, reps: int) -> float:
-    """Median one-way latency of ``payload`` between two raw paho clients (QoS 1)."""
-    import paho.mqtt.client as paho
-    from paho.mqtt.enums import CallbackAPIVersion
+# Sender and receiver are separate processes, as a device and a station are; each stamps
+# its side with time.perf_counter (CLOCK_MONOTONIC: one clock for the whole machine), and
+# the receiver acknowledges each delivery on a control topic before the next is sent.
+_COMMON = r"""
+import json, sys, threading, time
+import numpy as np
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion
+from edge_client import messages as m
+from edge_client.codec import encode
+from edge_client.config import BrokerConfig
+from edge_client.mqtt import MqttTransport
+from edge_client.topics import topic_for
+url, password, n, reps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+host, port = url.removeprefix("mqtt://").split(":")
+msg = m.DeviceUpdate(fleet="bench", sender="d0", round=0, iteration=0, station="s",
+                     weights=np.random.default_rng(0).standard_normal(n).astype(np.float32),
+                     num_samples=32)
+cfg = BrokerConfig(url=url, username="tester", password=password)
 
-    host, port = url.removeprefix("mqtt://").split(":")
-    got = threading.Event()
-    clients = []
-    for name in ("raw-pub", "raw-sub"):
-        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=name)
-        c.username_pw_set("tester", Mosquitto.PASSWORD)
-        c.connect(host, int(port))
-        c.loop_start()
-        clients.append(c)
-    pub, sub = clients
-    sub.on_message = lambda *_: got.set()
-    sub.subscribe("bench/raw", qos=1)
-    time.sleep(0.3)
-    times = []
-    for _ in range(reps + 3):
-        got.clear()
-        start = time.perf_counter()
-        pub.publish("bench/raw", payload, qos=1)
-        got.wait(5.0)
-        times.append(time.perf_counter() - start)
-    for c in clients:
-        c.loop_stop()
-        c.disconnect()
-    return statistics.median(times[3:])
+def raw_client(name, topic=None, on_message=None):
+    c = paho.Client(CallbackAPIVersion.VERSION2, client_id=name)
+    c.username_pw_set("tester", password)
+    if on_message:
+        c.on_message = on_message
+    c.connect(host, int(port))
+    c.loop_start()
+    if topic:
+        c.subscribe(topic, qos=1)
+    return c
+"""
 
+_RECEIVER = _COMMON + r"""
+stamps = {"raw": [], "transport": []}
+stop = threading.Event()
+ack = raw_client("ack-out")
+def on_raw(client, userdata, message):
+    stamps["raw"].append(time.perf_counter())
+    ack.publish("bench/ack", b"r", qos=1)
+def on_control(client, userdata, message):
+    stop.set()
+raw = raw_client("raw-sub", "bench/raw", on_raw)
+control = raw_client("control", "bench/stop", on_control)
+receiver = MqttTransport(cfg, client_id="s", fleet="bench", num_params=n)
+def on_update(topic, message):
+    stamps["transport"].append(time.perf_counter())
+    ack.publish("bench/ack", b"t", qos=1)
+receiver.subscribe(topic_for(msg), on_update)
+receiver.connect()
+print("ready", flush=True)
+while not stop.is_set():  # a service's loop: wait, then deliver on this thread
+    receiver.wait(0.05)
+    receiver.deliver()
+receiver.close()
+print(json.dumps(stamps))
+"""
 
-def _transport_latency(url: str, n: int, reps: int) -> tuple[float, int]:
-    """Median one-way latency of a DeviceUpdate of ``n`` weights, transport to handler."""
-    from edge_client.mqtt import MqttTransport
-    from edge_client.topics import topic_for
-
-    cfg = BrokerConfig(url=url, username="tester", password=Mosquitto.PASSWORD)
-    msg = m.DeviceUpdate(fleet="bench", sender="d0", round=0, iteration=0, station="s",
-                         weights=np.random.default_rng(0).standard_normal(n).astype(np.float32),
-                         num_samples=32)
-    got = []
-    sender = MqttTransport(cfg, client_id="d0", fleet="bench")
-    receiver = MqttTransport(cfg, client_id="s", fleet="bench", num_params=n)
-    receiver.subscribe(topic_for(msg), lambda topic, message: got.append(message))
-    for t in (sender, receiver):
-        t.connect()
-    time.sleep(0.3)
-    times = []
-    try:
-        for _ in range(reps + 3):
-            got.clear()
-            start = time.perf_counter()
+_SENDER = _COMMON + r"""
+acked = threading.Event()
+listener = raw_client("ack-in", "bench/ack", lambda *_: acked.set())
+pub = raw_client("raw-pub")
+sender = MqttTransport(cfg, client_id="d0", fleet="bench")
+sender.connect()
+payload = encode(msg, layout_hash="0" * 16)
+time.sleep(0.3)
+stamps = {"raw": [], "transport": []}
+for _ in range(reps + 3):  # interleaved, so both see the same machine
+    for kind in ("raw", "transport"):
+        acked.clear()
+        stamps[kind].append(time.perf_counter())
+        if kind == "raw":
+            pub.publish("bench/raw", payload, qos=1)
+        else:
             sender.publish(topic_for(msg), msg)
-            while not got:  # what a service's loop does: wait, then deliver on its thread
-                receiver.wait(0.5)
-                receiver.deliver()
-            times.append(time.perf_counter() - start)
+        acked.wait(5.0)
+pub.publish("bench/stop", b"", qos=1).wait_for_publish(5.0)
+sender.close()
+print(json.dumps(stamps | {"bytes": len(payload)}))
+"""
+
+
+def _one_way(tree: Path, url: str, n: int, reps: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
+    args = [url, Mosquitto.PASSWORD, str(n), str(reps)]
+    receiver = subprocess.Popen([sys.executable, "-c", _RECEIVER, *args], cwd=tree, env=env,
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert receiver.stdout.readline().strip() == "ready"
+        sent = json.loads(probe(tree, _SENDER, *args))
+        got = json.loads(receiver.communicate(timeout=60)[0].strip().splitlines()[-1])
     finally:
-        for t in (sender, receiver):
-            t.close()
-    return statistics.median(times[3:]), len(encode(msg, layout_hash="0" * 16))
+        receiver.kill()
+    return {k: statistics.median(r - s for s, r in zip(sent[k][3:], got[k][3:], strict=True))
+            for k in ("raw", "transport")} | {"bytes": sent["bytes"]}
 
 
-def latency_table(reps: int) -> None:
-    n = 101_770
+def latency_table(reps: int, rounds: int = 3) -> None:
+    """One-way latency of a model update between two processes: raw paho and the safl
+    transport interleaved, at this checkout and at ``BASELINE``, against one Mosquitto,
+    ``rounds`` times alternately (raw paho's own latency moves between runs)."""
+    sizes = (101_770, 1_000_000)
+    runs: dict[tuple[int, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         broker = Mosquitto(Path(tmp), ["tester"], ["user tester", "topic readwrite #"])
         try:
-            ours, frame = _transport_latency(broker.url, n, reps)
-            raw = _raw_latency(broker.url, bytes(frame), reps)
+            with checkout(BASELINE) as tree:
+                for _ in range(rounds):
+                    for n in sizes:
+                        for name, where in (("baseline", tree), ("now", ROOT)):
+                            runs.setdefault((n, name), []).append(
+                                _one_way(where, broker.url, n, reps))
         finally:
             broker.stop()
-    print(f"\none-way latency of a {n}-parameter update ({frame} bytes) over Mosquitto, "
-          f"median of {reps}: raw paho {1e3 * raw:.2f} ms, safl transport {1e3 * ours:.2f} ms, "
-          f"ratio {ours / raw:.2f}x")
+    print(f"\none-way latency of a model update over Mosquitto, sender and receiver in two "
+          f"processes, raw paho (the same frame, one publish) interleaved with the transport; "
+          f"median of {reps} per run, {rounds} runs alternating; baseline = {BASELINE}")
+    print(f"{'params':>9} {'frame bytes':>12} {'':<9} {'raw paho ms':>12} {'transport ms':>13} "
+          f"{'ratio per run':>20} {'median':>7}")
+    for (n, name), rs in runs.items():
+        ratios = [r["transport"] / r["raw"] for r in rs]
+        raw = statistics.median(r["raw"] for r in rs)
+        ours = statistics.median(r["transport"] for r in rs)
+        print(f"{n:>9} {rs[0]['bytes']:>12} {name:<9} {1e3 * raw:>12.2f} {1e3 * ours:>13.2f} "
+              f"{' '.join(f'{x:.2f}' for x in ratios):>20} {statistics.median(ratios):>7.2f}")
 
 
 def main() -> None:

@@ -122,11 +122,13 @@ class Admission:
     def _admit(self, topic: str, payload: bytes, now: float) -> m.Message | None:
         if is_document_topic(topic):
             return None  # JSON documents for operators (documents.py), not frames
+        digest = None
         if is_chunk(payload):
             payload = self._reassembler.add(topic, payload, now)
             if payload is None:
                 return None
-        frame = decode(payload, max_size=self.max_message)
+            digest = self._reassembler.last_digest
+        frame = decode(payload, max_size=self.max_message, digest=digest)
         msg = frame.message
         if msg.fleet != self.fleet:
             raise MessageError("wrong_fleet", f"fleet {msg.fleet!r}")

@@ -86,13 +86,17 @@ def encode(message: m.Message, *, layout_hash: str = "", fp16: bool = False,
     return b"".join((fixed, digest.digest(), header, *blobs))
 
 
-def decode(data: bytes, *, max_size: int) -> Frame:
-    """Parse and verify one frame; anything malformed raises :class:`MessageError`."""
+def decode(data: bytes, *, max_size: int, digest: bytes | None = None) -> Frame:
+    """Parse and verify one frame; anything malformed raises :class:`MessageError`.
+
+    ``digest`` is the sha256 of the frame's checked span when the caller has already
+    computed it over these bytes (:class:`Reassembler` does, chunk by chunk as they arrive).
+    """
     if len(data) > max_size:
         raise MessageError("oversize", f"{len(data)} bytes exceeds the {max_size}-byte limit")
     if len(data) < _PREFIX.size:
         raise MessageError("truncated", f"{len(data)} bytes is shorter than a frame prefix")
-    magic, version, code, wdtype, _, hlen, plen, digest = _PREFIX.unpack_from(data)
+    magic, version, code, wdtype, _, hlen, plen, announced = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise MessageError("bad_magic", f"frame starts with {magic!r}")
     if version != WIRE_VERSION:
@@ -104,9 +108,11 @@ def decode(data: bytes, *, max_size: int) -> Frame:
                            f"carries {len(data) - _PREFIX.size}")
     whole = memoryview(data)
     body = whole[_PREFIX.size:]
-    check = hashlib.sha256(whole[:_FIXED])
-    check.update(body)
-    if check.digest() != digest:
+    if digest is None:
+        check = hashlib.sha256(whole[:_FIXED])
+        check.update(body)
+        digest = check.digest()
+    if digest != announced:
         raise MessageError("bad_checksum", "sha256 of the frame does not match")
     cls = _TYPES[code]
     mid, layout, fields, table = _parse_header(bytes(body[:hlen]))
@@ -210,7 +216,10 @@ class Reassembler:
     """Puts chunks back together: once per message, within a timeout and a memory cap.
 
     ``add`` returns the whole frame when its last missing chunk arrives, and
-    None otherwise; duplicate chunks (QoS 1 redelivery) are ignored.
+    None otherwise; duplicate chunks (QoS 1 redelivery) are ignored.  Chunks are hashed
+    as they arrive, in order, so a frame's checksum is mostly computed while its last
+    chunks are still in flight: :attr:`last_digest` is the sha256 of the frame ``add``
+    last returned (None where a chunk was too short to hash that way), for :func:`decode`.
     """
 
     def __init__(self, *, max_size: int, memory_cap: int, timeout: float) -> None:
@@ -219,6 +228,7 @@ class Reassembler:
         self._done: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self.buffered = 0
         self.counters: dict[str, int] = {}
+        self.last_digest: bytes | None = None
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
@@ -252,7 +262,8 @@ class Reassembler:
         entry = self._parts.get(key)
         if entry is None:
             entry = self._parts[key] = {"count": count, "total": total, "chunks": {},
-                                        "bytes": 0, "started": now}
+                                        "bytes": 0, "started": now,
+                                        "hash": hashlib.sha256(), "hashed": 0}
         if entry["count"] != count or entry["total"] != total:
             raise MessageError("bad_chunk", "chunks of one message disagree on its size")
         if index in entry["chunks"]:
@@ -269,6 +280,7 @@ class Reassembler:
         entry["chunks"][index] = piece
         entry["bytes"] += len(piece)
         self.buffered += len(piece)
+        self._hash_in_order(entry)
         if len(entry["chunks"]) < count:
             return None
         self._drop(key)
@@ -278,4 +290,20 @@ class Reassembler:
         frame = b"".join(entry["chunks"][i] for i in range(count))
         if len(frame) != total:
             raise MessageError("wrong_length", f"chunks add up to {len(frame)}, expected {total}")
+        self.last_digest = entry["hash"].digest() if entry["hashed"] == count else None
         return frame
+
+    @staticmethod
+    def _hash_in_order(entry: dict) -> None:
+        """Hash the chunks that continue the hashed prefix of the frame (the span
+        :func:`decode` checks: the prefix up to its digest, then everything after it)."""
+        while entry["hashed"] >= 0 and entry["hashed"] in entry["chunks"]:
+            piece = entry["chunks"][entry["hashed"]]
+            if entry["hashed"] == 0:
+                if len(piece) < _PREFIX.size:
+                    entry["hashed"] = -1  # decode hashes the whole frame instead
+                    return
+                entry["hash"].update(piece[:_FIXED])
+                piece = piece[_PREFIX.size:]
+            entry["hash"].update(piece)
+            entry["hashed"] += 1

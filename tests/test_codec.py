@@ -118,6 +118,26 @@ def test_chunks_reassemble_in_any_order_once():
     assert split(frame, len(frame)) == [frame]
 
 
+def test_chunks_are_hashed_as_they_arrive_and_decode_checks_that_digest():
+    frame = encode(m.StationModel(**H, weights=np.arange(50_000, dtype=np.float32)))
+    span = hashlib.sha256(frame[:20] + frame[52:]).digest()
+    chunks = split(frame, 16 * 1024)
+    for order in (range(len(chunks)), [2, 0, 1, *range(3, len(chunks))]):
+        r = Reassembler(max_size=1 << 20, memory_cap=1 << 20, timeout=5.0)
+        whole = [o for o in (r.add("t", chunks[i], 0.0) for i in order) if o is not None]
+        assert whole == [frame] and r.last_digest == span  # out of order: caught up in order
+    assert decode(frame, max_size=1 << 20, digest=span).message.weights[-1] == 49_999
+    # decode trusts the digest it is given to be the frame's: a wrong one is a bad checksum.
+    with pytest.raises(MessageError) as err:
+        decode(frame, max_size=1 << 20, digest=bytes(32))
+    assert err.value.reason == "bad_checksum"
+    # A first chunk shorter than the frame prefix cannot start the hash: decode hashes.
+    tiny = split(frame, 60)
+    r = Reassembler(max_size=1 << 20, memory_cap=1 << 20, timeout=5.0)
+    assert [o for o in (r.add("t", c, 0.0) for c in tiny) if o is not None] == [frame]
+    assert r.last_digest is None
+
+
 def test_reassembly_timeout_and_memory_cap():
     frame = encode(m.StationModel(**H, weights=np.arange(20_000, dtype=np.float32)))
     chunks = split(frame, 8 * 1024)
