@@ -86,6 +86,8 @@ class ExperimentConfig(RecipeSettings):
     # SAFL's temperature as a fraction of the run's rounds (replaces temperature_rounds when
     # > 0), so that a setting chosen on a short run means the same on a long one.
     temperature_fraction: float = 0.25  # chosen by experiments/sweep_safl.toml
+    # The devices' lr decay as a fraction of the run's rounds (sets lr_decay_rounds; 0: off).
+    lr_decay_fraction: float = 0.0
     seed: int = 0
     seeds: int = 1  # runs per strategy, seeds seed, seed+1, ...: tables give mean and sd
     # What the compromised devices send (aggregator.attacks): one report section per attack.
@@ -113,6 +115,9 @@ class ExperimentConfig(RecipeSettings):
         check_range("temperature_fraction", self.temperature_fraction, 0)
         if self.temperature_fraction:
             object.__setattr__(self, "temperature_rounds", self.temperature_fraction * self.rounds)
+        check_range("lr_decay_fraction", self.lr_decay_fraction, 0, 1)
+        if self.lr_decay_fraction:
+            object.__setattr__(self, "lr_decay_rounds", self.lr_decay_fraction * self.rounds)
         check_range("attackers", self.attackers, 0, self.factories * self.devices_per_factory)
         unknown = [s for s in self.strategies if s not in RECIPES]
         if unknown or not self.strategies:
@@ -174,7 +179,8 @@ def _run_one(args: tuple[ExperimentConfig, str, int, str, bool, int]) -> RunResu
 _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "target_accuracy",
                            "temperature_rounds", "temperature_fraction", "mix", "nu",
                            "merge_max_age", "prox_mu", "server_lr", "momentum",
-                           "cloud_optimizer"})
+                           "cloud_optimizer", "lr_decay_fraction", "lr_decay_rounds",
+                           "lr_decay"})
 
 
 class _RunCache:

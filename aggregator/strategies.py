@@ -41,6 +41,9 @@ class RecipeSettings:
     prox_mu: float = 0.01
     server_lr: float = 0.03  # adaptive server optimisers
     momentum: float = 0.9  # FedAvgM
+    # Every recipe's devices train at lr * lr_decay from this round on (0: a constant lr).
+    lr_decay_rounds: float = 0.0
+    lr_decay: float = 0.1
     # Server optimiser of the hierarchical recipes at the cloud (FedGS, SAFL+FedGS):
     # "fedavgm" applies the momentum above to the external synchronisation.
     cloud_optimizer: str = "fedavgm"
@@ -60,8 +63,17 @@ def _cloud(s: RecipeSettings) -> dict:
     return {"server_optimizer": "fedavgm", "server_lr": 1.0, "beta1": s.momentum}
 
 
+def _schedule(s: RecipeSettings, per_round: int) -> dict:
+    """The device lr decay in iterations (``T`` per round in a hierarchy, one when flat);
+    nothing when off, so a recipe without it is the recipe it always was."""
+    if not s.lr_decay_rounds:
+        return {}
+    return {"lr_decay_at": max(1, round(s.lr_decay_rounds * per_round)), "lr_decay": s.lr_decay}
+
+
 def _hier(s: RecipeSettings, selector: str, **device) -> Strategy:
-    return Strategy(selector, device={"mix": 1.0, "nu": 0.0, **device},
+    return Strategy(selector, device={"mix": 1.0, "nu": 0.0, **_schedule(s, s.sync_period),
+                                      **device},
                     station={"super_node_size": s.super_node, "rand_per_group": s.rand_per_group,
                              "selector": selector, "sync_period": s.sync_period},
                     cloud=_cloud(s))
@@ -70,7 +82,7 @@ def _hier(s: RecipeSettings, selector: str, **device) -> Strategy:
 def _flat(s: RecipeSettings, *, device=None, station=None, cloud=None) -> Strategy:
     return Strategy("flat", flat=True,
                     device={"mix": 1.0, "nu": 0.0, "local_steps": s.sync_period,
-                            **(device or {})},
+                            **_schedule(s, 1), **(device or {})},
                     station={"super_node_size": s.super_node * s.factories, "rand_per_group": 0,
                              "selector": "random", "sync_period": 1, **(station or {})},
                     cloud=cloud or {})

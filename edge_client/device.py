@@ -177,6 +177,9 @@ class Device(RoleBase):
     def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
         cfg, t = self.config, model.iteration
         zbar = model.weights  # read-only; the merge, the trainer and the gate only read it
+        lr = cfg.lr * cfg.lr_decay if cfg.lr_decay_at and t >= cfg.lr_decay_at else cfg.lr
+        if self.trainer.lr != lr:  # ONNX Runtime's optimizer is told only of a change
+            self.trainer.lr = lr
         self.trainer.set_flat(self._start_model(zbar, t))
         self._measure_local(t)
         consumed = 0

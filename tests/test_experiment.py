@@ -52,6 +52,16 @@ def test_recipes_have_equal_compute_per_round(digits):
         build_strategy("fedsgd", SETTINGS)
 
 
+def test_an_lr_decay_reaches_every_recipe_in_its_own_iterations():
+    decayed = dataclasses.replace(SETTINGS, lr_decay_rounds=2.5, lr_decay=0.2)
+    for name in ("fedgs", "safl_fedgs", "fedavg", "fedavgm"):
+        strategy = build_strategy(name, decayed)
+        per_round = 1 if strategy.flat else decayed.sync_period
+        assert strategy.device["lr_decay_at"] == round(2.5 * per_round)
+        assert strategy.device["lr_decay"] == 0.2
+        assert "lr_decay_at" not in build_strategy(name, SETTINGS).device
+
+
 def test_shared_trainers_change_nothing_but_memory(digits):
     strategy = build_strategy("safl_fedgs", SETTINGS)
     alone = run_federation(digits, strategy, _spec(digits))

@@ -287,6 +287,18 @@ def test_a_stale_local_model_is_not_merged(digits):
     assert dev.counters["merge.stale_local"] == 1
 
 
+def test_the_learning_rate_decays_from_its_iteration_on(digits):
+    x2, y2 = digits.x_train[16:32], digits.y_train[16:32]
+    zbar, (_, z2), dev = _selected_twice(digits, (0, 3), lr_decay_at=3, lr_decay=0.1)
+    assert dev.trainer.lr == pytest.approx(0.05)
+    slow = _trainer(lr=0.05)
+    slow.set_flat(zbar)
+    slow.train_step(x2, y2)
+    np.testing.assert_allclose(z2, slow.get_flat(), atol=1e-6)
+    _, _, dev = _selected_twice(digits, (0, 2), lr_decay_at=3, lr_decay=0.1)
+    assert dev.trainer.lr == 0.5
+
+
 def test_the_upload_gate_waits_for_enough_held_out_samples(digits):
     def gated(min_holdout):
         cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=2,

@@ -20,6 +20,10 @@ class DeviceConfig:
     batch_size: int = 32
     local_steps: int = 1
     lr: float = 0.05
+    # Step decay: from station iteration ``lr_decay_at`` on, train at ``lr * lr_decay``
+    # (0: never).  Late in a run a smaller step settles the model the noise keeps moving.
+    lr_decay_at: int = 0
+    lr_decay: float = 0.1
     temperature: float = 50.0  # SAFL's maximum temperature L, in iterations
     mix: float = 0.5  # SAFL's eps: 1 recovers FedAvg/FedGS exactly
     granularity: str = "element"
@@ -45,6 +49,8 @@ class DeviceConfig:
         check_range("batch_size", self.batch_size, 1)
         check_range("local_steps", self.local_steps, 1)
         check_range("lr", self.lr, 0, low_open=True)
+        check_range("lr_decay_at", self.lr_decay_at, 0)
+        check_range("lr_decay", self.lr_decay, 0, 1, low_open=True)
         check_range("temperature", self.temperature, 0, low_open=True)
         check_range("mix", self.mix, 0, 1)
         check_range("nu", self.nu, 0)
