@@ -192,7 +192,7 @@ class Station(RoleBase):
             self.counters["iterations_without_data"] += 1
             log.warning("station %s: iteration %d closes untrained, %d devices online < quorum "
                         "%d", self.id, self.iteration, self.online_devices, self.config.min_quorum)
-            self.members, self._replies = (), {}
+            self._collect(())
             return self._close_iteration(now)
         if self.state == _S.COLLECTING and now >= self.deadline:
             missing = len(self.members) - len(self._replies)
@@ -391,7 +391,7 @@ class Station(RoleBase):
                             cfg.iteration_timeout)
             self.move(_S.STARVED, "too few devices ready for an iteration")
             self.deadline = now + cfg.iteration_timeout
-            self.members, self._replies = (), {}
+            self._collect(())
             return [self._model_message()] if newly else []  # wakes paced devices
         capped = [d for d in ready if self.share.eligible(d)]
         if len(capped) < len(ready):
@@ -404,10 +404,9 @@ class Station(RoleBase):
         picked = SELECTORS[cfg.selector](hists.reshape(len(ready), self.num_classes), self.p_real,
                                          size - n_random, fixed=fixed, rng=self.rng,
                                          max_iter=cfg.gbp_max_iter) if ready else []
-        self.members = tuple(sorted(ready[i] for i in [*fixed, *picked]))
+        self._collect(tuple(sorted(ready[i] for i in [*fixed, *picked])))
         self.share.record(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
-        self._replies, self._fold = {}, fold_for(cfg.fusion)
         self.deadline = now + cfg.iteration_timeout
         self.move(_S.COLLECTING, "a super node selected")
         out: list[m.Message] = [self._model_message(),
@@ -418,6 +417,10 @@ class Station(RoleBase):
             self.counters["iterations_without_data"] += 1
             return out + self._close_iteration(now)
         return out
+
+    def _collect(self, members: tuple[str, ...]) -> None:
+        """A new super node (or none): no reply, and nothing folded, from an earlier one."""
+        self.members, self._replies, self._fold = members, {}, fold_for(self.config.fusion)
 
     def _close_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config

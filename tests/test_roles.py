@@ -132,6 +132,23 @@ def test_station_proceeds_at_the_deadline_and_drops_late_replies():
     np.testing.assert_allclose(st.weights, 2.0)
 
 
+def test_updates_of_an_interrupted_iteration_are_not_fused_later():
+    st = _station()
+    _start_station(st)
+    st.handle(_upd("d0", 0, 5.0), 1.0)
+    st.handle(_upd("d1", 0, 7.0), 1.0)  # folded; d2 still awaited
+    for k in range(3):  # no device has a batch ready any more
+        st.handle(m.DeviceStats(fleet="t", sender=f"d{k}", round=0, iteration=0, station="s",
+                                seen_counts=np.ones(2, int), next_batch_counts=np.zeros(2, int)),
+                  2.0)
+    # The cloud moves on: a new global model, too few devices ready, the station starves.
+    st.handle(m.GlobalModel(fleet="t", sender="cloud", round=1, iteration=0,
+                            weights=np.full(4, 1.0), p_real=[0.5, 0.5]), 2.0)
+    st.tick(100.0)  # the starved iteration closes at its deadline
+    assert st.counters["iterations_without_data"] == 1
+    np.testing.assert_allclose(st.weights, 1.0)  # not round 0's updates folded into round 1
+
+
 def test_station_below_quorum_keeps_its_model():
     st = _station(min_quorum=2)
     _start_station(st)
