@@ -306,7 +306,8 @@ def test_a_stale_local_model_is_not_merged(digits):
 
 def test_the_learning_rate_decays_from_its_iteration_on(digits):
     x2, y2 = digits.x_train[16:32], digits.y_train[16:32]
-    zbar, (_, z2), dev = _selected_twice(digits, (0, 3), lr_decay_at=3, lr_decay=0.1)
+    zbar, (_, z2), dev = _selected_twice(digits, (0, 3), mix=1.0, lr_decay_at=3,
+                                         lr_decay=0.1)
     assert dev.trainer.lr == pytest.approx(0.05)
     slow = _trainer(lr=0.05)
     slow.set_flat(zbar)
