@@ -123,19 +123,17 @@ def gbp_cs(hists: np.ndarray, target: np.ndarray, n_select: int, *,
             else At @ (np.linalg.pinv(A @ At) @ y))
     relaxed = np.zeros(len(At), dtype=bool)
     relaxed[np.argsort(-xhat, kind="stable")[:n_select]] = True
-    best = None
-    for start in (relaxed, _greedy_fill(At, y, n_select, norms)):
-        x, cost = _best_swaps(A, At, y, norms, start, max_iter)
-        if best is None or cost < best[1]:
-            best = x, cost
-    return np.sort(candidates[best[0]])
+    searched = [_best_swaps(At, y, norms, start, max_iter)
+                for start in (relaxed, _greedy_fill(At, y, n_select, norms))]
+    x, _ = min(searched, key=lambda found: found[1])  # a tie keeps the paper's start
+    return np.sort(candidates[x])
 
 
-def _best_swaps(A: np.ndarray, At: np.ndarray, y: np.ndarray, norms: np.ndarray,
-                x: np.ndarray, max_iter: int) -> tuple[np.ndarray, float]:
+def _best_swaps(At: np.ndarray, y: np.ndarray, norms: np.ndarray, x: np.ndarray,
+                max_iter: int) -> tuple[np.ndarray, float]:
     """Swap the exact best pair until none lowers ``||A x - y||^2``; ``(x, cost)``."""
     x = x.copy()
-    r = A[:, x].sum(axis=1) - y
+    r = At[x].sum(axis=0) - y
     cost = float(r @ r)
     inn = np.flatnonzero(x)
     g = At @ r
