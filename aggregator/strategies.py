@@ -68,7 +68,10 @@ def _schedule(s: RecipeSettings, per_round: int) -> dict:
     nothing when off, so a recipe without it is the recipe it always was."""
     if not s.lr_decay_rounds:
         return {}
-    return {"lr_decay_at": max(1, round(s.lr_decay_rounds * per_round)), "lr_decay": s.lr_decay}
+    # A decay within the first iteration starts at iteration 1; a negative one is left for
+    # DeviceConfig to refuse by name, not hidden.
+    at = round(s.lr_decay_rounds * per_round)
+    return {"lr_decay_at": at if at else 1, "lr_decay": s.lr_decay}
 
 
 def _hier(s: RecipeSettings, selector: str, **device) -> Strategy:

@@ -14,6 +14,7 @@ from aggregator.experiment import DEFAULT_STRATEGIES, ExperimentConfig
 from aggregator.simulation import FleetSpec, RunResult, plan_fleet, run_federation
 from aggregator.strategies import build_strategy
 from aggregator.summary import samples_to
+from edge_client.config import DeviceConfig
 from edge_client.errors import ConfigError
 from safl.cli import main
 
@@ -60,6 +61,10 @@ def test_an_lr_decay_reaches_every_recipe_in_its_own_iterations():
         assert strategy.device["lr_decay_at"] == round(2.5 * per_round)
         assert strategy.device["lr_decay"] == 0.2
         assert "lr_decay_at" not in build_strategy(name, SETTINGS).device
+    # A negative decay round is refused by name where the device reads it, not clamped.
+    wrong = build_strategy("fedgs", dataclasses.replace(SETTINGS, lr_decay_rounds=-1.0)).device
+    with pytest.raises(ConfigError, match="lr_decay_at"):
+        DeviceConfig(device_id="d", station="s", lr_decay_at=wrong["lr_decay_at"])
 
 
 def test_shared_trainers_change_nothing_but_memory(digits):
