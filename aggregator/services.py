@@ -207,7 +207,8 @@ class CloudService:
         def manifest(message: m.Message) -> None:
             # Chunked frames cannot be retained: a late joiner learns the state from this.
             if isinstance(message, m.GlobalModel):
-                frame = encode(message, layout_hash=transport.layout_hash, fp16=self.broker.fp16)
+                frame = encode(message, layout_hash=transport.layout_hash, fp16=self.broker.fp16,
+                               wire_version=self.broker.wire_version)
                 transport.publish_document(manifest_topic(cfg.fleet), ModelManifest(
                     round=message.round, iteration=message.iteration, size=len(frame),
                     final=message.final, layout=transport.layout_hash))

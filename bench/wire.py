@@ -40,7 +40,7 @@ from aggregator.status import fleet_status  # noqa: E402
 from edge_client import messages as m  # noqa: E402
 from edge_client.codec import DEFAULT_CHUNK_SIZE, encode, split  # noqa: E402
 
-BASELINE = "9ed31b9"  # main before chunks were hashed as they arrive (issue 14)
+BASELINE = "9ed31b9"  # main before issue 14's wire work (incremental checks, wire version 2)
 from edge_client.config import BrokerConfig  # noqa: E402
 
 
@@ -200,8 +200,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--latency-runs", type=int, default=5,
+                        help="alternating runs of the latency table (raw paho moves run to run)")
     args = parser.parse_args()
-    latency_table(args.reps)
+    latency_table(args.reps, args.latency_runs)
     print("wire bytes over raw float32 model bytes (256 KiB chunks, 62-class stats, L = 4):")
     frame_table()
 

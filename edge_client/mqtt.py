@@ -27,7 +27,7 @@ from paho.mqtt.properties import Properties
 
 from . import messages as m
 from .admission import Admission
-from .codec import encode, split
+from .codec import encode, stream
 from .config import BrokerConfig
 from .documents import Document, decode_document, encode_document
 from .errors import BrokerRefused, ConnectError, MessageError
@@ -108,9 +108,8 @@ class MqttTransport:
             client.tls_set(ca_certs=cfg.ca or None, certfile=cfg.cert or None,
                            keyfile=cfg.key or None)
         if self.presence is not None:
-            offline = m.Presence(fleet=self.presence.fleet, sender=self.presence.sender,
-                                 round=0, iteration=0, role=self.presence.role, online=False)
-            client.will_set(topic_for(offline), encode(offline), qos=1, retain=True)
+            client.will_set(topic_for(self.presence), self._presence_frame(online=False),
+                            qos=1, retain=True)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
@@ -134,7 +133,8 @@ class MqttTransport:
         for topic_filter in {f for f, _ in [*self._subs, *self._doc_subs]}:
             client.subscribe(topic_filter, qos=1)
         if self.presence is not None:
-            client.publish(topic_for(self.presence), encode(self.presence), qos=1, retain=True)
+            client.publish(topic_for(self.presence), self._presence_frame(online=True), qos=1,
+                           retain=True)
         self._connected.set()
         log.info("%s connected (MQTT %s)", self.client_id, "5" if self._v5 else "3.1.1")
 
@@ -236,12 +236,21 @@ class MqttTransport:
             self._client.subscribe(topic_filter, qos=1)
 
     def publish(self, topic: str, message: m.Message) -> None:
-        frame = encode(message, layout_hash=self.layout_hash, fp16=self.config.fp16)
         retain = isinstance(message, m.Presence)
-        for part in split(frame, self.config.chunk_size):
+        for part in stream(message, chunk_size=self.config.chunk_size, fp16=self.config.fp16,
+                           layout_hash=self.layout_hash, wire_version=self.config.wire_version):
             self._last_info = self._client.publish(topic, part, qos=1, retain=retain)
             self.counters["bytes_out"] += len(part)
         self.counters["messages_out"] += 1
+
+    def _presence_frame(self, *, online: bool) -> bytes:
+        """This participant's presence (or its Last Will), in its wire version and without
+        a layout: anyone may read it, whatever model it runs."""
+        p = self.presence
+        if not online:
+            p = m.Presence(fleet=p.fleet, sender=p.sender, round=0, iteration=0, role=p.role,
+                           online=False)
+        return encode(p, wire_version=self.config.wire_version)
 
     def publish_document(self, topic: str, doc: Document) -> None:
         """Publish a retained JSON document (a manifest, a summary for ``safl status``)."""
@@ -298,9 +307,8 @@ class MqttTransport:
             except (RuntimeError, ValueError):
                 log.warning("%s closed with unacknowledged messages", self.client_id)
         if self.presence is not None and self._connected.is_set():
-            offline = m.Presence(fleet=self.presence.fleet, sender=self.presence.sender,
-                                 round=0, iteration=0, role=self.presence.role, online=False)
-            info = self._client.publish(topic_for(offline), encode(offline), qos=1, retain=True)
+            info = self._client.publish(topic_for(self.presence),
+                                        self._presence_frame(online=False), qos=1, retain=True)
             try:
                 info.wait_for_publish(timeout=2.0)
             except (RuntimeError, ValueError):

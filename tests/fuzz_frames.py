@@ -15,9 +15,10 @@ import struct
 import numpy as np
 
 from edge_client import messages as m
-from edge_client.codec import encode, reseal, split
+from edge_client.codec import WIRE_VERSION, encode, reseal, split
 
-PREFIX = struct.Struct("<4sBBBBIQ32s")
+FIXED = 20  # magic, version, type, dtype, reserved, header and payload lengths
+DIGEST = {1: 32, 2: 4}  # sha256 after the fixed prefix (v1), CRC-32 ending the frame (v2)
 FLEET = "f"
 
 
@@ -47,20 +48,25 @@ LITERALS = ["NaN", "Infinity", "-Infinity", "1e999", "[" * 20000 + "]" * 20000,
             "{\"a\":" * 5000 + "1" + "}" * 5000, "\"\\ud800\"", "1" + "0" * 5000]
 
 
-def _parts(frame: bytes) -> tuple[bytes, bytes, bytes]:
-    hlen = PREFIX.unpack_from(frame)[5]
-    return frame[:PREFIX.size], frame[PREFIX.size:PREFIX.size + hlen], frame[PREFIX.size + hlen:]
+def frame_parts(frame: bytes) -> tuple[bytes, bytes, bytes]:
+    """A valid frame's fixed prefix, JSON header and payload, in either wire version."""
+    version, hlen = frame[4], int.from_bytes(frame[8:12], "little")
+    start = FIXED + (DIGEST[1] if version == 1 else 0)
+    end = len(frame) - (DIGEST[2] if version == 2 else 0)
+    return frame[:FIXED], frame[start:start + hlen], frame[start + hlen:end]
 
 
-def _assemble(prefix: bytes, header: bytes, payload: bytes) -> bytes:
-    magic, ver, code, wd, res, _, _, _ = PREFIX.unpack_from(prefix)
-    return reseal(PREFIX.pack(magic, ver, code, wd, res, len(header), len(payload), bytes(32))
-                  + header + payload)
+def assemble(prefix: bytes, header: bytes, payload: bytes) -> bytes:
+    """A frame of ``prefix``'s version from these parts, its lengths and checksum made right."""
+    fixed = prefix[:8] + struct.pack("<IQ", len(header), len(payload))
+    if prefix[4] == 1:
+        return reseal(fixed + bytes(DIGEST[1]) + header + payload)
+    return reseal(fixed + header + payload + bytes(DIGEST[2]))
 
 
 def mutate(frame: bytes, rng: np.random.Generator) -> bytes:
     """One mutated copy of a valid frame."""
-    prefix, header, payload = _parts(frame)
+    prefix, header, payload = frame_parts(frame)
     kind = rng.integers(9)
     if kind <= 2:  # a header field gets a hostile value (or a raw literal)
         doc = json.loads(header)
@@ -70,7 +76,7 @@ def mutate(frame: bytes, rng: np.random.Generator) -> bytes:
             marker = "__LITERAL__"
             target[key] = marker
             text = json.dumps(doc).replace(f'"{marker}"', LITERALS[rng.integers(len(LITERALS))])
-            return _assemble(prefix, text.encode(), payload)
+            return assemble(prefix, text.encode(), payload)
         choice = HOSTILE[rng.integers(len(HOSTILE))]
         if rng.random() < 0.1:
             target.pop(key)
@@ -78,7 +84,7 @@ def mutate(frame: bytes, rng: np.random.Generator) -> bytes:
             target["extra_" + str(rng.integers(9))] = choice
         else:
             target[key] = choice
-        return _assemble(prefix, json.dumps(doc).encode(), payload)
+        return assemble(prefix, json.dumps(doc).encode(), payload)
     if kind == 3:  # the array table
         doc = json.loads(header)
         if doc["arrays"]:
@@ -91,7 +97,7 @@ def mutate(frame: bytes, rng: np.random.Generator) -> bytes:
         text = json.dumps(doc)
         if rng.random() < 0.2:
             text = text.replace(str(doc["arrays"][0][2]) + "]", "Infinity]", 1)
-        return _assemble(prefix, text.encode(), payload)
+        return assemble(prefix, text.encode(), payload)
     if kind == 4:  # prefix fields: type, dtype, version, lengths
         data = bytearray(frame)
         pos = [4, 5, 6, 7, 8, 12, 16][rng.integers(7)]
@@ -100,7 +106,7 @@ def mutate(frame: bytes, rng: np.random.Generator) -> bytes:
     if kind == 5:  # flipped bytes in the header or payload
         data = bytearray(frame)
         for _ in range(int(rng.integers(1, 4))):
-            i = int(rng.integers(PREFIX.size, len(data)))
+            i = int(rng.integers(FIXED, len(data)))
             data[i] ^= int(rng.integers(1, 256))
         return reseal(data)
     if kind == 6:  # cut or grown
@@ -109,10 +115,10 @@ def mutate(frame: bytes, rng: np.random.Generator) -> bytes:
         return reseal(frame + bytes(rng.integers(0, 256, int(rng.integers(1, 64)),
                                                  dtype=np.uint8)))
     if kind == 7:  # payload length vs the array table
-        return _assemble(prefix, header, payload[:-4] if rng.random() < 0.5 else payload * 2)
+        return assemble(prefix, header, payload[:-4] if rng.random() < 0.5 else payload * 2)
     # random bytes, sometimes dressed as a chunk
     junk = bytes(rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8))
-    return (b"SAFC\x01" + junk) if rng.random() < 0.5 else junk
+    return (b"SAFC" + bytes([frame[4]]) + junk) if rng.random() < 0.5 else junk
 
 
 def chunked(frame: bytes, rng: np.random.Generator) -> list[bytes]:
@@ -125,5 +131,5 @@ def chunked(frame: bytes, rng: np.random.Generator) -> list[bytes]:
     return chunks
 
 
-def encoded(message: m.Message) -> bytes:
-    return encode(message, layout_hash="ab12")
+def encoded(message: m.Message, wire_version: int = WIRE_VERSION) -> bytes:
+    return encode(message, layout_hash="ab12", wire_version=wire_version)

@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 import pytest
-from fuzz_frames import FLEET, base_messages, chunked, encoded, mutate
+from fuzz_frames import FLEET, assemble, base_messages, chunked, encoded, frame_parts, mutate
 
 from edge_client import messages as m
 from edge_client.admission import Admission, LogLimiter
-from edge_client.codec import decode, encode, reseal
+from edge_client.codec import decode, encode
 from edge_client.errors import MessageError
 
 
@@ -23,13 +23,8 @@ def _admission(**kw):
 
 def _with_header(frame: bytes, edit) -> bytes:
     """``frame`` with its JSON header rewritten by ``edit(text) -> text``, resealed."""
-    import struct
-    prefix = struct.Struct("<4sBBBBIQ32s")
-    magic, ver, code, wd, res, hlen, plen, _ = prefix.unpack_from(frame)
-    header = edit(frame[prefix.size:prefix.size + hlen].decode()).encode()
-    payload = frame[prefix.size + hlen:]
-    return reseal(prefix.pack(magic, ver, code, wd, res, len(header), plen, bytes(32))
-                  + header + payload)
+    prefix, header, payload = frame_parts(frame)
+    return assemble(prefix, edit(header.decode()).encode(), payload)
 
 
 def _update_frame() -> bytes:
@@ -132,7 +127,7 @@ def test_log_limiter_allows_again_after_its_period():
 
 def _fuzz(n: int, seed: int) -> tuple[dict[str, int], float]:
     rng = np.random.default_rng(seed)
-    bases = [(t, encoded(msg)) for t, msg in base_messages()]
+    bases = [(t, encoded(msg, version)) for t, msg in base_messages() for version in (1, 2)]
     adm = _admission()
     outcomes: dict[str, int] = {}
     slowest = 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import zlib
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge_client import messages as m
-from edge_client.codec import Reassembler, decode, encode, is_chunk, split
+from edge_client.codec import WIRE_VERSION, Reassembler, decode, encode, is_chunk, split, stream
 from edge_client.errors import MessageError
 
 H = dict(fleet="f", sender="x", round=2, iteration=7)
@@ -27,6 +28,15 @@ SAMPLES = [
     m.GlobalModel(**H, weights=W, p_real=[0.25, 0.75], final=True),
     m.Presence(**H, role="dev", online=False),
 ]
+
+
+def _checksum(frame: bytes) -> tuple[slice, bytes]:
+    """Where docs/protocol.md puts a frame's checksum in its wire version, and the checksum
+    it should hold, computed here from the bytes without the codec."""
+    if frame[4] == 1:
+        return slice(20, 52), hashlib.sha256(frame[:20] + frame[52:]).digest()
+    assert frame[4] == 2
+    return slice(len(frame) - 4, len(frame)), zlib.crc32(frame[:-4]).to_bytes(4, "little")
 
 
 def _same(a: m.Message, b: m.Message) -> bool:
@@ -87,21 +97,45 @@ def test_any_flipped_byte_is_refused(position, flip):
         decode(bytes(data), max_size=1 << 20)
 
 
-def test_nan_weights_are_refused_even_with_a_valid_checksum():
-    good = encode(SAMPLES[3])
+@pytest.mark.parametrize("version", [1, 2])
+def test_nan_weights_are_refused_even_with_a_valid_checksum(version):
+    good = encode(SAMPLES[3], wire_version=version)
     bad_weights = np.array(W)
     bad_weights[5] = np.nan
     # Build a frame whose checksum is right but whose payload holds a NaN.
-    forged = encode(m.StationModel(**H, weights=np.zeros_like(W)))
+    forged = encode(m.StationModel(**H, weights=np.zeros_like(W)), wire_version=version)
     forged = forged[: len(forged) - W.nbytes] + bad_weights.tobytes()
-    prefix_size = 4 + 4 + 4 + 8 + 32
-    hlen = int.from_bytes(forged[8:12], "little")
-    digest = hashlib.sha256(forged[:prefix_size - 32] + forged[prefix_size:]).digest()
-    forged = forged[:prefix_size - 32] + digest + forged[prefix_size:]
-    assert hlen > 0 and len(forged) == len(good)
+    at, digest = _checksum(forged)
+    forged = forged[:at.start] + digest + forged[at.stop:]
+    assert len(forged) == len(good)
     with pytest.raises(MessageError) as err:
         decode(forged, max_size=1 << 20)
     assert err.value.reason == "non_finite"
+
+
+def test_frames_of_both_wire_versions_decode_and_others_are_refused_by_name():
+    assert WIRE_VERSION == 2 and encode(SAMPLES[1])[4] == 2
+    for version in (1, 2):
+        frame = encode(SAMPLES[1], wire_version=version, message_id=bytes(16))
+        at, digest = _checksum(frame)
+        assert frame[4] == version and frame[at] == digest
+        assert _same(decode(frame, max_size=1 << 20).message, SAMPLES[1])
+        # The reserved byte, the header, the last weight, the checksum itself.
+        for flip in (7, 60, len(frame) - 40, at.start):
+            bad = bytearray(frame)
+            bad[flip] ^= 0x10
+            with pytest.raises(MessageError) as err:
+                decode(bytes(bad), max_size=1 << 20)
+            assert err.value.reason == "bad_checksum"
+    # Both versions carry the same header and payload: version 1 puts sha256 after the
+    # prefix, version 2 ends the frame with CRC-32.
+    one, two = (encode(SAMPLES[1], wire_version=v, message_id=bytes(16)) for v in (1, 2))
+    assert one[52:] == two[20:-4] and len(one) - len(two) == 28
+    unknown = bytearray(two)
+    unknown[4] = 3
+    with pytest.raises(MessageError) as err:
+        decode(bytes(unknown), max_size=1 << 20)
+    assert err.value.reason == "version"
 
 
 def test_chunks_reassemble_in_any_order_once():
@@ -118,10 +152,13 @@ def test_chunks_reassemble_in_any_order_once():
     assert split(frame, len(frame)) == [frame]
 
 
-def test_chunks_are_hashed_as_they_arrive_and_decode_checks_that_digest():
-    frame = encode(m.StationModel(**H, weights=np.arange(50_000, dtype=np.float32)))
-    span = hashlib.sha256(frame[:20] + frame[52:]).digest()
+@pytest.mark.parametrize("version", [1, 2])
+def test_chunks_are_hashed_as_they_arrive_and_decode_checks_that_digest(version):
+    frame = encode(m.StationModel(**H, weights=np.arange(50_000, dtype=np.float32)),
+                   wire_version=version)
+    span = _checksum(frame)[1]
     chunks = split(frame, 16 * 1024)
+    assert {c[4] for c in chunks} == {version}  # a v1 receiver can reassemble v1 chunks
     for order in (range(len(chunks)), [2, 0, 1, *range(3, len(chunks))]):
         r = Reassembler(max_size=1 << 20, memory_cap=1 << 20, timeout=5.0)
         whole = [o for o in (r.add("t", chunks[i], 0.0) for i in order) if o is not None]
@@ -129,13 +166,45 @@ def test_chunks_are_hashed_as_they_arrive_and_decode_checks_that_digest():
     assert decode(frame, max_size=1 << 20, digest=span).message.weights[-1] == 49_999
     # decode trusts the digest it is given to be the frame's: a wrong one is a bad checksum.
     with pytest.raises(MessageError) as err:
-        decode(frame, max_size=1 << 20, digest=bytes(32))
+        decode(frame, max_size=1 << 20, digest=bytes(len(span)))
     assert err.value.reason == "bad_checksum"
-    # A first chunk shorter than the frame prefix cannot start the hash: decode hashes.
-    tiny = split(frame, 60)
+    # Chunks shorter than the prefix are folded in all the same; a first chunk too short to
+    # name the wire version leaves the check to decode.
+    small = encode(m.StationModel(**H, weights=W), wire_version=version)
+    for size, expected in ((37 + 12, _checksum(small)[1]), (37 + 4, None)):
+        r = Reassembler(max_size=1 << 20, memory_cap=1 << 20, timeout=5.0)
+        assert [o for o in (r.add("t", c, 0.0) for c in split(small, size))
+                if o is not None] == [small]
+        assert r.last_digest == expected
+    # A corrupted chunk is caught by the check the reassembler folded in as it arrived.
+    bad = [bytearray(c) for c in chunks]
+    bad[1][-5] ^= 0x01
     r = Reassembler(max_size=1 << 20, memory_cap=1 << 20, timeout=5.0)
-    assert [o for o in (r.add("t", c, 0.0) for c in tiny) if o is not None] == [frame]
-    assert r.last_digest is None
+    got = [o for o in (r.add("t", bytes(c), 0.0) for c in bad) if o is not None][0]
+    with pytest.raises(MessageError) as err:
+        decode(got, max_size=1 << 20, digest=r.last_digest)
+    assert err.value.reason == "bad_checksum"
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 3000), extra=st.integers(-6, 6), parts=st.integers(2, 5),
+       version=st.sampled_from([1, 2]))
+def test_streamed_chunks_are_the_split_frame(n, extra, parts, version):
+    """The transport's chunks, checksummed as they go, are byte for byte the frame's
+    chunks; chunk sizes around the frame's length put the CRC trailer across a boundary."""
+    msg = m.StationModel(**H, weights=np.arange(n, dtype=np.float32))
+    frame = encode(msg, message_id=bytes(16), wire_version=version)
+    size = max(-(-len(frame) // parts) + 37 + extra, 41)
+
+    def same_id(chunks):  # the chunk-set id is random per message
+        return [c[:5] + c[21:] if is_chunk(c) else c for c in chunks]
+
+    got = list(stream(msg, chunk_size=size, message_id=bytes(16), wire_version=version))
+    assert same_id(got) == same_id(split(frame, size))
+    r = Reassembler(max_size=1 << 20, memory_cap=1 << 20, timeout=5.0)
+    whole = [o for o in (r.add("t", c, 0.0) for c in got) if o is not None] if len(got) > 1 \
+        else got
+    assert whole == [frame] and decode(frame, max_size=1 << 20).message.weights.size == n
 
 
 def test_reassembly_timeout_and_memory_cap():

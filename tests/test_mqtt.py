@@ -107,6 +107,59 @@ def test_chunked_model_larger_than_mosquittos_limit(tmp_path):
         server.stop()
 
 
+def test_devices_on_either_wire_version_reach_an_upgraded_station(tmp_path):
+    """During an upgrade a device pinned to wire version 1 (``wire_version = 1``) and one
+    on version 2 both reach a station on version 2; each writes its own version on the wire,
+    chunks and presence included."""
+    server = Mosquitto(tmp_path, ["d0", "d1", "st0", "tester"],
+                       acl_lines("f", {"st0": ["d0", "d1"]}))
+    try:
+        seen = []
+        raw = paho.Client(CallbackAPIVersion.VERSION2, client_id="tester")
+        raw.username_pw_set("tester", Mosquitto.PASSWORD)
+        raw.on_message = lambda c, u, msg: seen.append((msg.topic, msg.payload[:5]))
+        raw.connect(*BrokerConfig(url=server.url).host_port)
+        raw.subscribe("safl/f/dev/#", qos=1)
+        raw.loop_start()
+
+        def transport(user, **kw):
+            cfg = BrokerConfig(url=server.url, username=user, password=Mosquitto.PASSWORD,
+                               chunk_size=64 * 1024, **kw)
+            presence = m.Presence(fleet="f", sender=user, round=0, iteration=0, role="dev",
+                                  online=True)
+            return MqttTransport(cfg, client_id=user, fleet="f",
+                                 presence=presence if user != "st0" else None)
+
+        station = transport("st0")
+        old, new = transport("d0", wire_version=1), transport("d1")
+        got = []
+        station.subscribe("safl/f/dev/+/update", lambda t, msg: got.append(msg))
+        for t in (station, old, new):
+            t.connect()
+        time.sleep(0.2)
+        weights = np.random.default_rng(0).random(50_000, dtype=np.float32)  # 4 chunks
+        for dev in ("d0", "d1"):
+            msg = m.DeviceUpdate(fleet="f", sender=dev, round=0, iteration=0, station="st0",
+                                 weights=weights, num_samples=32)
+            (old if dev == "d0" else new).publish(topic_for(msg), msg)
+        deadline = time.monotonic() + 15
+        while len(got) < 2 and time.monotonic() < deadline:
+            station.deliver()
+            time.sleep(0.01)
+        assert sorted(g.sender for g in got) == ["d0", "d1"]
+        assert all(np.array_equal(g.weights, weights) for g in got)
+        assert not any(k.startswith("rejected") for k in station.counters)
+        raw.loop_stop()
+        versions = {(t.split("/")[3], t.split("/")[4], p[:4], p[4]) for t, p in seen}
+        assert {("d0", "update", b"SAFC", 1), ("d0", "status", b"SAFL", 1),
+                ("d1", "update", b"SAFC", 2), ("d1", "status", b"SAFL", 2)} <= versions
+        assert {v[3] for v in versions if v[0] == "d0"} == {1}
+        for t in (old, new, station):
+            t.close()
+    finally:
+        server.stop()
+
+
 def test_broker_refuses_wrong_password(tmp_path):
     server = Mosquitto(tmp_path, ["d0"], acl_lines("f", {"st0": ["d0"]}))
     try:

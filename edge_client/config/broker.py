@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from ..codec import WIRE_VERSION, WIRE_VERSIONS
 from ..errors import ConfigError
 from .loading import check_range
 
@@ -36,6 +37,9 @@ class BrokerConfig:
     handshake_timeout: float = 5.0  # seconds one CONNECT may take to be answered
     close_timeout: float = 10.0  # seconds to flush what was published before disconnecting
     fp16: bool = False
+    # The frame format this role writes: 1 while receivers older than wire version 2 remain
+    # (every receiver reads both); see docs/protocol.md.
+    wire_version: int = WIRE_VERSION
     connect_timeout: float = 30.0
     backoff_min: float = 0.5
     backoff_max: float = 30.0
@@ -67,6 +71,9 @@ class BrokerConfig:
         for key in ("ca", "cert", "key"):
             if getattr(self, key) and not Path(getattr(self, key)).is_file():
                 raise ConfigError(key, f"file {getattr(self, key)} does not exist")
+        if self.wire_version not in WIRE_VERSIONS:
+            raise ConfigError("wire_version", f"must be one of {WIRE_VERSIONS}, got "
+                              f"{self.wire_version!r}")
         check_range("keepalive", self.keepalive, 5)
         check_range("chunk_size", self.chunk_size, 1024)
         check_range("max_message", self.max_message, self.chunk_size)
