@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from aggregator.config import CloudConfig, StationConfig
-from edge_client.config import DeviceConfig, load_config
+from edge_client.config import BrokerConfig, DeviceConfig, load_config
 from edge_client.errors import ConfigError
 
 
@@ -15,6 +15,18 @@ def test_toml_env_and_overrides_in_order(tmp_path):
     cfg = load_config(DeviceConfig, "device", path, overrides={"mix": 0.9},
                       environ={"SAFL_DEVICE_LR": "0.01", "SAFL_DEVICE_NU": "2"})
     assert (cfg.device_id, cfg.lr, cfg.mix, cfg.nu) == ("cam1", 0.01, 0.9, 2.0)
+
+
+def test_the_wire_version_a_role_writes_comes_from_broker_toml_or_env(tmp_path):
+    path = tmp_path / "device.toml"
+    path.write_text('[broker]\nwire_version = 1\n')
+    assert load_config(BrokerConfig, "broker", path).wire_version == 1
+    assert load_config(BrokerConfig, "broker", None).wire_version == 2  # the newest
+    env = {"SAFL_BROKER_WIRE_VERSION": "1"}
+    assert load_config(BrokerConfig, "broker", None, environ=env).wire_version == 1
+    path.write_text('[broker]\nwire_version = 3\n')
+    with pytest.raises(ConfigError, match="wire_version"):
+        load_config(BrokerConfig, "broker", path)
 
 
 def test_station_roster_from_toml_list(tmp_path):
