@@ -120,6 +120,8 @@ def main() -> None:
     import torch
 
     wanted = args.backends.split(",")
+    if "torch" not in wanted:
+        parser.error("--backends needs torch: its row is what the others are compared with")
     if torch.cuda.is_available():
         wanted.append("torch-cuda")
         print(f"accelerator: {torch.cuda.get_device_name()} (torch {torch.__version__})")
