@@ -92,6 +92,13 @@ class _Version:
         at = self.digest_at(total)
         return (0, at.start), (at.stop, total)
 
+    def checksum(self, frame) -> bytes:
+        """The checksum ``frame`` should carry (its own digest bytes left out)."""
+        view, check = memoryview(frame), self.check()
+        for lo, hi in self.span(len(view)):
+            check.update(view[lo:hi])
+        return check.digest()
+
 
 _VERSIONS = {1: _Version(hashlib.sha256, "sha256", 32, trailer=False),
              2: _Version(_Crc32, "crc32", 4, trailer=True)}
@@ -171,8 +178,7 @@ def stream(message: m.Message, *, chunk_size: int, layout_hash: str = "", fp16: 
     version = _VERSIONS[wire_version]
     parts = _pieces(message, layout_hash, fp16, message_id, wire_version)
     if version.trailer and sum(len(p) for p in parts) + version.digest_size > chunk_size:
-        return _chunks(parts, chunk_size, wire_version, check=version.check(),
-                       tail_size=version.digest_size)
+        return _chunks(parts, chunk_size, wire_version, trailer=version)
     return split(_seal(version, parts), chunk_size)
 
 
@@ -197,10 +203,7 @@ def decode(data: bytes, *, max_size: int, digest: bytes | None = None) -> Frame:
     whole = memoryview(data)
     body = whole[version.head:version.head + hlen + plen]
     if digest is None:
-        check = version.check()
-        for lo, hi in version.span(len(data)):
-            check.update(whole[lo:hi])
-        digest = check.digest()
+        digest = version.checksum(whole)
     if digest != bytes(whole[version.digest_at(len(data))]):
         raise MessageError("bad_checksum", f"{version.name} of the frame does not match")
     cls = _TYPES[code]
@@ -249,10 +252,7 @@ def reseal(frame: bytes | bytearray) -> bytes:
     except MessageError:
         return bytes(data)  # nothing to reseal: decode refuses it before any checksum
     if len(data) >= version.overhead:
-        check = version.check()
-        for lo, hi in version.span(len(data)):
-            check.update(bytes(data[lo:hi]))
-        data[version.digest_at(len(data))] = check.digest()
+        data[version.digest_at(len(data))] = version.checksum(bytes(data))
     return bytes(data)
 
 
@@ -309,13 +309,13 @@ def split(frame: bytes, chunk_size: int) -> list[bytes]:
     return list(_chunks([memoryview(frame)], chunk_size, frame[4]))
 
 
-def _chunks(parts: list, chunk_size: int, version: int, *, check=None,
-            tail_size: int = 0) -> Iterator[bytes]:
-    """Chunks of the frame ``parts`` make, ended by ``check``'s digest when there is one
-    (``tail_size`` bytes), each chunk copied once as it is asked for.  The digest is taken
-    when the chunk that carries it is asked for: the chunks before it are on their way."""
+def _chunks(parts: list, chunk_size: int, version: int, *,
+            trailer: _Version | None = None) -> Iterator[bytes]:
+    """Chunks of the frame ``parts`` make, ended by ``trailer``'s checksum when given, each
+    chunk copied once as it is asked for.  The checksum is taken when the chunk that carries
+    it is asked for: the chunks before it are on their way."""
     data = sum(len(p) for p in parts)
-    total = data + tail_size
+    total = data + (trailer.digest_size if trailer else 0)
     body = chunk_size - _CHUNK.size
     if body <= 0:
         raise ValueError(f"chunk_size {chunk_size} leaves no room for data")
@@ -326,7 +326,8 @@ def _chunks(parts: list, chunk_size: int, version: int, *, check=None,
         start, stop = i * body, min((i + 1) * body, total)
         pieces = list(_views(parts, start, min(stop, data)))
         if stop > data:
-            if check is not None and not tail:
+            if not tail:
+                check = trailer.check()
                 for view in _views(parts, 0, data):
                     check.update(view)
                 tail = check.digest()
