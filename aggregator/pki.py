@@ -73,7 +73,7 @@ def make_ca(folder: Path, name: str, days: int = 3650) -> tuple[Path, Path]:
 
 
 def issue(ca_dir: Path, out_cert: Path, out_key: Path, common_name: str, *,
-          hosts: tuple[str, ...] = (), server: bool = False, days: int = 825,
+          hosts: tuple[str, ...] = (), server: bool = False, days: float = 825,
           backdate_days: int = 0) -> None:
     """Issue a certificate signed by the fleet CA (server certs carry ``hosts`` as SANs).
 

@@ -11,11 +11,13 @@ Output folder (``--out``):
 - ``state.json``: ids issued and revoked, revoked serials, so re-runs only add.
 
 A client certificate is its participant's identity: brokers require one and take its common
-name as the username (no passwords anywhere).  ACLs grant exact topics: devices write their
+name as the username and as the client id (no passwords anywhere, and no session anyone else
+can take over).  ACLs grant exact topics: devices write their
 ``dev/<id>/{stats,update,status}`` and read their station's model, selection and presence;
 stations write their own topics and read their devices and the cloud's; the monitor reads
 presence and summaries only.  ``--revoke`` puts the certificate on the CRL every listener
-loads.  Private keys and ``state.json`` are 0600, every folder 0700.
+loads; after the brokers reload it, ``--kick`` ends the revoked participant's live
+connections (:func:`kick`).  Private keys and ``state.json`` are 0600, every folder 0700.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,14 +36,15 @@ else:  # pragma: no cover
 
 from edge_client import topics
 from edge_client.codec import DEFAULT_CHUNK_SIZE
-from edge_client.config import check_id
-from edge_client.errors import ConfigError
+from edge_client.config import BrokerConfig, check_id
+from edge_client.errors import ConfigError, SaflError
+from edge_client.mqtt import MqttTransport
 from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES
 
 from .launch import toml_text
 from .pki import issue, make_ca, serial_of, write_crl, write_private
 
-__all__ = ["FleetFile", "load_fleet_file", "provision", "MAX_PACKET"]
+__all__ = ["FleetFile", "load_fleet_file", "provision", "kick", "MAX_PACKET"]
 
 MONITOR = "monitor"  # read-only user for `safl status`
 
@@ -128,6 +132,9 @@ def _broker_conf(folder: Path, port: int, prefix: Path, extra: list[str] = ()) -
         f"certfile {folder / 'server.pem'}", f"keyfile {folder / 'server.key'}",
         "require_certificate true",
         "use_identity_as_username true",
+        "# The client id is the certificate's name too: nobody can take over another",
+        "# participant's session (kick it off, fire its Last Will, discard its queue).",
+        "use_username_as_clientid true",
         "allow_anonymous false",
         f"acl_file {folder / 'acl'}",
         "persistence true",
@@ -263,7 +270,7 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
             f"address {fleet.cloud_host}:{fleet.cloud_port}",
             f"bridge_cafile {prefix / 'ca' / 'ca.pem'}",
             f"bridge_certfile {cred / 'client.pem'}", f"bridge_keyfile {cred / 'client.key'}",
-            f"remote_clientid safl-bridge-{s.id}", "cleansession false",
+            f"remote_clientid {s.id}", "cleansession false",
             "bridge_protocol_version mqttv311", "try_private true",
             *(f"topic {topics.prefix(name, 'station', s.id)}/{leaf} out 1" for leaf in STATION_UP),
             *(f"topic {topics.prefix(name, 'cloud')}/{leaf} in 1" for leaf in CLOUD_LEAVES),
@@ -299,6 +306,68 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
     for folder in [out, *(p for p in out.rglob("*") if p.is_dir())]:
         folder.chmod(0o700)  # the provisioned tree holds every private key of the fleet
     return created
+
+
+# A kick's certificate lives ten minutes and its key only in a temporary folder; its serial
+# joins the CRL at once, so the next reload refuses it too.
+_KICK_DAYS = 10 / (24 * 60)
+
+
+def _brokers_of(fleet: FleetFile, user: str) -> list[str]:
+    """Where ``user`` holds sessions: a device on its station's broker; a station on its own
+    broker (the service) and on the cloud broker (its bridge)."""
+    cloud = f"mqtts://{fleet.cloud_host}:{fleet.cloud_port}"
+    for s in fleet.stations:
+        if user == s.id:
+            return [f"mqtts://{s.host}:{s.port}", cloud]
+        if user in s.devices:
+            return [f"mqtts://{s.host}:{s.port}"]
+    return []
+
+
+def kick(fleet_path: str | Path, out: str | Path, users: tuple[str, ...], *,
+         timeout: float = 10.0) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """End the live sessions of revoked participants on every broker they use.
+
+    A revoked certificate fails the handshake once a broker reloaded the CRL, but a
+    connection opened before stays up.  With client ids bound to certificate names, the CA
+    can end it: a short-lived certificate of the same name connects with a clean start,
+    which makes the broker close the old connection and drop its session, and leaves at
+    once.  Run it after the reload, or the revoked participant simply reconnects.  Returns
+    the broker URLs where each user's session was ended, and the brokers that could not be
+    reached with why.
+    """
+    fleet = load_fleet_file(fleet_path)
+    out = Path(out).resolve()
+    state = _State(out / "state.json")
+    for user in users:
+        if user not in state.doc["revoked"]:
+            raise ConfigError("kick", f"{user!r} is not revoked: revoke it, reload the "
+                              "brokers, then kick it")
+    kicked: dict[str, list[str]] = {}
+    failed: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cert, key = Path(tmp) / "kick.pem", Path(tmp) / "kick.key"
+        for user in users:
+            issue(out / "ca", cert, key, user, days=_KICK_DAYS)
+            state.doc["revoked_serials"].append(serial_of(cert))
+            kicked[user] = []
+            for url in _brokers_of(fleet, user):
+                config = BrokerConfig(url=url, ca=str(out / "ca" / "ca.pem"), cert=str(cert),
+                                      key=str(key), connect_timeout=timeout,
+                                      handshake_timeout=min(5.0, timeout))
+                transport = MqttTransport(config, client_id=user, fleet=fleet.name,
+                                          persistent=False)
+                try:
+                    transport.connect()
+                except SaflError as exc:
+                    failed[url] = str(exc)
+                    continue
+                transport.close()
+                kicked[user].append(url)
+    write_crl(out / "ca", state.doc["revoked_serials"])
+    state.save()
+    return kicked, failed
 
 
 def _rel(out: Path, folder: Path) -> Path:

@@ -30,11 +30,11 @@ from .admission import Admission
 from .codec import encode, stream
 from .config import BrokerConfig
 from .documents import Document, decode_document, encode_document
-from .errors import BrokerRefused, ConnectError, MessageError
-from .tls import check_pair
+from .errors import BrokerRefused, ConfigError, ConnectError, MessageError
+from .tls import certificate_identity, check_pair
 from .topics import is_document_topic, matches, topic_for
 
-__all__ = ["MqttTransport", "ConnectError", "BrokerRefused", "REFUSED_FOR_GOOD"]
+__all__ = ["MqttTransport", "ConnectError", "BrokerRefused", "REFUSED_FOR_GOOD", "broker_identity"]
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,22 @@ DocumentHandler = Callable[[str, Document], None]
 
 
 # CONNACK reason codes (MQTT 5; paho maps 3.1.1's return codes onto them) that no retry
-# can cure: bad credentials, not authorised, banned, a bad authentication method.
-REFUSED_FOR_GOOD = frozenset({0x86, 0x87, 0x8A, 0x8C})
+# can cure: a client id refused, bad credentials, not authorised, banned, a bad
+# authentication method.
+REFUSED_FOR_GOOD = frozenset({0x85, 0x86, 0x87, 0x8A, 0x8C})
+# Refusals a broker that binds client ids to identities gives a client connecting as
+# someone else (or as no one): said as such, not as a bare reason code.
+_IDENTITY_REFUSALS = frozenset({0x85, 0x87})
+
+
+def broker_identity(config: BrokerConfig) -> str | None:
+    """The client certificate's common name, when the certificate is the identity (a client
+    certificate and no username, as ``safl provision`` writes): its brokers take it as the
+    username and bind the client id to it.  None otherwise: a password login may be shared
+    by several clients, each with its own client id."""
+    if config.username or not config.cert:
+        return None
+    return certificate_identity(config.cert)
 
 
 class MqttTransport:
@@ -54,7 +68,10 @@ class MqttTransport:
     ----------
     config : BrokerConfig
     client_id : str
-        Stable id: the broker keeps the persistent session under it.
+        Stable id: the broker keeps the persistent session under it.  Where the client
+        certificate is the identity (:func:`broker_identity`), the transport connects with
+        exactly the certificate's name instead: provisioned brokers bind the two, so that
+        nobody can take over another participant's session.
     fleet, layout_hash : str
         Frames of another fleet or model layout are refused.
     presence : Presence, optional
@@ -72,6 +89,15 @@ class MqttTransport:
                  persistent: bool = True) -> None:
         if config.cert:
             check_pair(config.ca, config.cert, config.key)  # refuse bad files before connecting
+        identity = broker_identity(config)
+        if identity and presence is not None and presence.sender != identity:
+            # The ACL would confine it to that identity's topics: every message lost, silently.
+            raise ConfigError("cert", f"the broker knows this connection as {identity!r}, but it "
+                              f"speaks for {presence.sender!r}")
+        if identity and identity != client_id:
+            log.info("%s connects as %s, the identity its broker knows it by", client_id,
+                     identity)
+        client_id = identity or client_id
         self.config, self.client_id, self.fleet = config, client_id, fleet
         self.layout_hash, self.presence, self.clock = layout_hash, presence, clock
         self.persistent = persistent
@@ -184,8 +210,13 @@ class MqttTransport:
         delay = self.config.backoff_min
         while not self._try_connect():
             if self._refused is not None and self._refused.value in REFUSED_FOR_GOOD:
+                hint = ""
+                if self._refused.value in _IDENTITY_REFUSALS:
+                    hint = ("; a broker that binds client ids to identities refuses a client "
+                            "id that is not the certificate's (or username's) name, and a "
+                            "client with neither")
                 raise BrokerRefused(f"{self.config.url} refused {self.client_id}: "
-                                    f"{self._refused}")
+                                    f"{self._refused}{hint}")
             if time.monotonic() + delay > deadline:
                 raise ConnectError(f"cannot connect to {self.config.url} as {self.client_id} "
                                    f"within {self.config.connect_timeout:.0f} s"

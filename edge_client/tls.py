@@ -1,4 +1,5 @@
-"""Checks on a role's TLS files before it connects: expiry, key match, issuing CA."""
+"""Checks on a role's TLS files before it connects: expiry, key match, issuing CA, and the
+identity (common name) a broker will know the role by."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-__all__ = ["check_pair"]
+__all__ = ["check_pair", "certificate_identity"]
 
 
 def check_pair(ca: str, cert: str, key: str) -> None:
@@ -40,3 +41,17 @@ def check_pair(ca: str, cert: str, key: str) -> None:
         except Exception as exc:  # InvalidSignature, ValueError, TypeError: all mean "not ours"
             raise ConfigError("cert", f"certificate {cert} is not signed by the CA in "
                               f"{ca}") from exc
+
+
+def certificate_identity(cert: str) -> str | None:
+    """The common name of a PEM certificate: the username, and with ``safl provision``'s
+    brokers the client id, the broker gives its holder.  None without ``cryptography``
+    or when the certificate names no one."""
+    try:
+        from cryptography import x509
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        return None
+    leaf = x509.load_pem_x509_certificate(Path(cert).read_bytes())
+    names = leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(names[0].value) if names else None

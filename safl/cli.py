@@ -127,8 +127,15 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _provision(args: argparse.Namespace) -> int:
-    from aggregator.provision import provision
+    from aggregator.provision import kick, provision
 
+    if args.kick:
+        kicked, failed = kick(args.fleet, args.out, tuple(args.kick))
+        for user, urls in kicked.items():
+            print(f"ended {user}'s sessions on {', '.join(urls) or 'no broker'}")
+        for url, why in failed.items():
+            print(f"could not reach {url}: {why}", file=sys.stderr)
+        return 7 if failed else 0
     created = provision(args.fleet, args.out, force=args.force, revoke=tuple(args.revoke),
                         prefix=args.prefix)
     print(f"provisioned {args.out}: CA {'created' if created['ca'] else 'kept'}, "
@@ -221,6 +228,9 @@ def _parser() -> argparse.ArgumentParser:
     prov.add_argument("--out", type=Path, required=True)
     prov.add_argument("--revoke", action="append", default=[], metavar="ID",
                       help="remove a device's or station's credential (repeatable)")
+    prov.add_argument("--kick", action="append", default=[], metavar="ID",
+                      help="after the brokers reloaded the CRL, end a revoked participant's "
+                      "live connections (repeatable)")
     prov.add_argument("--prefix", type=Path, default=None,
                       help="where the files will live on the hosts (default: --out)")
     prov.add_argument("--force", action="store_true", help="start over: a new CA and credentials")

@@ -4,8 +4,10 @@ status only.  Each test is one attack of someone holding one device's files."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import stat
 import time
 
@@ -13,13 +15,14 @@ import numpy as np
 import paho.mqtt.client as paho
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
-from test_deploy import Broker, _broker_cfg, _transport, _update, fleet  # noqa: F401
+from test_deploy import Broker, _broker_cfg, _transport, _update, _wait, fleet  # noqa: F401
 
-from aggregator.provision import MAX_PACKET, provision
+from aggregator.provision import MAX_PACKET, kick, provision
 from edge_client import messages as m
 from edge_client.config import BrokerConfig
 from edge_client.documents import StationSummary
-from edge_client.errors import ConnectError
+from edge_client.errors import ConfigError, ConnectError
+from edge_client.mqtt import MqttTransport
 from edge_client.topics import summary_topic, topic_for
 
 pytest.importorskip("cryptography")
@@ -179,3 +182,130 @@ def test_the_monitor_reads_presence_and_summaries_never_models(factory):
         t.close()
     assert "safl/plant/station/st0/summary" in seen and "safl/plant/dev/cam1/status" in seen
     assert not any(t.endswith(("/update", "/model", "/select", "/stats")) for t in seen), seen
+
+
+def _presence(sender: str, role: str) -> m.Presence:
+    return m.Presence(fleet="plant", sender=sender, round=0, iteration=0, role=role, online=True)
+
+
+def _claim(cfg: BrokerConfig, port: int, client_id: str) -> bool:
+    """Connect with ``cfg``'s certificate as ``client_id``, clean start, then leave: what a
+    device does to take over someone's session.  True if the broker accepted."""
+    client = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id,
+                         protocol=paho.MQTTv5)
+    client.tls_set(ca_certs=cfg.ca, certfile=cfg.cert, keyfile=cfg.key)
+    accepted = []
+    client.on_connect = lambda c, u, f, rc, p: accepted.append(not rc.is_failure)
+    client.connect("127.0.0.1", port, clean_start=True)
+    deadline = time.monotonic() + 3
+    while not accepted and time.monotonic() < deadline:
+        client.loop(0.05)
+    client.disconnect()
+    return bool(accepted and accepted[0])
+
+
+@needs_mosquitto
+def test_a_device_claiming_anothers_client_id_takes_over_no_session(fleet):  # noqa: F811
+    _, out, ports = fleet
+    cloud_broker = Broker(out / "cloud" / "broker" / "mosquitto.conf", ports["cloud"])
+    station_broker = Broker(out / "stations" / "st0" / "broker" / "mosquitto.conf", ports["st0"])
+    try:
+        station = MqttTransport(_cfg(out, "stations", "st0", "station.toml"), client_id="st0",
+                                fleet="plant", presence=_presence("st0", "station"))
+        cam2 = MqttTransport(_cfg(out, "devices", "cam2", "device.toml"), client_id="cam2",
+                             fleet="plant", presence=_presence("cam2", "dev"))
+        cloud = MqttTransport(_cfg(out, "cloud", "cloud.toml"), client_id="plant-cloud",
+                              fleet="plant", presence=_presence("cloud", "cloud"))
+        assert cloud.client_id == "cloud"  # its certificate's name, not the id it asked for
+        watchers = [MqttTransport(_cfg(out, "monitor", f"status-{b}.toml"), client_id="watch",
+                                  fleet="plant", persistent=False) for b in ("st0", "cloud")]
+        offline, at_cloud = [], []
+        for w in watchers:
+            w.subscribe("safl/plant/#", lambda t, msg: offline.append(msg.sender)
+                        if isinstance(msg, m.Presence) and not msg.online else None)
+        cloud.subscribe("safl/plant/station/+/update", lambda t, msg: at_cloud.append(msg))
+        station.subscribe("safl/plant/dev/+/update", lambda t, msg: None)
+        victims = (station, cam2, cloud)
+        for t in (*victims, *watchers):
+            t.connect()
+        time.sleep(1.0)  # the bridge connects to the cloud broker
+        cam1 = _cfg(out, "devices", "cam1", "device.toml")
+        # cam1's own, valid certificate, claiming the station's, another device's, the
+        # cloud's and the bridge's client ids (the bridge's old and new names), three times.
+        claims = [(ports["st0"], "st0"), (ports["st0"], "cam2"), (ports["cloud"], "cloud"),
+                  (ports["cloud"], "plant-cloud"), (ports["cloud"], "st0"),
+                  (ports["cloud"], "safl-bridge-st0")]
+        for _ in range(3):
+            for port, client_id in claims:
+                assert _claim(cam1, port, client_id)  # accepted, as cam1
+        _pump([*victims, *watchers], seconds=1.0)
+        assert [t.counters["disconnects"] for t in victims] == [0, 0, 0]
+        assert all(t.connected for t in victims) and offline == []
+        up = m.StationUpdate(fleet="plant", sender="st0", round=0, iteration=5,
+                             weights=np.ones(8), num_samples=3, seen_counts=[1, 2])
+        station.publish(topic_for(up), up)  # the bridge still carries the station up
+        _pump([cloud], seconds=1.5)
+        assert len(at_cloud) == 1
+        logs = [(out / d / "broker" / "log.txt").read_text() for d in ("cloud", "stations/st0")]
+        for victim in ("st0", "cam2", "cloud"):
+            assert not any(f"Client {victim} already connected" in log for log in logs)
+
+        # Updates queued for the station while it is away survive a clean-start claim of
+        # its client id: the claim lands in cam1's own session.
+        station.close()
+        for _ in range(5):
+            cam2.publish(topic_for(_update("cam2")), _update("cam2"))
+        time.sleep(0.5)
+        assert _claim(cam1, ports["st0"], "st0")
+        back = MqttTransport(_cfg(out, "stations", "st0", "station.toml"), client_id="st0",
+                             fleet="plant", presence=_presence("st0", "station"))
+        got = []
+        back.subscribe("safl/plant/dev/+/update", lambda t, msg: got.append(msg.sender))
+        back.connect()
+        _wait(back, got, 5, seconds=5.0)
+        assert got == ["cam2"] * 5
+        for t in (back, cam2, cloud, *watchers):
+            t.close()
+    finally:
+        station_broker.stop()
+        cloud_broker.stop()
+
+
+def test_a_role_whose_certificate_names_someone_else_is_refused_before_connecting(fleet):  # noqa: F811
+    _, out, _ = fleet
+    with pytest.raises(ConfigError, match="knows this connection as 'cam1'.*speaks for 'cam2'"):
+        MqttTransport(_cfg(out, "devices", "cam1", "device.toml"), client_id="cam2",
+                      fleet="plant", presence=_presence("cam2", "dev"))
+    status = MqttTransport(_cfg(out, "monitor", "status-st0.toml"), client_id="safl-status-1",
+                           fleet="plant", persistent=False)
+    assert status.client_id == "monitor"
+
+
+@needs_mosquitto
+def test_a_kick_after_the_reload_ends_a_revoked_devices_live_connection(fleet):  # noqa: F811
+    path, out, ports = fleet
+    broker = Broker(out / "stations" / "st0" / "broker" / "mosquitto.conf", ports["st0"])
+    try:
+        cam2 = MqttTransport(_cfg(out, "devices", "cam2", "device.toml", backoff_max=0.5),
+                             client_id="cam2", fleet="plant", presence=_presence("cam2", "dev"))
+        cam1 = _transport(_cfg(out, "devices", "cam1", "device.toml"), "cam1")
+        cam2.connect()
+        cam1.connect()
+        provision(path, out, revoke=("cam2",))
+        broker.proc.send_signal(signal.SIGHUP)  # the broker reloads the CRL and the ACL
+        time.sleep(1.0)
+        assert cam2.connected  # a reload alone leaves the open connection up
+        with pytest.raises(ConfigError, match="not revoked"):
+            kick(path, out, ("cam1",))
+        kicked, failed = kick(path, out, ("cam2",))
+        assert kicked == {"cam2": [f"mqtts://127.0.0.1:{ports['st0']}"]} and failed == {}
+        time.sleep(2.0)  # cam2 retries with backoff: its certificate now fails the handshake
+        assert not cam2.connected and cam2.counters["disconnects"] == 1
+        assert cam2.counters["reconnects"] >= 2
+        assert cam1.connected and cam1.counters["disconnects"] == 0
+        serials = json.loads((out / "state.json").read_text())["revoked_serials"]
+        assert len(serials) == 2  # cam2's certificate and the kick's own
+        cam2.close()
+        cam1.close()
+    finally:
+        broker.stop()

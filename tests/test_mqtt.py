@@ -166,6 +166,10 @@ def test_broker_refuses_wrong_password(tmp_path):
         cfg = BrokerConfig(url=server.url, username="d0", password="wrong", connect_timeout=2)
         with pytest.raises(BrokerRefused):
             MqttTransport(cfg, client_id="d0", fleet="f").connect()
+        # No identity at all: the refusal says what a binding broker wants.
+        anonymous = BrokerConfig(url=server.url, connect_timeout=2)
+        with pytest.raises(BrokerRefused, match="Not authorized.*binds client ids"):
+            MqttTransport(anonymous, client_id="d0", fleet="f").connect()
     finally:
         server.stop()
 
