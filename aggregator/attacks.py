@@ -1,6 +1,7 @@
 """What one compromised device sends: the attacks the trust checks are measured against.
 
-Each attack rewrites a device's outgoing messages (``tamper``).  ``nan`` cannot be a
+Each attack rewrites a device's outgoing messages (``tamper``); ``replay`` sends the
+device's first update again as every later reply.  ``nan`` cannot be a
 message at all (messages refuse non-finite weights), so it becomes a forged frame,
 checksum and all, that the receiver's :class:`~edge_client.admission.Admission`
 must refuse.  The simulator and the hostile device process of the MQTT tests use
@@ -23,7 +24,7 @@ from edge_client.transport import LocalBus
 
 __all__ = ["ATTACKS", "tamper", "forge_nan", "install"]
 
-ATTACKS = ("none", "scale", "inflate", "nan", "seen", "balanced")
+ATTACKS = ("none", "scale", "inflate", "nan", "seen", "balanced", "replay")
 SCALE = 1e6  # "an update scaled by 1e6"
 INFLATED = 10**12  # "an update claiming 10^12 samples"
 SEEN = 10**15  # "one report of 10^15 seen samples"
@@ -37,9 +38,15 @@ def forge_nan(frame: bytes, n_weights: int) -> bytes:
     return reseal(data)
 
 
-def tamper(message: m.Message, attack: str) -> m.Message | bytes:
-    """What the compromised device sends instead of ``message``."""
+def tamper(message: m.Message, attack: str,
+           memory: dict[str, np.ndarray] | None = None) -> m.Message | bytes:
+    """What the compromised device sends instead of ``message``; ``memory`` is what a
+    replaying device keeps between its messages."""
     if isinstance(message, m.DeviceUpdate):
+        if attack == "replay" and memory is not None:
+            # Its first update again, as this iteration's reply: new id, valid fields.
+            first = memory.setdefault("first", message.weights)
+            return dataclasses.replace(message, weights=first)
         if attack == "scale":
             return dataclasses.replace(message, weights=message.weights * np.float32(SCALE))
         if attack == "inflate":
@@ -70,10 +77,11 @@ def install(runner: RoleRunner, attack: str, admission: Admission, bus: LocalBus
     whatever that yields, a refusal, is delivered in its place.
     """
     honest = runner.publish
+    memory: dict[str, np.ndarray] = {}
 
     def publish(out: list[m.Message]) -> None:
         for message in out:
-            sent = tamper(message, attack)
+            sent = tamper(message, attack, memory)
             if isinstance(sent, bytes):
                 got = admission.admit(topic_for(message), sent, 0.0)
                 if got is not None:

@@ -10,6 +10,7 @@ from edge_client.errors import ConfigError
 from .fusion import FUSION_RULES
 from .selection import SELECTORS
 from .server_optimizers import ServerOptimizerSettings
+from .trust import fair_seat_share
 
 __all__ = ["StationConfig", "CloudConfig"]
 
@@ -53,14 +54,20 @@ class StationConfig:
     update_norm_bound: float = 0.0
     update_norm_factor: float = 10.0
     grad_norm_bound: float = 100.0
-    # Seen-count claims: growth per station iteration (and the most a device may claim while
-    # the roster's median is small), and the multiple of the roster's median it may reach:
-    # honest Dirichlet-0.1 fleets streaming in proportion to their data reach 8.8x.
+    # Seen-count claims: growth per local step of each station iteration (and the most a
+    # device may claim while the roster's median is small), and the multiple of the roster's
+    # median it may reach (honest Dirichlet-0.1 fleets streaming in proportion to their data
+    # reach 8.8x).  Apart from these, no device weighs more than the rest of the roster
+    # together in the counts that feed P_real (trust.majority_capped).
     max_seen_rate: int = 1024
     seen_share: float = 10.0
-    # Share of the last share_window super nodes one device may sit in; 0: 1.5 L / roster.
+    # Share of the last share_window super nodes one device may sit in; 0: 1.5 L / roster,
+    # at most halfway from L / roster to 1 (trust.fair_seat_share).
     max_selection_share: float = 0.0
     share_window: int = 20
+    # An update closer than this to one of the device's recent updates, relative to its
+    # distance from w^m, is a replay and refused (0: off).
+    replay_tolerance: float = 1e-3
 
     def __post_init__(self) -> None:
         check_id("station_id", self.station_id)
@@ -84,9 +91,10 @@ class StationConfig:
         check_range("seen_share", self.seen_share, 1)
         check_range("max_selection_share", self.max_selection_share, 0, 1)
         check_range("share_window", self.share_window, 1)
+        check_range("replay_tolerance", self.replay_tolerance, 0, 1)
         if self.max_selection_share == 0:
             object.__setattr__(self, "max_selection_share",
-                               min(1.0, 1.5 * self.super_node_size / len(self.devices)))
+                               fair_seat_share(self.super_node_size, len(self.devices)))
         if self.min_devices == 0:
             object.__setattr__(self, "min_devices", len(self.devices))
         if self.selector not in SELECTORS:

@@ -29,7 +29,7 @@ from edge_client.topics import station_topics
 from .config import StationConfig
 from .fusion import Fold, fold_for
 from .selection import SELECTORS
-from .trust import NormGuard, ShareCap, bound_seen_counts
+from .trust import NormGuard, ReplayGuard, ShareCap, bound_seen_counts, majority_capped
 
 __all__ = ["StationState", "Station", "local_accuracy_summary"]
 
@@ -102,6 +102,8 @@ class Station(RoleBase):
         self.guard = NormGuard(bound=config.update_norm_bound, factor=config.update_norm_factor,
                                initial=config.lr * config.local_steps * config.grad_norm_bound)
         self.share = ShareCap(config.share_window, config.max_selection_share)
+        self.replay = ReplayGuard(num_params, seed=config.seed,
+                                  tolerance=config.replay_tolerance)
 
     @property
     def id(self) -> str:
@@ -133,6 +135,8 @@ class Station(RoleBase):
             arrays["p_real"] = self.p_real
         for d, st in self.stats.items():
             arrays[f"seen_{d}"], arrays[f"next_{d}"] = st.seen_counts, st.next_batch_counts
+        for d, sketches in self.replay.state().items():
+            arrays[f"replay_{d}"] = sketches
         meta = {"role": "station", "id": self.id, "state": self.state, "round": self.round,
                 "iteration": self.iteration, "consumed": self._consumed,
                 "upload_samples": None if self._upload is None else self._upload.num_samples,
@@ -159,6 +163,8 @@ class Station(RoleBase):
         self._consumed = int(meta["consumed"])
         self._seen_at = {d: int(i) for d, i in meta["seen_at"].items() if d in cfg.devices}
         self.guard.restore(meta["norms"])
+        self.replay.restore({d: arrays[f"replay_{d}"] for d in cfg.devices
+                             if f"replay_{d}" in arrays})
         self.share.restore(meta["recent"])
         self.rng.bit_generator.state = meta["rng"]
         self.counters.update(meta["counters"])
@@ -271,9 +277,11 @@ class Station(RoleBase):
         prev = self.stats.get(msg.sender)
         elapsed = max(1, self.iteration - self._seen_at.get(msg.sender, self.iteration))
         others = [int(s.seen_counts.sum()) for d, s in self.stats.items() if d != msg.sender]
+        # A device senses per local step, and a flat round holds many steps between reports.
+        per_iteration = cfg.max_seen_rate * cfg.local_steps
         counts, clipped = bound_seen_counts(
             msg.seen_counts, int(prev.seen_counts.sum()) if prev else 0,
-            cfg.max_seen_rate * elapsed, others, cfg.seen_share, cfg.max_seen_rate)
+            per_iteration * elapsed, others, cfg.seen_share, per_iteration)
         if not clipped:
             return msg
         self.counters["clipped.seen_counts"] += 1
@@ -342,6 +350,10 @@ class Station(RoleBase):
         if not 1 <= msg.num_samples <= most:
             return "bad_count", (f"claims {msg.num_samples} samples; a device trains on 1.."
                                  f"{most} (local_steps x batch_size) per iteration")
+        fresh, ratio = self.replay.check(msg.sender, msg.weights, self.weights)
+        if not fresh:
+            return "replay", (f"repeats one of its recent updates (distance {ratio:.2g} x its "
+                              f"step from w^m)")
         accepted, distance = self.guard.check(msg.weights, self.weights)
         if not accepted:
             return "update_norm", (f"moved the model {distance:.4g} from w^m, the bound is "
@@ -396,7 +408,13 @@ class Station(RoleBase):
         capped = [d for d in ready if self.share.eligible(d)]
         if len(capped) < len(ready):
             self.counters["selection_share_capped"] += len(ready) - len(capped)
-            ready = capped if len(capped) >= cfg.min_quorum else ready
+            want = min(cfg.super_node_size, len(ready))
+            if len(capped) < want:
+                # A full super node all the same: its last seats go to the capped devices
+                # that sat in the fewest recent ones (a liar, in the most, comes last).
+                rest = sorted((d for d in ready if d not in capped), key=self.share.seats)
+                capped += rest[:want - len(capped)]
+            ready = capped
         size = min(cfg.super_node_size, len(ready))
         hists = np.array([self.stats[d].next_batch_counts for d in ready], dtype=np.float64)
         n_random = min(cfg.rand_per_group, size)
@@ -457,7 +475,10 @@ class Station(RoleBase):
                               iteration=self.iteration, weights=self.weights, final=final)
 
     def _seen_counts(self) -> np.ndarray:
-        total = np.zeros(self.num_classes, dtype=np.int64)  # also before any device reported
-        for s in self.stats.values():
-            total += s.seen_counts
+        """The factory's label counts for ``P_real``: no device outweighs the rest."""
+        if not self.stats:
+            return np.zeros(self.num_classes, dtype=np.int64)
+        total, capped = majority_capped([s.seen_counts for s in self.stats.values()])
+        if capped:
+            self.counters["seen_majority_capped"] += capped
         return total

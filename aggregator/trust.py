@@ -2,10 +2,14 @@
 
 A station cannot verify a device's data, but it can bound what one device can do:
 its update may move the model only about as far as honest updates do
-(:class:`NormGuard`), its claimed history may grow only at a plausible rate and
-to a bounded share of the roster (:func:`bound_seen_counts`), and it may sit in
-at most a bounded share of recent super nodes (:class:`ShareCap`).  Pure numpy,
-no I/O; the station role applies them (``docs/reliability.md``).
+(:class:`NormGuard`) and may not repeat one of its recent updates
+(:class:`ReplayGuard`), its claimed history may grow only at a plausible rate and
+to a bounded share of the roster (:func:`bound_seen_counts`), it never weighs more
+than the rest of its factory together in the label counts that feed ``P_real``
+(:func:`majority_capped`), and it may sit in at most a bounded share of recent
+super nodes, below all of them whenever there is a choice (:class:`ShareCap`,
+:func:`fair_seat_share`).  Pure numpy, no I/O; the station role applies them
+(``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["NormGuard", "bound_seen_counts", "ShareCap"]
+__all__ = ["NormGuard", "ReplayGuard", "bound_seen_counts", "majority_capped", "ShareCap",
+           "fair_seat_share"]
 
 
 class NormGuard:
@@ -70,7 +75,9 @@ def bound_seen_counts(counts: np.ndarray, previous_total: int, allowance: int,
 
     The total may grow by at most ``allowance`` since the last accepted report, and may be
     at most ``share`` times the median total of the other devices, or ``floor`` while the
-    fleet is young.  Returns the counts to use and whether they were clipped.
+    fleet is young.  Returns the counts to use and whether they were clipped.  (On a roster
+    of two or three that still lets one device hold most of the factory's counts: the
+    estimate it feeds is bounded apart, by :func:`majority_capped`.)
     """
     total = int(counts.sum())
     cap = previous_total + allowance
@@ -80,6 +87,35 @@ def bound_seen_counts(counts: np.ndarray, previous_total: int, allowance: int,
         return counts, False
     scaled = np.floor(counts.astype(np.float64) * (cap / total)).astype(np.int64)
     return scaled, True
+
+
+def majority_capped(counts: list[np.ndarray]) -> tuple[np.ndarray, int]:
+    """The factory's label counts with no device weighing more than all the others together.
+
+    Each device's (already bounded) seen counts, scaled down where its total exceeds the
+    sum of the other devices' totals (only one device can), then summed.  Whatever one
+    device claims, it holds at most half of its factory's share of ``P_real``, on a roster
+    of two as of two hundred.  Returns the sum and how many devices were capped (0 or 1).
+    """
+    totals = np.array([int(c.sum()) for c in counts], dtype=np.int64)
+    summed = np.zeros_like(counts[0], dtype=np.int64) if counts else np.zeros(0, np.int64)
+    capped = 0
+    for c, total in zip(counts, totals, strict=True):
+        others = int(totals.sum() - total)
+        if len(counts) > 1 and total > others:
+            c = np.floor(c.astype(np.float64) * (others / total)).astype(np.int64)
+            capped += 1
+        summed += c
+    return summed, capped
+
+
+def fair_seat_share(super_node_size: int, roster: int) -> float:
+    """The default seat cap: 1.5 times a device's fair share ``L / roster`` of super nodes,
+    but never more than halfway from that share to every super node, so that it stays
+    below 1 whenever the station has a choice (``L < roster``; 1.5 L / roster alone is no
+    cap at all once L is two thirds of the roster, two of three devices say)."""
+    fair = min(1.0, super_node_size / roster)
+    return min(1.5 * fair, (1.0 + fair) / 2)
 
 
 class ShareCap:
@@ -93,11 +129,12 @@ class ShareCap:
         self.window, self.max_share = window, max_share
         self.recent: deque[tuple[str, ...]] = deque(maxlen=window)
 
+    def seats(self, device: str) -> int:
+        """How many of the recent super nodes the device sat in."""
+        return sum(device in members for members in self.recent)
+
     def eligible(self, device: str) -> bool:
-        if self.max_share >= 1.0:
-            return True
-        seats = sum(device in members for members in self.recent)
-        return seats < self.max_share * self.window
+        return self.max_share >= 1.0 or self.seats(device) < self.max_share * self.window
 
     def record(self, members: tuple[str, ...]) -> None:
         self.recent.append(members)
@@ -107,3 +144,63 @@ class ShareCap:
 
     def restore(self, recent: list[list[str]]) -> None:
         self.recent.extend(tuple(ms) for ms in recent)
+
+
+class ReplayGuard:
+    """Refuses an update that repeats one of the device's ``depth`` recent updates.
+
+    An honest reply starts from this iteration's model and takes a fresh one-shot batch, so
+    it lies about as far from each of the device's earlier updates as from the model it
+    started from.  A replay (an earlier update sent again, with a new message id and valid
+    fields) lies at almost no distance from the one it repeats.  Refused: an update ``z``
+    whose distance to a recent update is under ``tolerance`` times ``||z - w^m||``.
+
+    Updates are compared through count sketches (each weight added, with a random sign, to
+    one of ``width`` buckets): distances between sketches estimate distances between
+    vectors, and a device costs ``depth x width`` float32s, not ``depth`` models.  What it
+    does not catch: a replay with noise added on purpose, which is then an ordinary stale
+    update for the distance guard and the fusion rule to bound.
+    """
+
+    def __init__(self, num_params: int, *, seed: int, width: int = 256, depth: int = 4,
+                 tolerance: float = 1e-3) -> None:
+        rng = np.random.default_rng([seed, 0x5AF1])  # not the station's selection stream
+        self.width, self.tolerance = width, tolerance
+        self.bucket = rng.integers(0, width, num_params, dtype=np.intp)
+        self.sign = rng.choice(np.array([-1.0, 1.0], np.float32), num_params)
+        self.recent: dict[str, deque[np.ndarray]] = {}
+        self.depth = depth
+        self._start: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+
+    @property
+    def enabled(self) -> bool:
+        return self.tolerance > 0
+
+    def sketch(self, vector: np.ndarray) -> np.ndarray:
+        """``width`` floats (1 KB a sketch kept: what a device costs the station here)."""
+        return np.bincount(self.bucket, weights=vector * self.sign,
+                           minlength=self.width).astype(np.float32)
+
+    def check(self, device: str, update: np.ndarray, start: np.ndarray) -> tuple[bool, float]:
+        """``(accepted, ratio)``: the distance to the nearest recent update over the distance
+        from ``start``; an accepted update joins the device's recent ones."""
+        if not self.enabled:
+            return True, float("inf")
+        z = self.sketch(update)
+        if self._start[0] is not start:  # every member of a super node starts from one w^m
+            self._start = (start, self.sketch(start))
+        step = float(np.linalg.norm(z - self._start[1], ord=2))
+        recent = self.recent.setdefault(device, deque(maxlen=self.depth))
+        nearest = min((float(np.linalg.norm(z - r)) for r in recent), default=float("inf"))
+        ratio = nearest / step if step > 0 else (0.0 if nearest == 0 else float("inf"))
+        if ratio < self.tolerance:
+            return False, ratio
+        recent.append(z)
+        return True, ratio
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {d: np.array(r) for d, r in self.recent.items() if r}
+
+    def restore(self, recent: dict[str, np.ndarray]) -> None:
+        for d, rows in recent.items():
+            self.recent[d] = deque((np.array(r) for r in rows), maxlen=self.depth)

@@ -189,10 +189,11 @@ def test_station_reports_to_cloud_every_T_iterations():
     outs = []
     for it in range(2):
         for k in range(3):
-            outs += st.handle(_upd(f"d{k}", it, float(k), n=k + 1), 1.0)
+            # Each iteration's update is new: the same weights again would be a replay.
+            outs += st.handle(_upd(f"d{k}", it, float(k + it), n=k + 1), 1.0)
     ups = [x for x in outs if isinstance(x, m.StationUpdate)]
     assert len(ups) == 1 and ups[0].iteration == 2 and ups[0].num_samples == 2 * 6
-    np.testing.assert_allclose(ups[0].weights, (0 * 1 + 1 * 2 + 2 * 3) / 6)
+    np.testing.assert_allclose(ups[0].weights, (1 * 1 + 2 * 2 + 3 * 3) / 6)
     assert st.state == "waiting"
 
 

@@ -13,7 +13,13 @@ from aggregator.cloud import Cloud
 from aggregator.config import CloudConfig, StationConfig
 from aggregator.fusion import krum, median, multi_krum, trimmed_mean
 from aggregator.station import Station
-from aggregator.trust import NormGuard, ShareCap, bound_seen_counts
+from aggregator.trust import (
+    NormGuard,
+    ReplayGuard,
+    ShareCap,
+    bound_seen_counts,
+    majority_capped,
+)
 from edge_client import messages as m
 
 # -- robust fusion rules, hand-computed --------------------------------------------------
@@ -65,6 +71,26 @@ def test_seen_counts_grow_at_a_bounded_rate_and_share():
     # While the fleet is young the floor lets a device start with a full allowance.
     got, clipped = bound_seen_counts(np.array([40, 0, 0]), 0, 50, [1, 2], 4.0, 50)
     assert not clipped
+
+
+def test_no_device_outweighs_the_rest_of_its_factory():
+    counts = [np.array([5000, 0]), np.array([100, 100]), np.array([50, 150])]
+    total, capped = majority_capped(counts)
+    assert capped == 1 and total.tolist() == [400 + 150, 250]  # the liar scaled to 400
+    total, capped = majority_capped([np.array([5000, 0]), np.array([10, 30])])
+    assert capped == 1 and total.tolist() == [50, 30]  # a roster of two: half at most
+    honest = [np.array([300, 100]), np.array([100, 100]), np.array([150, 50])]
+    total, capped = majority_capped(honest)  # the largest holds exactly the others' 400
+    assert capped == 0 and total.tolist() == [550, 250]
+    assert majority_capped([np.array([7, 1])])[1] == 0  # alone, it is the factory
+
+
+def test_a_flat_rounds_streaming_is_not_clipped():
+    st = _station(local_steps=10)  # allowance 10 x 1024 samples an iteration
+    _start(st)
+    for d in st.config.devices:  # +5,000 each in one iteration's 10 local steps
+        st.handle(_stats(d, seen=(3000, 3000)), 1.0)
+    assert st.counters["clipped.seen_counts"] == 0
 
 
 def test_share_cap_takes_a_device_out_of_selection_after_its_seats():
@@ -249,3 +275,71 @@ def test_an_impossible_local_accuracy_is_dropped_not_the_stats():
     assert "d0" in st.stats and st.local_accuracies() == []
     st.handle(dataclasses.replace(_stats("d1"), local_accuracy=0.75, local_samples=100), 1.0)
     assert st.local_accuracies() == [0.75]
+
+
+def test_a_replayed_update_is_refused_and_a_fresh_one_is_not():
+    st = _station()
+    _start(st)
+    first = [_upd("d0", 0.1), _upd("d1", 0.3), _upd("d2", 0.2)]
+    for u in first:
+        st.handle(u, 1.0)
+    assert st.iteration == 1 and st.counters["received_updates"] == 3
+    # d0 sends its first update again as iteration 1's reply (a new message, valid fields).
+    st.handle(dataclasses.replace(first[0], iteration=1), 2.0)
+    assert st.counters["rejected.replay"] == 1 and st.counters["refused_replies"] == 1
+    st.handle(_upd("d1", 0.25, it=1), 2.0)  # honest: a new step from the new w^m
+    st.handle(_upd("d2", 0.15, it=1), 2.0)
+    assert st.iteration == 2 and st.counters["received_updates"] == 5
+    np.testing.assert_allclose(st.weights, 0.2)  # fused without the replay
+    # Kept across a restart: the resumed station still knows d0's recent updates.
+    arrays, meta = st.snapshot()
+    back = _station()
+    back.restore(arrays, meta)
+    ok, ratio = back.replay.check("d0", first[0].weights, np.zeros(4))
+    assert not ok and ratio == 0.0
+
+
+def test_the_replay_guard_tells_a_repeat_from_an_honest_step():
+    rng = np.random.default_rng(1)
+    guard = ReplayGuard(100_000, seed=3)
+    w = rng.normal(size=100_000).astype(np.float32)
+    sent = []
+    for _ in range(6):  # honest: each update one small step from the current model
+        z = w - 0.01 * rng.normal(size=w.size).astype(np.float32)
+        ok, ratio = guard.check("d", z, w)
+        assert ok and ratio > 0.5
+        sent.append(z)
+        w = (w + z) / 2
+    for old in sent[-4:]:  # any of its 4 recent updates again, even a little off
+        off = old + 1e-7 * rng.normal(size=w.size).astype(np.float32)
+        assert not guard.check("d", off, w)[0]
+    assert guard.check("d", sent[0], w)[0]  # older than its depth: left to the other guards
+    assert ReplayGuard(10, seed=0, tolerance=0.0).check("d", np.ones(10), np.ones(10))[0]
+
+
+@pytest.mark.parametrize("size, roster, cap", [(2, 3, 5 / 6), (1, 2, 0.75), (3, 3, 1.0),
+                                               (5, 40, 0.1875), (3, 10, 0.45)])
+def test_the_default_seat_cap_binds_whenever_there_is_a_choice(size, roster, cap):
+    cfg = StationConfig(fleet="t", station_id="s", devices=tuple(f"d{k}" for k in range(roster)),
+                        super_node_size=size, rand_per_group=0)
+    assert cfg.max_selection_share == pytest.approx(cap)
+
+
+def test_on_a_roster_of_three_a_liar_buys_neither_the_estimate_nor_every_seat():
+    st = _station(n=3, super_node_size=2, rand_per_group=0, sync_period=1000,
+                  update_norm_factor=0.0)
+    _start(st)
+    seats = 0
+    for it in range(100):  # every iteration: 10^15 samples seen, a perfect next batch
+        lie = tamper(tamper(_stats("d0", nxt=(1, 7)), "balanced"), "seen")
+        st.handle(lie, 1.0)
+        seats += "d0" in st.members
+        assert len(st.members) == 2  # capped devices fill the seats nobody else can
+        for d in st.members:
+            st.handle(_upd(d, 0.01 * (it + 1), n=8, it=it), 1.0)
+    # However long it claims, d0 never outweighs the two honest devices together.
+    seen = st._seen_counts()
+    assert seen[0] / seen.sum() <= 0.75 and seen.sum() <= 4 * 1000
+    assert st.counters["seen_majority_capped"] > 0
+    assert seats <= st.config.max_selection_share * 100 + st.config.share_window
+    assert st.config.max_selection_share < 1.0 and st.counters["selection_share_capped"] > 0
