@@ -68,6 +68,9 @@ class StationConfig:
     # An update closer than this to one of the device's recent updates, relative to its
     # distance from w^m, is a replay and refused (0: off).
     replay_tolerance: float = 1e-3
+    # A member whose reply was refused (replay, distance, count, a refused frame) is left out
+    # of this many super nodes, unless it is needed to fill one (0: never).
+    refused_sit_out: int = 10
 
     def __post_init__(self) -> None:
         check_id("station_id", self.station_id)
@@ -92,6 +95,7 @@ class StationConfig:
         check_range("max_selection_share", self.max_selection_share, 0, 1)
         check_range("share_window", self.share_window, 1)
         check_range("replay_tolerance", self.replay_tolerance, 0, 1)
+        check_range("refused_sit_out", self.refused_sit_out, 0)
         if self.max_selection_share == 0:
             object.__setattr__(self, "max_selection_share",
                                fair_seat_share(self.super_node_size, len(self.devices)))

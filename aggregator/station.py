@@ -29,7 +29,14 @@ from edge_client.topics import station_topics
 from .config import StationConfig
 from .fusion import Fold, fold_for
 from .selection import SELECTORS
-from .trust import NormGuard, ReplayGuard, ShareCap, bound_seen_counts, majority_capped
+from .trust import (
+    NormGuard,
+    ReplayGuard,
+    ShareCap,
+    bound_seen_counts,
+    majority_capped,
+    seat_candidates,
+)
 
 __all__ = ["StationState", "Station", "local_accuracy_summary"]
 
@@ -99,6 +106,7 @@ class Station(RoleBase):
         self._consumed = 0
         self._upload: m.StationUpdate | None = None  # sent, not yet answered by a global model
         self._seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
+        self._sitting_out: dict[str, int] = {}  # refused members: left out up to this iteration
         self.guard = NormGuard(bound=config.update_norm_bound, factor=config.update_norm_factor,
                                initial=config.lr * config.local_steps * config.grad_norm_bound)
         self.share = ShareCap(config.share_window, config.max_selection_share)
@@ -140,7 +148,8 @@ class Station(RoleBase):
         meta = {"role": "station", "id": self.id, "state": self.state, "round": self.round,
                 "iteration": self.iteration, "consumed": self._consumed,
                 "upload_samples": None if self._upload is None else self._upload.num_samples,
-                "seen_at": self._seen_at, "norms": self.guard.state(),
+                "seen_at": self._seen_at, "sitting_out": self._sitting_out,
+                "norms": self.guard.state(),
                 "recent": self.share.state(), "rng": self.rng.bit_generator.state,
                 "counters": dict(self.counters)}
         return arrays, meta
@@ -162,6 +171,8 @@ class Station(RoleBase):
         self.state, self.round, self.iteration = _S(meta["state"]), meta["round"], meta["iteration"]
         self._consumed = int(meta["consumed"])
         self._seen_at = {d: int(i) for d, i in meta["seen_at"].items() if d in cfg.devices}
+        self._sitting_out = {d: int(i) for d, i in meta.get("sitting_out", {}).items()
+                             if d in cfg.devices}
         self.guard.restore(meta["norms"])
         self.replay.restore({d: arrays[f"replay_{d}"] for d in cfg.devices
                              if f"replay_{d}" in arrays})
@@ -238,6 +249,8 @@ class Station(RoleBase):
     def _refused_reply(self, device: str, now: float) -> list[m.Message]:
         self._replies[device] = "refused"
         self.counters["refused_replies"] += 1
+        if self.config.refused_sit_out:
+            self._sitting_out[device] = self.iteration + self.config.refused_sit_out
         if self._awaited() == 0:
             return self._close_iteration(now)
         return []
@@ -405,16 +418,10 @@ class Station(RoleBase):
             self.deadline = now + cfg.iteration_timeout
             self._collect(())
             return [self._model_message()] if newly else []  # wakes paced devices
-        capped = [d for d in ready if self.share.eligible(d)]
-        if len(capped) < len(ready):
-            self.counters["selection_share_capped"] += len(ready) - len(capped)
-            want = min(cfg.super_node_size, len(ready))
-            if len(capped) < want:
-                # A full super node all the same: its last seats go to the capped devices
-                # that sat in the fewest recent ones (a liar, in the most, comes last).
-                rest = sorted((d for d in ready if d not in capped), key=self.share.seats)
-                capped += rest[:want - len(capped)]
-            ready = capped
+        ready, capped = seat_candidates(ready, self.share, self._sitting_out, self.iteration,
+                                        min(cfg.super_node_size, len(ready)))
+        if capped:
+            self.counters["selection_share_capped"] += capped
         size = min(cfg.super_node_size, len(ready))
         hists = np.array([self.stats[d].next_batch_counts for d in ready], dtype=np.float64)
         n_random = min(cfg.rand_per_group, size)

@@ -7,9 +7,9 @@ its update may move the model only about as far as honest updates do
 to a bounded share of the roster (:func:`bound_seen_counts`), it never weighs more
 than the rest of its factory together in the label counts that feed ``P_real``
 (:func:`majority_capped`), and it may sit in at most a bounded share of recent
-super nodes, below all of them whenever there is a choice (:class:`ShareCap`,
-:func:`fair_seat_share`).  Pure numpy, no I/O; the station role applies them
-(``docs/reliability.md``).
+super nodes, below all of them whenever there is a choice, and sits out a few after
+a refused reply (:class:`ShareCap`, :func:`fair_seat_share`, :func:`seat_candidates`).
+Pure numpy, no I/O; the station role applies them (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections import deque
 import numpy as np
 
 __all__ = ["NormGuard", "ReplayGuard", "bound_seen_counts", "majority_capped", "ShareCap",
-           "fair_seat_share"]
+           "fair_seat_share", "seat_candidates"]
 
 
 class NormGuard:
@@ -116,6 +116,26 @@ def fair_seat_share(super_node_size: int, roster: int) -> float:
     cap at all once L is two thirds of the roster, two of three devices say)."""
     fair = min(1.0, super_node_size / roster)
     return min(1.5 * fair, (1.0 + fair) / 2)
+
+
+def seat_candidates(ready: list[str], share: ShareCap, sitting_out: dict[str, int],
+                    iteration: int, want: int) -> tuple[list[str], int]:
+    """The devices this iteration's super node may be drawn from, and how many the seat cap
+    left out.
+
+    Left out: devices at their seat cap, and devices sitting out a refused reply until the
+    iteration ``sitting_out`` gives (a seat given to a device whose replies are refused is a
+    seat lost).  When fewer than ``want`` remain, the left-out ones fill the seats nobody
+    else can: fewest recent seats first, those sitting out last.
+    """
+    resting = {d for d in ready if sitting_out.get(d, -1) >= iteration}
+    capped = {d for d in ready if not share.eligible(d)}
+    keep = [d for d in ready if d not in resting and d not in capped]
+    if len(keep) < want:
+        rest = sorted((d for d in ready if d not in keep),
+                      key=lambda d: (d in resting, share.seats(d)))
+        keep += rest[:want - len(keep)]
+    return keep, len(capped)
 
 
 class ShareCap:

@@ -201,7 +201,7 @@ def test_a_lying_histogram_cannot_buy_every_selection():
         for d in st.members:
             seats[d] += 1
         for d in st.members:
-            st.handle(_upd(d, 0.0, n=8, it=it), 0.0)
+            st.handle(_upd(d, 0.001 * (it + 1), n=8, it=it), 0.0)  # a new step each time
     cap = st.config.max_selection_share
     assert cap == pytest.approx(1.5 * size / n)
     assert seats["d0"] <= cap * 200 + st.config.share_window
@@ -343,3 +343,20 @@ def test_on_a_roster_of_three_a_liar_buys_neither_the_estimate_nor_every_seat():
     assert st.counters["seen_majority_capped"] > 0
     assert seats <= st.config.max_selection_share * 100 + st.config.share_window
     assert st.config.max_selection_share < 1.0 and st.counters["selection_share_capped"] > 0
+
+
+def test_a_refused_member_sits_out_while_others_can_fill_its_seat():
+    st = _station(n=3, super_node_size=2, rand_per_group=0, sync_period=1000,
+                  max_selection_share=1.0)
+    _start(st)
+    seats = []
+    for it in range(33):
+        assert len(st.members) == 2
+        seats += ["d0"] if "d0" in st.members else []
+        for d in list(st.members):
+            honest = _upd(d, 0.01 * (it + 1), n=8, it=it)
+            st.handle(tamper(honest, "scale") if d == "d0" else honest, 1.0)
+    # Refused each time it sits in, d0 then sits out 10 super nodes: 3 seats of 33, not 22.
+    assert 1 <= len(seats) <= 3 and st.counters["rejected.update_norm"] == len(seats)
+    off = _station(n=3, super_node_size=2, rand_per_group=0, refused_sit_out=0)
+    assert off.config.refused_sit_out == 0
