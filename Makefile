@@ -47,6 +47,7 @@ bench: $(VENV)/.test-deps
 	$(PY) bench/device_footprint.py
 	$(PY) bench/wire.py
 	$(PY) bench/weight_path.py
+	$(PY) bench/trust.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache dist dist.log .wheel-venv
