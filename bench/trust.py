@@ -32,18 +32,22 @@ def _best(f, reps: int = 50, rounds: int = 7) -> float:
     return min(times)
 
 
+def _measure(n: int) -> tuple[float, float]:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(n).astype(np.float32)
+    updates = [w - np.float32(0.01) * rng.standard_normal(n).astype(np.float32)
+               for _ in range(8)]
+    replay = ReplayGuard(n, seed=0)
+    guard = NormGuard(bound=0.0, factor=0.0, initial=0.0)
+    # From the second pass on each device repeats itself: refused, at the same cost.
+    t_replay = _best(lambda k: replay.check(f"d{k % 8}", updates[k % 8], w))
+    return t_replay, _best(lambda k: guard.check(updates[k % 8], w))
+
+
 def main() -> None:
     print("params     replay check  distance guard  ratio")
     for n in (101_770, 1_000_000):
-        rng = np.random.default_rng(0)
-        w = rng.standard_normal(n).astype(np.float32)
-        updates = [w - np.float32(0.01) * rng.standard_normal(n).astype(np.float32)
-                   for _ in range(8)]
-        replay = ReplayGuard(n, seed=0)
-        guard = NormGuard(bound=0.0, factor=0.0, initial=0.0)
-        # From the second pass on each device repeats itself: refused, at the same cost.
-        t_replay = _best(lambda k: replay.check(f"d{k % 8}", updates[k % 8], w))
-        t_guard = _best(lambda k: guard.check(updates[k % 8], w))
+        t_replay, t_guard = _measure(n)
         print(f"{n:<10,} {t_replay * 1e3:9.3f} ms  {t_guard * 1e3:11.3f} ms  "
               f"{t_replay / t_guard:5.2f}x")
 
