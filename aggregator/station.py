@@ -104,6 +104,7 @@ class Station(RoleBase):
         self._replies: dict[str, str] = {}  # "update", "skip" or "refused"
         self._fold: Fold = fold_for(config.fusion)
         self._consumed = 0
+        self._consumed_before = 0  # samples of the rounds already uploaded
         self._upload: m.StationUpdate | None = None  # sent, not yet answered by a global model
         self._seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
         self._sitting_out: dict[str, int] = {}  # refused members: left out up to this iteration
@@ -147,6 +148,7 @@ class Station(RoleBase):
             arrays[f"replay_{d}"] = sketches
         meta = {"role": "station", "id": self.id, "state": self.state, "round": self.round,
                 "iteration": self.iteration, "consumed": self._consumed,
+                "consumed_before": self._consumed_before,
                 "upload_samples": None if self._upload is None else self._upload.num_samples,
                 "seen_at": self._seen_at, "sitting_out": self._sitting_out,
                 "norms": self.guard.state(),
@@ -170,6 +172,7 @@ class Station(RoleBase):
                                               next_batch_counts=arrays[f"next_{d}"])
         self.state, self.round, self.iteration = _S(meta["state"]), meta["round"], meta["iteration"]
         self._consumed = int(meta["consumed"])
+        self._consumed_before = int(meta.get("consumed_before", 0))
         self._seen_at = {d: int(i) for d, i in meta["seen_at"].items() if d in cfg.devices}
         self._sitting_out = {d: int(i) for d, i in meta.get("sitting_out", {}).items()
                              if d in cfg.devices}
@@ -463,6 +466,7 @@ class Station(RoleBase):
                                        iteration=self.iteration, weights=self.weights,
                                        num_samples=self._consumed,
                                        seen_counts=self._seen_counts())
+        self._consumed_before += self._consumed
         self._consumed = 0
         return [self._upload]
 
@@ -482,10 +486,12 @@ class Station(RoleBase):
                               iteration=self.iteration, weights=self.weights, final=final)
 
     def _seen_counts(self) -> np.ndarray:
-        """The factory's label counts for ``P_real``: no device outweighs the rest."""
+        """The factory's label counts for ``P_real``: no device outweighs the rest, and never
+        fewer than the samples its updates have reported (the cloud checks those against it)."""
         if not self.stats:
             return np.zeros(self.num_classes, dtype=np.int64)
-        total, capped = majority_capped([s.seen_counts for s in self.stats.values()])
+        total, capped = majority_capped([s.seen_counts for s in self.stats.values()],
+                                        at_least=self._consumed_before + self._consumed)
         if capped:
             self.counters["seen_majority_capped"] += capped
         return total

@@ -89,24 +89,30 @@ def bound_seen_counts(counts: np.ndarray, previous_total: int, allowance: int,
     return scaled, True
 
 
-def majority_capped(counts: list[np.ndarray]) -> tuple[np.ndarray, int]:
+def majority_capped(counts: list[np.ndarray], at_least: int = 0) -> tuple[np.ndarray, int]:
     """The factory's label counts with no device weighing more than all the others together.
 
-    Each device's (already bounded) seen counts, scaled down where its total exceeds the
-    sum of the other devices' totals (only one device can), then summed.  Whatever one
-    device claims, it holds at most half of its factory's share of ``P_real``, on a roster
-    of two as of two hundred.  Returns the sum and how many devices were capped (0 or 1).
+    Where one device's total exceeds the sum of the other devices' totals (only one can, and
+    only once the others have seen something), its histogram is scaled down to the others'
+    total before the sum.  Whatever one device claims, it then makes at most half of its
+    factory's counts, on a roster of two as of two hundred.  A capped sum is raised, in the
+    same shape, to ``at_least`` if that is more (never above what was claimed): the cloud
+    checks the samples a station consumed against its counts, and an honest station must
+    not fail that check because its largest device was capped.  Returns the counts and how
+    many devices were capped (0 or 1).
     """
     totals = np.array([int(c.sum()) for c in counts], dtype=np.int64)
-    summed = np.zeros_like(counts[0], dtype=np.int64) if counts else np.zeros(0, np.int64)
-    capped = 0
-    for c, total in zip(counts, totals, strict=True):
-        others = int(totals.sum() - total)
-        if len(counts) > 1 and total > others:
-            c = np.floor(c.astype(np.float64) * (others / total)).astype(np.int64)
-            capped += 1
-        summed += c
-    return summed, capped
+    summed = np.sum(counts, axis=0, dtype=np.int64)
+    whole = int(totals.sum())
+    for k, total in enumerate(totals):
+        others = whole - int(total)
+        if len(counts) > 1 and 0 < others < total:
+            shaped = summed - counts[k] + counts[k].astype(np.float64) * (others / total)
+            target = max(2 * others, min(at_least, whole))
+            out = np.floor(shaped * (target / shaped.sum())).astype(np.int64)
+            out[int(np.argmax(out))] += target - int(out.sum())  # what flooring lost
+            return out, 1
+    return summed, 0
 
 
 def fair_seat_share(super_node_size: int, roster: int) -> float:

@@ -83,6 +83,12 @@ def test_no_device_outweighs_the_rest_of_its_factory():
     total, capped = majority_capped(honest)  # the largest holds exactly the others' 400
     assert capped == 0 and total.tolist() == [550, 250]
     assert majority_capped([np.array([7, 1])])[1] == 0  # alone, it is the factory
+    # Others that have seen nothing leave nothing to weigh against: no shape is invented.
+    assert majority_capped([np.array([7, 1]), np.array([0, 0])])[1] == 0
+    # Raised, in the same shape, to the samples the station consumed; never above the claims.
+    total, _ = majority_capped(counts, at_least=1000)
+    assert total.sum() == 1000 and total[0] / total.sum() == pytest.approx(550 / 800, abs=2e-3)
+    assert majority_capped(counts, at_least=10**9)[0].sum() == 5400
 
 
 def test_a_flat_rounds_streaming_is_not_clipped():
@@ -360,3 +366,19 @@ def test_a_refused_member_sits_out_while_others_can_fill_its_seat():
     assert 1 <= len(seats) <= 3 and st.counters["rejected.update_norm"] == len(seats)
     off = _station(n=3, super_node_size=2, rand_per_group=0, refused_sit_out=0)
     assert off.config.refused_sit_out == 0
+
+
+def test_a_capped_factory_still_covers_the_samples_it_consumed():
+    st = _station(n=2, sync_period=3)
+    for d, seen in (("d0", (5000, 0)), ("d1", (10, 30))):  # d0 alone outweighs d1 125 times
+        st.handle(_stats(d, seen=seen), 0.0)
+    st.handle(m.GlobalModel(fleet="t", sender="cloud", round=0, iteration=0,
+                            weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
+    outs = []
+    for it in range(3):
+        for d in list(st.members):
+            outs += st.handle(_upd(d, 0.01 * (it + 1), n=16, it=it), 1.0)
+    up = next(x for x in outs if isinstance(x, m.StationUpdate))
+    # Capped, the counts would total 80; the cloud would clip the 96 samples trained to that.
+    assert up.num_samples == 96 and up.seen_counts.sum() == 96
+    assert st.counters["seen_majority_capped"] > 0
