@@ -8,10 +8,12 @@ iterations it uploads ``w^m`` to the cloud and waits for the global model
 (external synchronisation).  Replies past the deadline are dropped and counted.
 
 Every report is a claim (:mod:`aggregator.trust`): an update's sample count and its
-distance from ``w^m`` are bounded, histograms must fit the batch, seen counts may
-grow only so fast, and a device's seats in recent super nodes are capped.  A refused
-reply counts as that member's answer.  ``snapshot``/``restore`` let the service
-resume after a crash; the cloud's and each device's presence drive re-announcement.
+distance from ``w^m`` are bounded and it may not repeat a recent one, histograms must
+fit the batch, seen counts may grow only so fast and no device outweighs the rest of
+the roster in them, and a device's seats in recent super nodes are capped.  A refused
+reply counts as that member's answer, and the member sits out a few super nodes.
+``snapshot``/``restore`` let the service resume after a crash; the cloud's and each
+device's presence drive re-announcement.
 """
 
 from __future__ import annotations

@@ -129,6 +129,8 @@ def _sweep(args: argparse.Namespace) -> int:
 def _provision(args: argparse.Namespace) -> int:
     from aggregator.provision import kick, provision
 
+    if args.kick and args.revoke:
+        raise ConfigError("kick", "revoke first, reload the brokers, then kick: not in one call")
     if args.kick:
         kicked, failed = kick(args.fleet, args.out, tuple(args.kick))
         for user, urls in kicked.items():

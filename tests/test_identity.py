@@ -300,6 +300,8 @@ def test_a_kick_after_the_reload_ends_a_revoked_devices_live_connection(fleet, c
             kick(path, out, ("cam1",))
         assert main(["provision", str(path), "--out", str(out), "--kick", "cam1"]) == 2
         assert "'kick'" in capsys.readouterr().err
+        both = ["provision", str(path), "--out", str(out), "--revoke", "cam1", "--kick", "cam2"]
+        assert main(both) == 2 and "not in one call" in capsys.readouterr().err
         assert main(["provision", str(path), "--out", str(out), "--kick", "cam2"]) == 0
         assert capsys.readouterr().out == f"ended cam2's sessions on mqtts://127.0.0.1:{ports['st0']}\n"
         time.sleep(2.0)  # cam2 retries with backoff: its certificate now fails the handshake
