@@ -26,9 +26,10 @@ def main() -> None:
                                        "service": ServiceConfig}, {})
     runner, transport, hooks = DeviceService(**cfg).build()
     honest = transport.publish
+    memory = {}  # what a replaying device keeps of its first update
 
     def publish(topic, message):
-        sent = tamper(message, args.attack)
+        sent = tamper(message, args.attack, memory)
         if isinstance(sent, bytes):  # a forged frame: straight onto the wire
             transport._client.publish(topic, sent, qos=1)
         else:

@@ -83,7 +83,8 @@ def _finished(rows, spec, honest, label, within=0.02):
 
 @pytest.mark.parametrize("attack, reason", [("scale", "rejected.update_norm"),
                                             ("inflate", "rejected.bad_count"),
-                                            ("nan", "rejected.non_finite")])
+                                            ("nan", "rejected.non_finite"),
+                                            ("replay", "rejected.replay")])
 def test_a_hostile_device_is_refused_and_does_not_steer_the_model(tmp_path, digits, honest,
                                                                    attack, reason, capsys):
     spec = _spec(digits)
