@@ -43,7 +43,9 @@ def tamper(message: m.Message, attack: str,
     """What the compromised device sends instead of ``message``; ``memory`` is what a
     replaying device keeps between its messages."""
     if isinstance(message, m.DeviceUpdate):
-        if attack == "replay" and memory is not None:
+        if attack == "replay":
+            if memory is None:  # without it the "attack" would silently be an honest device
+                raise ValueError("the replay attack needs a memory to keep its first update")
             # Its first update again, as this iteration's reply: new id, valid fields.
             first = memory.setdefault("first", message.weights)
             return dataclasses.replace(message, weights=first)

@@ -321,6 +321,8 @@ def test_the_replay_guard_tells_a_repeat_from_an_honest_step():
         assert not guard.check("d", off, w)[0]
     assert guard.check("d", sent[0], w)[0]  # older than its depth: left to the other guards
     assert ReplayGuard(10, seed=0, tolerance=0.0).check("d", np.ones(10), np.ones(10))[0]
+    with pytest.raises(ValueError, match="memory"):  # never an honest device by mistake
+        tamper(_upd("d0"), "replay")
 
 
 @pytest.mark.parametrize("size, roster, cap", [(2, 3, 5 / 6), (1, 2, 0.75), (3, 3, 1.0),
