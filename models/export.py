@@ -8,13 +8,11 @@ Writes ``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx``,
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import shutil
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 import onnx
@@ -23,6 +21,7 @@ import torch
 from edge_client.errors import ArtifactError, ConfigError
 from edge_client.trainers.manifest import Manifest
 from edge_client.trainers.ort_backend import load_training_api
+from edge_client.trainers.torch_backend import module_to_onnx
 from edge_client.trainers.zoo import DEFAULT_INPUT, build_module
 
 __all__ = ["export_model", "export_onnx", "OPTIMIZERS"]
@@ -30,25 +29,13 @@ __all__ = ["export_model", "export_onnx", "OPTIMIZERS"]
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("sgd", "adamw")
-OPSET = 17
 FILES = {"training": "training_model.onnx", "eval": "eval_model.onnx",
          "optimizer": "optimizer_model.onnx", "checkpoint": "checkpoint",
          "inference": "inference.onnx"}
 
 
 def _to_onnx(module: torch.nn.Module, *, training: bool) -> onnx.ModelProto:
-    dummy = torch.zeros(2, *module.input_shape)
-    buf = io.BytesIO()
-    mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
-    # The TorchScript exporter keeps parameter names as initializer names, which the
-    # artifacts and the manifest's layout rely on.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is deliberate
-        torch.onnx.export(module, (dummy,), buf, input_names=["input"], output_names=["logits"],
-                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
-                          opset_version=OPSET, dynamo=False, training=mode,
-                          do_constant_folding=not training, export_params=True)
-    return onnx.load_from_string(buf.getvalue())
+    return onnx.load_from_string(module_to_onnx(module, training=training))
 
 
 @contextlib.contextmanager

@@ -31,6 +31,10 @@ class Trainer(Protocol):
 
     def train_step(self, x: np.ndarray, y: np.ndarray) -> float: ...
 
+    def logits(self, x: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        """The model's outputs ``(n, classes)`` on ``x``, of ``weights`` if given; every
+        backend predicts through this one method (inference, prequential accuracy)."""
+
     def evaluate(self, x: np.ndarray, y: np.ndarray,
                  weights: np.ndarray | None = None) -> tuple[float, float]:
         """Loss and accuracy on ``(x, y)`` of ``weights`` (a flat vector) if given, else of

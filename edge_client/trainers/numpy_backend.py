@@ -79,8 +79,37 @@ class NumpyTrainer:
             acts.append(np.maximum(z, 0.0) if i < len(self._dims) - 1 else z)
         return acts
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        return self._forward(self._inputs(x))[-1]
+    def logits(self, x: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        params = None if weights is None else self._views(check_flat(weights, self.num_params))
+        return self._forward(self._inputs(x), params)[-1]
+
+    def inference_onnx(self, weights: np.ndarray) -> bytes:
+        """The model with ``weights`` as an ONNX graph: Flatten, then Gemm (+ Relu) per
+        layer, initializers named as the layout (``trainers/onnx_export.py``)."""
+        from onnx import TensorProto, helper, numpy_helper
+
+        from .onnx_export import OPSET
+
+        views = self._views(check_flat(weights, self.num_params))
+        inits = [numpy_helper.from_array(np.ascontiguousarray(v), name)
+                 for (name, _), v in zip(self.layout, views, strict=True)]
+        nodes, current = [helper.make_node("Flatten", ["input"], ["flat"], axis=1)], "flat"
+        for i in range(len(self._dims)):
+            out = "logits" if i == len(self._dims) - 1 else f"h{i}"
+            nodes.append(helper.make_node("Gemm", [current, self.layout[2 * i][0],
+                                                   self.layout[2 * i + 1][0]],
+                                          [out + "_pre" if out != "logits" else out],
+                                          transB=1))
+            if out != "logits":
+                nodes.append(helper.make_node("Relu", [out + "_pre"], [out]))
+            current = out
+        graph = helper.make_graph(
+            nodes, "safl_numpy", [helper.make_tensor_value_info(
+                "input", TensorProto.FLOAT, ["batch", *self.input_shape])],
+            [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                           ["batch", self._dims[-1][1]])], inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                 ir_version=8).SerializeToString()
 
     def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
         """One SGD step on a batch; returns the batch loss before the step."""
@@ -102,8 +131,7 @@ class NumpyTrainer:
         y = np.asarray(y)
         if len(y) == 0:
             return float("nan"), float("nan")
-        params = None if weights is None else self._views(check_flat(weights, self.num_params))
-        logits = self._forward(self._inputs(x), params)[-1]
+        logits = self.logits(x, weights)
         loss, _ = _softmax_xent(logits, y)
         return loss, float((logits.argmax(axis=1) == y).mean())
 
@@ -112,6 +140,13 @@ def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: flo
           seed: int, hidden: int = 128) -> NumpyTrainer:
     """``softmax`` (regression) or ``mlp`` (one hidden layer, ReLU)."""
     d = math.prod(input_shape)
+    trainer = _build(model, d, num_classes, lr=lr, seed=seed, hidden=hidden)
+    trainer.input_shape = tuple(input_shape)  # what an exported graph takes
+    return trainer
+
+
+def _build(model: str, d: int, num_classes: int, *, lr: float, seed: int,
+           hidden: int) -> NumpyTrainer:
     if model == "softmax":
         return NumpyTrainer([d, num_classes], lr=lr, seed=seed, names=["fc"])
     if model == "mlp":

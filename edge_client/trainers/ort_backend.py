@@ -9,6 +9,7 @@ and hides ``ortmodule``, so ``api`` and ``artifacts`` load without torch
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import types
@@ -69,7 +70,7 @@ class OrtTrainer:
 
     def __init__(self, folder: str | Path, *, lr: float,
                  expected_layout_hash: str | None = None) -> None:
-        folder = Path(folder)
+        self.folder = folder = Path(folder)
         self.manifest = Manifest.read(folder)
         if expected_layout_hash and self.manifest.layout_hash != expected_layout_hash:
             raise ArtifactError(f"artifacts in {folder} have layout {self.manifest.layout_hash}, "
@@ -139,20 +140,29 @@ class OrtTrainer:
             yield self._module(self._inputs(x[i:i + EVAL_CHUNK]),
                                np.asarray(y[i:i + EVAL_CHUNK], dtype=np.int64))
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
+    @contextlib.contextmanager
+    def _lent(self, weights: np.ndarray | None):
+        """An ORT session runs the parameters it holds: lend it ``weights``, then restore."""
+        if weights is None:
+            yield
+            return
+        own = self.get_flat()
+        self.set_flat(weights)
+        try:
+            yield
+        finally:
+            self.set_flat(own)
+
+    def logits(self, x: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
         dummy = np.zeros(len(x), dtype=np.int64)  # the eval graph still takes labels
-        return np.concatenate([out[1] for out in self._eval_chunks(x, dummy)])
+        with self._lent(weights):
+            return np.concatenate([out[1] for out in self._eval_chunks(x, dummy)])
 
     def evaluate(self, x: np.ndarray, y: np.ndarray,
                  weights: np.ndarray | None = None) -> tuple[float, float]:
         if weights is not None:
-            # An ORT session evaluates the parameters it holds: lend it these, then restore.
-            own = self.get_flat()
-            self.set_flat(weights)
-            try:
+            with self._lent(weights):
                 return self.evaluate(x, y)
-            finally:
-                self.set_flat(own)
         y = np.asarray(y)
         if len(y) == 0:
             return float("nan"), float("nan")
@@ -162,6 +172,29 @@ class OrtTrainer:
             loss_sum += float(loss) * len(part)
             correct += int((logits.argmax(axis=1) == part).sum())
         return loss_sum / len(y), correct / len(y)
+
+
+    def inference_onnx(self, weights: np.ndarray) -> bytes:
+        """The artifacts' inference graph with ``weights`` in its initializers, which are
+        named as the layout (``trainers/onnx_export.py``)."""
+        import onnx
+        from onnx import numpy_helper
+
+        path = self.folder / self.manifest.files.get("inference", "")
+        if "inference" not in self.manifest.files or not path.exists():
+            raise ArtifactError(f"{self.folder} has no inference graph to export; re-export "
+                                "the model with this version of safl")
+        model = onnx.load(str(path))
+        flat, offset = check_flat(weights, self.num_params), 0
+        by_name = {t.name: t for t in model.graph.initializer}
+        for name, shape in self.layout:
+            size = int(np.prod(shape))
+            if name not in by_name:
+                raise ArtifactError(f"{path} has no initializer {name!r} of the layout")
+            by_name[name].CopyFrom(numpy_helper.from_array(
+                flat[offset:offset + size].reshape(shape), name))
+            offset += size
+        return model.SerializeToString()
 
 
 def build(model: str, *, artifacts: str | Path, lr: float,

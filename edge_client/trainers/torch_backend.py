@@ -7,6 +7,7 @@ float32 numpy vectors, so a CUDA device federates with CPU, numpy and ORT device
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import numpy as np
@@ -14,9 +15,27 @@ import torch
 
 from ..errors import ConfigError, ShapeError
 from .base import check_flat
+from .onnx_export import OPSET
 from .zoo import build_module
 
-__all__ = ["TorchTrainer", "build", "resolve_device"]
+__all__ = ["TorchTrainer", "build", "resolve_device", "module_to_onnx"]
+
+
+def module_to_onnx(module: torch.nn.Module, *, training: bool = False) -> bytes:
+    """The module as an ONNX graph (batch-dynamic ``input`` -> ``logits``): the artifacts'
+    graphs (``models``) and a device's exported model."""
+    dummy = torch.zeros(2, *module.input_shape, device=next(module.parameters()).device)
+    buf = io.BytesIO()
+    mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+    # The TorchScript exporter keeps parameter names as initializer names, which the
+    # artifacts and the manifest's layout rely on.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is deliberate
+        torch.onnx.export(module, (dummy,), buf, input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                          opset_version=OPSET, dynamo=False, training=mode,
+                          do_constant_folding=not training, export_params=True)
+    return buf.getvalue()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,8 +135,18 @@ class TorchTrainer:
                 offset += p.numel()
             return torch.func.functional_call(self.module, params, (self._inputs(x),))
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        return self._logits(x).cpu().numpy()
+    def logits(self, x: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        return self._logits(x, weights).cpu().numpy()
+
+    def inference_onnx(self, weights: np.ndarray) -> bytes:
+        """The model with ``weights`` as an ONNX graph (``trainers/onnx_export.py``)."""
+        own = self.get_flat()
+        self.set_flat(weights)
+        try:
+            self.module.eval()
+            return module_to_onnx(self.module)
+        finally:
+            self.set_flat(own)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray,
                  weights: np.ndarray | None = None) -> tuple[float, float]:
