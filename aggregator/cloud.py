@@ -26,8 +26,11 @@ from edge_client.topics import cloud_topics
 from .config import CloudConfig
 from .fusion import Fold, fold_for
 from .server_optimizers import build_server_optimizer
+from .station import accuracy_summary
 
 __all__ = ["Cloud", "CloudState", "CLOUD_ID"]
+
+MAX_DEVICE_ACCURACIES = m.MAX_MEMBERS  # per station: no roster is larger
 
 CLOUD_ID = "cloud"
 
@@ -60,6 +63,7 @@ class Cloud(RoleBase):
         self.iteration = 0
         self.deadline = float("inf")
         self._counts: dict[str, np.ndarray] = {}
+        self._accuracies: dict[str, dict[str, np.ndarray]] = {}  # per station, for summaries
         # This round's station updates, folded as they arrive; kept: each one's iteration.
         self._updates: dict[str, int] = {}
         self._fold = self._new_fold()
@@ -148,6 +152,7 @@ class Cloud(RoleBase):
             self.counters["duplicates"] += 1
             return []
         self._counts[message.sender] = np.array(message.seen_counts)
+        self._note_accuracies(message)
         accepted = self._plausible_count(message)
         equal = self.config.station_weighting == "equal"
         self._fold.add(accepted.weights, 1.0 if equal else accepted.num_samples,
@@ -157,6 +162,26 @@ class Cloud(RoleBase):
         if all(s in self._updates or s in self.offline for s in self.config.stations):
             return self._close_round(now)
         return []
+
+    def _note_accuracies(self, msg: m.StationUpdate) -> None:
+        """Keep the station's device accuracies for the summary: a metric, so values outside
+        [0, 1] or more than a roster's worth are dropped and counted, never refused."""
+        kept = {}
+        for key in ("local", "prequential"):
+            values = getattr(msg, f"{key}_accuracies")[:MAX_DEVICE_ACCURACIES]
+            good = values[(values >= 0) & (values <= 1)]
+            if len(good) < len(getattr(msg, f"{key}_accuracies")):
+                self.counters[f"clipped.{key}_accuracies"] += 1
+            kept[key] = good
+        self._accuracies[msg.sender] = kept
+
+    def accuracy_summary(self) -> dict[str, float]:
+        """Held-out and prequential accuracy over every station's devices."""
+        out: dict[str, float] = {}
+        for key in ("local", "prequential"):
+            values = [v for acc in self._accuracies.values() for v in acc[key]]
+            out.update(accuracy_summary(values, key))
+        return out
 
     def _plausible_count(self, msg: m.StationUpdate) -> m.StationUpdate:
         """Clip a station's claimed samples to what its devices can have seen."""

@@ -94,6 +94,10 @@ class ExperimentConfig(RecipeSettings):
     attacks: tuple[str, ...] = ("none",)
     attackers: int = 1  # how many devices are compromised under an attack
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    # Prequential accuracy beside the held-out figure: every device predicts one arriving
+    # sample in this many before training (0: off).  A forward pass per prediction: at 10 the
+    # reference runs take longer (docs/algorithms.md has the measured cost).
+    prequential_every: int = 0
 
     def __post_init__(self) -> None:
         if self.partition not in ("dirichlet", "safl"):
@@ -119,6 +123,7 @@ class ExperimentConfig(RecipeSettings):
         if self.lr_decay_fraction:
             object.__setattr__(self, "lr_decay_rounds", self.lr_decay_fraction * self.rounds)
         check_range("attackers", self.attackers, 0, self.factories * self.devices_per_factory)
+        check_range("prequential_every", self.prequential_every, 0)
         unknown = [s for s in self.strategies if s not in RECIPES]
         if unknown or not self.strategies:
             raise ConfigError("strategies", f"unknown {unknown}; known: {sorted(RECIPES)}")
@@ -148,7 +153,8 @@ def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> Flee
                      initial_samples=cfg.initial_samples, eval_samples=cfg.eval_samples,
                      eval_every=cfg.eval_every,
                      share_trainers=True, attack=attack,
-                     attackers=tuple(range(cfg.attackers)) if attack != "none" else ())
+                     attackers=tuple(range(cfg.attackers)) if attack != "none" else (),
+                     prequential_every=cfg.prequential_every)
 
 
 def _strategy(cfg: ExperimentConfig, name: str):
@@ -180,7 +186,7 @@ _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "ta
                            "temperature_rounds", "temperature_fraction", "mix", "nu",
                            "merge_max_age", "prox_mu", "server_lr", "momentum",
                            "cloud_optimizer", "lr_decay_fraction", "lr_decay_rounds",
-                           "lr_decay"})
+                           "lr_decay", "prequential_every"})
 
 
 class _RunCache:
@@ -200,6 +206,10 @@ class _RunCache:
     def _key(self, name: str, seed: int, attack: str) -> str:
         # ``samples`` once counted batches scheduled; runs cached then are not reused.
         budget = "|samples-trained" if self.cfg.samples else ""
+        # Prequential scoring changes no training, but its runs carry more columns: they are
+        # keyed apart, and a run without it keeps the key it always had.
+        every = self.cfg.prequential_every
+        budget += f"|prequential-{every}" if every else ""
         text = f"{self.fleet}{budget}|{_strategy(self.cfg, name)!r}|{seed}|{attack}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

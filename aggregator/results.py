@@ -23,6 +23,10 @@ samples trained when the accuracy reached X and held it at every later evaluatio
 seeds; `never (k/n)` when k seeds never held it). `local_q1` is the mean device-local
 accuracy (each device's deployable model on its own held-out stream) over the first quarter
 of the samples, `worst10_q1` the same over the worst 10% of devices, `local_end` at the end.
+Where an experiment scores prequentially (`prequential_every`), `prequential_end` is the mean
+over devices of their test-then-train accuracy (each arriving sample predicted before it may
+be trained on, over each device's last 500 predictions) over the last evaluations, and
+`prequential_worst10` the same over the worst 10% of devices.
 A verdict compares the paired per-seed effect with its spread (sd over seeds): *reproduced*
 (larger than its spread, and not reliably below the claimed size), *not reproduced* (effect
 plus spread below the claim), *inconclusive* (within the spread, or one seed). The scaling

@@ -40,7 +40,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .cloud import CLOUD_ID, Cloud
 from .config import CloudConfig, StationConfig
 from .selection import blas_threads
-from .station import Station, local_accuracy_summary
+from .station import Station
 
 __all__ = ["StationService", "CloudService"]
 
@@ -138,14 +138,14 @@ class StationService:
                 iteration=role.iteration, cpu_s=round(time.process_time(), 3),
                 cpu_startup_s=round(first_model[0], 3) if first_model else None,
                 devices=len(cfg.devices), online=role.online_devices, quorum=cfg.min_quorum,
-                missing=tuple(role.missing), **local_accuracy_summary(role.local_accuracies()),
+                missing=tuple(role.missing), **role.accuracy_summary(),
                 counters=dict(role.counters), transport=dict(transport.counters))
 
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
              "selected_devices": len(role.members), "devices_online": role.online_devices,
-             **local_accuracy_summary(role.local_accuracies())}),
+             **role.accuracy_summary()}),
             labels={"fleet": cfg.fleet, "station": cfg.station_id})
         # Round boundaries: the upload that ends a round, the model that begins one.
         checkpoint = _checkpointing(role, self.service.state_dir, cfg.station_id, lambda msg: (
@@ -202,7 +202,8 @@ class CloudService:
             return CloudSummary(state=role.state, round=role.round, iteration=role.iteration,
                                 stations=tuple(cfg.stations), offline=tuple(sorted(role.offline)),
                                 accuracy=rows[-1].get("accuracy") if rows else None,
-                                counters=dict(role.counters), transport=dict(transport.counters))
+                                **role.accuracy_summary(), counters=dict(role.counters),
+                                transport=dict(transport.counters))
 
         def manifest(message: m.Message) -> None:
             # Chunked frames cannot be retained: a late joiner learns the state from this.

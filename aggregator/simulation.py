@@ -20,7 +20,7 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.admission import Admission
-from edge_client.config import DeviceConfig, from_mapping
+from edge_client.config import DeviceConfig, InferenceConfig, from_mapping
 from edge_client.device import Device
 from edge_client.errors import SaflError
 from edge_client.runner import RoleRunner, StopFlag, pace_replay, serve
@@ -33,7 +33,7 @@ from .attacks import install
 from .cloud import Cloud
 from .config import CloudConfig, StationConfig
 from .datasets import Dataset
-from .station import Station, local_accuracy_summary
+from .station import Station, accuracy_summary
 
 __all__ = ["Strategy", "FleetSpec", "FleetPlan", "RunResult", "plan_fleet", "run_federation"]
 
@@ -78,6 +78,9 @@ class FleetSpec:
     # Compromised devices (by number) and what they send (aggregator.attacks.ATTACKS).
     attack: str = "none"
     attackers: tuple[int, ...] = ()
+    # Prequential accuracy: each device predicts one arriving sample in this many with its
+    # deployable model before it may be trained on (0: off; each prediction is a forward pass).
+    prequential_every: int = 0
 
 
 @dataclass
@@ -192,7 +195,9 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
             shared.setdefault(backend, trainer(backend))
         dev = Device(cfg, shared[backend] if spec.share_trainers else trainer(backend),
                      num_classes=data.num_classes,
-                     sample_shape=data.sample_shape, rng=np.random.default_rng(cfg.seed))
+                     sample_shape=data.sample_shape, rng=np.random.default_rng(cfg.seed),
+                     inference=InferenceConfig(every=spec.prequential_every, publish=False)
+                     if spec.prequential_every else None)
         idx = spec.partitions[k]
         source = ReplaySource(data.x_train[idx], data.y_train[idx],
                               np.random.default_rng(plan.replay_seeds[k]))
@@ -223,13 +228,17 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
             return
         evaluator.set_flat(message.weights)
         loss, acc = evaluator.evaluate(x_eval, y_eval)
-        local = local_accuracy_summary([a for s in stations for a in s.local_accuracies()])
+        local = {**accuracy_summary([a for s in stations for a in s.local_accuracies()]),
+                 **accuracy_summary([a for s in stations for a in s.prequential_accuracies()],
+                                    "prequential")}
         rows.append({
             "strategy": strategy.name, "round": message.round, "iteration": message.iteration,
             "samples": trained,
             "accuracy": acc, "loss": loss,
             "local_mean": local.get("local_mean", float("nan")),
             "local_worst10": local.get("local_worst10", float("nan")),
+            "prequential_mean": local.get("prequential_mean", float("nan")),
+            "prequential_worst10": local.get("prequential_worst10", float("nan")),
             "uploads": bus.messages["DeviceUpdate"], "skips": bus.messages["SkipNotice"],
             # Device links stay inside the factory; station links cross the WAN to the cloud.
             "bytes_device_up": bus.payload_bytes["DeviceUpdate"],

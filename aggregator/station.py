@@ -40,20 +40,20 @@ from .trust import (
     seat_candidates,
 )
 
-__all__ = ["StationState", "Station", "local_accuracy_summary"]
+__all__ = ["StationState", "Station", "accuracy_summary"]
 
 log = logging.getLogger(__name__)
 
 
-def local_accuracy_summary(accuracies: list[float]) -> dict[str, float]:
-    """Mean device-local accuracy and the mean over the worst 10% of devices (at least one):
-    where keeping part of a local model can pay off, a skewed device shows it first.  Empty
-    until some device has measured."""
-    if not accuracies:
+def accuracy_summary(accuracies, name: str = "local") -> dict[str, float]:
+    """Mean of the devices' accuracies (held-out ``local`` or ``prequential``) and the mean
+    over the worst 10% of devices (at least one): where keeping part of a local model can pay
+    off, a skewed device shows it first.  Empty until some device has measured."""
+    if not len(accuracies):
         return {}
-    ranked = sorted(accuracies)
+    ranked = sorted(float(a) for a in accuracies)
     worst = ranked[:max(1, len(ranked) // 10)]
-    return {"local_mean": float(np.mean(ranked)), "local_worst10": float(np.mean(worst))}
+    return {f"{name}_mean": float(np.mean(ranked)), f"{name}_worst10": float(np.mean(worst))}
 
 
 class StationState(RoleState):
@@ -194,6 +194,15 @@ class Station(RoleBase):
         """The latest device-local accuracy each device reported (those that measured)."""
         return [s.local_accuracy for s in self.stats.values() if s.local_samples]
 
+    def prequential_accuracies(self) -> list[float]:
+        """The latest prequential accuracy each device reported (those that predict)."""
+        return [s.prequential_accuracy for s in self.stats.values() if s.prequential_samples]
+
+    def accuracy_summary(self) -> dict[str, float]:
+        """Held-out and prequential accuracy over the devices, mean and worst 10%."""
+        return {**accuracy_summary(self.local_accuracies()),
+                **accuracy_summary(self.prequential_accuracies(), "prequential")}
+
     @property
     def missing(self) -> list[str]:
         """Roster devices the station has not heard from (or whose Last Will fired)."""
@@ -268,11 +277,12 @@ class Station(RoleBase):
             return self._reject("bad_histogram", f"next batch of {msg.next_batch_counts.sum()} "
                                 f"samples, the batch size is {self.config.batch_size}")
         msg = self._plausible_seen(msg)
-        if not 0.0 <= msg.local_accuracy <= 1.0:
-            # Only a metric, but a metric operators act on: an accuracy outside [0, 1] is
-            # dropped (as not measured) and counted; the histograms still count.
-            self.counters["clipped.local_accuracy"] += 1
-            msg = dataclasses.replace(msg, local_accuracy=0.0, local_samples=0)
+        for key in ("local", "prequential"):
+            if not 0.0 <= getattr(msg, f"{key}_accuracy") <= 1.0:
+                # Only a metric, but a metric operators act on: an accuracy outside [0, 1] is
+                # dropped (as not measured) and counted; the histograms still count.
+                self.counters[f"clipped.{key}_accuracy"] += 1
+                msg = dataclasses.replace(msg, **{f"{key}_accuracy": 0.0, f"{key}_samples": 0})
         joined = msg.sender not in self.stats or msg.sender in self.offline
         self.stats[msg.sender] = msg
         self._seen_at[msg.sender] = self.iteration
@@ -467,7 +477,9 @@ class Station(RoleBase):
         self._upload = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
                                        iteration=self.iteration, weights=self.weights,
                                        num_samples=self._consumed,
-                                       seen_counts=self._seen_counts())
+                                       seen_counts=self._seen_counts(),
+                                       local_accuracies=self.local_accuracies(),
+                                       prequential_accuracies=self.prequential_accuracies())
         self._consumed_before += self._consumed
         self._consumed = 0
         return [self._upload]

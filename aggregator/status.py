@@ -63,6 +63,19 @@ def fleet_status(broker: BrokerConfig, fleet: str, wait: float = 1.5) -> FleetSt
     return found
 
 
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _devices_accuracy(doc) -> str:
+    """Held-out and prequential accuracy of the devices: mean (worst 10%)."""
+    parts = [f"{name} {_fraction(getattr(doc, f'{key}_mean'))} "
+             f"({_fraction(getattr(doc, f'{key}_worst10'))})"
+             for key, name in (("local", "held-out"), ("prequential", "prequential"))
+             if getattr(doc, f"{key}_mean") is not None]
+    return ("  " + ", ".join(parts)) if parts else ""
+
+
 def format_status(found: FleetStatus, fleet: str) -> str:
     """Stations, devices online, round, iteration, last accuracy and upload counts."""
     lines = [f"fleet {fleet}"]
@@ -72,11 +85,12 @@ def format_status(found: FleetStatus, fleet: str) -> str:
     lines.append(f"cloud: {'online' if online else 'offline' if online is False else 'unknown'}"
                  f", state {cloud.state if cloud else '?'}, round "
                  f"{cloud.round if cloud else '?'}, iteration {cloud.iteration if cloud else '?'}"
-                 f", last accuracy {'-' if acc is None else f'{acc:.4f}'}")
+                 f", last accuracy {'-' if acc is None else f'{acc:.4f}'}"
+                 + (_devices_accuracy(cloud) if cloud else ""))
     devices = {s: o for (r, s), o in found.presence.items() if r == "dev"}
     lines.append(f"devices online: {sum(devices.values())} of {len(devices)} seen")
     lines.append(f"{'station':<10} {'presence':<9} {'state':<11} {'round':>5} {'iter':>5} "
-                 f"{'online':>7} {'uploads':>8} {'skips':>6} {'rejected':>9}")
+                 f"{'online':>7} {'uploads':>8} {'skips':>6} {'rejected':>9}  device accuracy")
     stations = sorted({s for (r, s) in found.presence if r == "station"} | set(found.stations))
     for sid in stations:
         doc = found.stations.get(sid)
@@ -91,7 +105,8 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                      f"{doc.state:<11} {doc.round:>5} {doc.iteration:>5} "
                      f"{f'{doc.online}/{doc.devices}':>7} "
                      f"{doc.counters.get('received_updates', 0):>8} "
-                     f"{doc.counters.get('received_skips', 0):>6} {rejected:>9}")
+                     f"{doc.counters.get('received_skips', 0):>6} {rejected:>9}"
+                     f"{_devices_accuracy(doc)}")
     for doc in (found.stations[sid] for sid in stations if sid in found.stations):
         if doc.state == "starved":
             lines.append(f"{doc.station} waits for devices: {doc.online} online, "

@@ -38,6 +38,7 @@ def merge_seeds(results: list[RunResult]) -> list[RunResult]:
     return merged
 
 
+NAN = float("nan")
 LAST_K = 3  # a run's accuracy: the mean of its last evaluations, not one noisy point
 
 
@@ -71,6 +72,10 @@ def run_summary(result: RunResult, target: float) -> dict[str, float | int | Non
             "worst10_q1": _nanmean([r["local_worst10"] for r in quarter]),
             "local_end": _nanmean([r["local_mean"] for r in tail]),
             "worst10_end": _nanmean([r["local_worst10"] for r in tail]),
+            # Runs without prequential scoring (and runs cached before it) have no such column.
+            "prequential_end": _nanmean([r.get("prequential_mean", NAN) for r in tail]),
+            "prequential_worst10_end": _nanmean([r.get("prequential_worst10", NAN)
+                                                 for r in tail]),
             "samples": rows[-1]["samples"]}
 
 
@@ -90,6 +95,15 @@ def mean_sd(values: list[float], digits: int = 4) -> tuple[float | None, float |
         return None, None
     return round(float(arr.mean()), digits), \
         round(float(arr.std(ddof=1)), digits) if len(arr) > 1 else ""
+
+
+def _prequential_columns(sums: list[dict[str, Any]]) -> dict[str, Any]:
+    """Prequential accuracy at the end (mean, sd, worst 10%), where every seed measured it."""
+    pend, pend_sd = mean_sd([s["prequential_end"] for s in sums])
+    if pend is None:
+        return {}
+    pw10, _ = mean_sd([s["prequential_worst10_end"] for s in sums])
+    return {"prequential_end": pend, "prequential_end_sd": pend_sd, "prequential_worst10": pw10}
 
 
 def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]:
@@ -113,7 +127,8 @@ def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]
                     f"samples_to_{target:g}": (f"{np.mean(reach) / 1000:.0f}k" if held == len(runs)
                                                else f"never ({len(runs) - held}/{len(runs)})"),
                     "local_q1": lq1, "local_q1_sd": lq1_sd, "worst10_q1": w10,
-                    "local_end": lend, "samples": int(np.mean([s["samples"] for s in sums])),
+                    "local_end": lend, **_prequential_columns(sums),
+                    "samples": int(np.mean([s["samples"] for s in sums])),
                     "uploads": int(np.mean([r.rows[-1]["uploads"] for r in runs])),
                     "skips": int(np.mean([r.rows[-1]["skips"] for r in runs])),
                     "mb_up": round((last["bytes_device_up"] + last["bytes_station_up"]) / 1e6, 1),

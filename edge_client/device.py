@@ -16,7 +16,8 @@ import numpy as np
 
 from . import messages as m
 from .buffer import StreamBuffer
-from .config import DeviceConfig
+from .config import DeviceConfig, InferenceConfig
+from .inference import NOT_PREDICTED, Prequential, predict
 from .role import RoleBase
 from .safl import annealed_merge, performance_gap, upload_probability
 from .topics import device_topics
@@ -41,12 +42,25 @@ class Device(RoleBase):
         Shape of one sample in the stream.
     rng : numpy.random.Generator
         Source of the merge mask and the upload-gate draw.
+    inference : InferenceConfig, optional
+        Serve the deployable model on the stream (:meth:`infer`) and score it
+        prequentially; None (the simulator's default) keeps no deployable model at all.
     """
 
     def __init__(self, config: DeviceConfig, trainer: Trainer, *, num_classes: int,
-                 sample_shape: tuple[int, ...], rng: np.random.Generator) -> None:
+                 sample_shape: tuple[int, ...], rng: np.random.Generator,
+                 inference: InferenceConfig | None = None) -> None:
         super().__init__()
         self.config = config
+        self.inference = inference
+        self.prequential = (Prequential(inference.window, num_classes)
+                            if inference is not None and inference.enabled else None)
+        # The model the device would deploy: the aggregate after the annealed merge (the
+        # one ``local_accuracy`` describes), or the latest aggregate while no fresh local
+        # model exists to merge.  Its round, for whoever acts on a prediction.
+        self.deployable: np.ndarray | None = None
+        self.deployable_round = self.deployable_iteration = 0
+        self.last_inference_s = 0.0  # per frame, measured by the stream loop
         self.trainer = trainer
         self.trainer.lr = config.lr
         self.rng = rng
@@ -77,7 +91,10 @@ class Device(RoleBase):
                 "train_step_seconds": self.last_train_s / self.config.local_steps,
                 "buffer.overwritten_unread": self.buffer.overwritten_unread,
                 "buffer.unread": self.buffer.unread, "buffer.seen": self.buffer.samples_seen,
-                "local_accuracy": self._local_acc[0]}
+                "local_accuracy": self._local_acc[0],
+                **({"prequential_accuracy": self.prequential.accuracy,
+                    "inference_seconds": self.last_inference_s}
+                   if self.prequential is not None else {})}
 
     def subscriptions(self) -> list[str]:
         return device_topics(self.config.fleet, self.config.station)
@@ -94,10 +111,29 @@ class Device(RoleBase):
             return [self._stats(0, 0)]
         return []
 
-    def ingest(self, x: np.ndarray, y: np.ndarray, now: float) -> list[m.Message]:
-        """Take newly sensed samples; report stats when the next batch changed."""
-        self.buffer.push(x, y)
-        nxt = self.buffer.next_batch_counts(self.config.batch_size)
+    def infer(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The deployable model's classes and confidences for ``x`` (None before any model
+        arrived: an untrained model's guesses would be scored and acted on)."""
+        if self.deployable is None:
+            self.counters["inference.no_model"] += len(x)
+            return None
+        self.counters["predictions"] += len(x)
+        return predict(self.trainer, x, self.deployable)
+
+    def ingest(self, x: np.ndarray, y: np.ndarray, now: float,
+               predicted: np.ndarray | None = None) -> list[m.Message]:
+        """Take newly sensed, labelled samples; report stats when the next batch changed.
+
+        With prequential scoring on, each sample's prediction made on arrival (``predicted``,
+        ``NOT_PREDICTED`` where none was made) is scored before it can be trained on; without
+        ``predicted`` the device predicts one sample in ``[inference] every`` itself.
+        """
+        if self.prequential is not None and predicted is None:
+            predicted = self._predict_every(x)
+        self.buffer.push(x, y)  # validates shapes and labels before anything is scored
+        if self.prequential is not None:
+            self.counters["prequential.scored"] += self.prequential.score(y, predicted)
+        nxt = self._next_counts()
         if self._reported_next is not None and np.array_equal(nxt, self._reported_next):
             return []
         model = self._model
@@ -126,6 +162,9 @@ class Device(RoleBase):
                          self.counters["skipped.gate"])
             self._model = message
             self.finished = message.final
+            if self._local is None or message.iteration - self._local_iteration \
+                    > self.config.merge_max_age:
+                self._deploy(message, message.weights)  # nothing fresh to merge
             return []
         if isinstance(message, m.Selection):
             if self.id not in message.members:
@@ -135,6 +174,27 @@ class Device(RoleBase):
                                     "that iteration's model")
             return self._train_and_reply(self._model)
         return self._reject("unexpected_type", type(message).__name__)
+
+    def _next_counts(self) -> np.ndarray:
+        """The next batch's histogram as the station sees it: empty (not ready) below
+        ``min_batch`` samples."""
+        nxt = self.buffer.next_batch_counts(self.config.batch_size)
+        return nxt if nxt.sum() >= self.config.min_batch else np.zeros_like(nxt)
+
+    def _predict_every(self, x: np.ndarray) -> np.ndarray:
+        predicted = np.full(len(x), NOT_PREDICTED, dtype=np.int64)
+        arrival = self.buffer.samples_seen + np.arange(len(x))
+        chosen = np.flatnonzero(arrival % self.inference.every == 0)
+        if len(chosen):
+            out = self.infer(x[chosen])
+            if out is not None:
+                predicted[chosen] = out[0]
+        return predicted
+
+    def _deploy(self, model: m.StationModel, weights: np.ndarray) -> None:
+        if self.inference is not None:
+            self.deployable = weights
+            self.deployable_round, self.deployable_iteration = model.round, model.iteration
 
     def _on_station_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
         """The station (re)appeared: it may have restarted from an older checkpoint, so the
@@ -180,7 +240,9 @@ class Device(RoleBase):
         lr = cfg.lr * cfg.lr_decay if cfg.lr_decay_at and t >= cfg.lr_decay_at else cfg.lr
         if self.trainer.lr != lr:  # ONNX Runtime's optimizer is told only of a change
             self.trainer.lr = lr
-        self.trainer.set_flat(self._start_model(zbar, t))
+        start = self._start_model(zbar, t)
+        self.trainer.set_flat(start)
+        self._deploy(model, start)
         self._measure_local(t)
         consumed = 0
         started = time.perf_counter()  # a measurement for metrics, not an input to SAFL
@@ -237,10 +299,13 @@ class Device(RoleBase):
     def _stats(self, round_: int, iteration: int) -> m.DeviceStats:
         # The reported batch is pinned: it is the one trained on when this device is picked.
         self.buffer.pin(self.config.batch_size)
-        nxt = self.buffer.next_batch_counts(self.config.batch_size)
+        nxt = self._next_counts()
         self._reported_next = nxt
         acc, samples = self._local_acc
+        pre = self.prequential
         return m.DeviceStats(fleet=self.config.fleet, sender=self.id, round=round_,
                              iteration=iteration, station=self.config.station,
                              seen_counts=self.buffer.seen_counts, next_batch_counts=nxt,
-                             local_accuracy=acc, local_samples=samples)
+                             local_accuracy=acc, local_samples=samples,
+                             prequential_accuracy=pre.accuracy if pre and pre.samples else 0.0,
+                             prequential_samples=pre.samples if pre else 0)

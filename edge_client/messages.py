@@ -149,6 +149,11 @@ class Message:
 
 
 _WEIGHTS = (("weights", np.float32),)
+
+
+def _no_floats() -> np.ndarray:
+    return np.zeros(0, dtype=np.float32)
+
 _COUNTS = (("seen_counts", np.int64),)
 
 
@@ -156,13 +161,16 @@ _COUNTS = (("seen_counts", np.int64),)
 class DeviceStats(Message):
     """Device -> station: label histograms of all data seen and of the next batch, and the
     device-local accuracy of its deployable model on ``local_samples`` held-out samples
-    (0: not measured yet)."""
+    (0: not measured yet), and its prequential accuracy over the last
+    ``prequential_samples`` labelled samples it predicted before training on them."""
 
     station: str
     seen_counts: np.ndarray
     next_batch_counts: np.ndarray
     local_accuracy: float = 0.0
     local_samples: int = 0
+    prequential_accuracy: float = 0.0
+    prequential_samples: int = 0
     _vectors = (("seen_counts", np.int64), ("next_batch_counts", np.int64))
 
 
@@ -211,12 +219,16 @@ class StationStats(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class StationUpdate(Message):
-    """Station -> cloud, every ``T`` iterations: ``w^m`` and the samples it consumed."""
+    """Station -> cloud, every ``T`` iterations: ``w^m`` and the samples it consumed, with
+    the latest held-out and prequential accuracies its devices reported (metrics only)."""
 
     weights: np.ndarray
     num_samples: int
     seen_counts: np.ndarray
-    _vectors = _WEIGHTS + _COUNTS
+    local_accuracies: np.ndarray = dataclasses.field(default_factory=_no_floats)
+    prequential_accuracies: np.ndarray = dataclasses.field(default_factory=_no_floats)
+    _vectors = _WEIGHTS + _COUNTS + (("local_accuracies", np.float32),
+                                     ("prequential_accuracies", np.float32))
 
 
 @dataclass(frozen=True, kw_only=True)

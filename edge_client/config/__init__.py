@@ -8,6 +8,7 @@ range checks live in each config's ``__post_init__`` (``loading.py`` has the hel
 
 from .broker import BrokerConfig
 from .device import DeviceConfig
+from .inference import InferenceConfig
 from .loading import check_id, check_range, from_mapping, load_config
 from .model import ModelConfig
 from .service import ServiceConfig
@@ -15,4 +16,4 @@ from .sources import SOURCE_KINDS, VIDEO_SUFFIXES, PreprocessSettings, SourceCon
 
 __all__ = ["load_config", "from_mapping", "check_range", "check_id", "DeviceConfig",
            "SourceConfig", "PreprocessSettings", "SOURCE_KINDS", "VIDEO_SUFFIXES",
-           "BrokerConfig", "ModelConfig", "ServiceConfig"]
+           "BrokerConfig", "ModelConfig", "ServiceConfig", "InferenceConfig"]

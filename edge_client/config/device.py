@@ -18,6 +18,9 @@ class DeviceConfig:
     station: str
     fleet: str = "default"
     batch_size: int = 32
+    # Labelled samples the device waits for before it reports a batch ready: a live camera
+    # whose labels trickle in would otherwise be picked for one-sample steps (1: any).
+    min_batch: int = 1
     local_steps: int = 1
     lr: float = 0.05
     # Step decay: from station iteration ``lr_decay_at`` on, train at ``lr * lr_decay``
@@ -48,6 +51,7 @@ class DeviceConfig:
             check_id(key, getattr(self, key))
         check_range("batch_size", self.batch_size, 1)
         check_range("local_steps", self.local_steps, 1)
+        check_range("min_batch", self.min_batch, 1, self.batch_size)
         check_range("lr", self.lr, 0, low_open=True)
         check_range("lr_decay_at", self.lr_decay_at, 0)
         check_range("lr_decay", self.lr_decay, 0, 1, low_open=True)

@@ -1,0 +1,37 @@
+"""``InferenceConfig``: the ``[inference]`` table, how the device serves its model on the
+stream and scores it prequentially (``edge_client/inference.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .loading import check_range
+
+__all__ = ["InferenceConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InferenceConfig:
+    """Predictions of the deployable model on the samples a source delivers.
+
+    ``fps`` caps predictions per second (0: every sample); ``every`` predicts one sample in
+    that many (the simulator's knob: it has no seconds).  ``max_batch`` bounds the frames
+    predicted per loop turn: a backlog beyond it is skipped (``inference_skipped``) so that
+    inference never holds training up.  ``window`` labelled samples make the prequential
+    accuracy.  ``publish`` sends each prediction on the device's ``predictions`` topic;
+    ``jsonl`` also appends them to that file ("": no file).
+    """
+
+    enabled: bool = True
+    fps: float = 0.0
+    every: int = 1
+    max_batch: int = 64
+    window: int = 500
+    publish: bool = True
+    jsonl: str = ""
+
+    def __post_init__(self) -> None:
+        check_range("fps", self.fps, 0)
+        check_range("every", self.every, 1)
+        check_range("max_batch", self.max_batch, 1)
+        check_range("window", self.window, 1)
