@@ -49,6 +49,12 @@ __all__ = ["FleetFile", "load_fleet_file", "provision", "kick", "MAX_PACKET"]
 MONITOR = "monitor"  # read-only user for `safl status`
 
 
+def line_id(station: str) -> str:
+    """The factory line's login on a station's broker: it publishes labels below
+    :func:`edge_client.topics.line_prefix` (an inspection station, a PLC gateway)."""
+    return f"line-{station}"
+
+
 @dataclass(frozen=True)
 class StationEntry:
     id: str
@@ -110,6 +116,10 @@ def load_fleet_file(path: str | Path) -> FleetFile:
         raise ConfigError("stations", "the fleet needs at least one station")
     if MONITOR in seen or "cloud" in seen:
         raise ConfigError("stations.id", f"'cloud' and {MONITOR!r} are reserved ids")
+    lines = sorted(i for i in seen if i.startswith("line-"))
+    if lines:
+        raise ConfigError("stations.id", f"{lines[0]!r}: ids beginning 'line-' are the "
+                          "factory lines' logins")
     return FleetFile(fleet["name"], fleet["cloud_host"], int(fleet.get("cloud_port", 8883)),
                      tuple(stations))
 
@@ -231,6 +241,8 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
     stations = [s for s in fleet.stations if s.id not in revoked]
     for s in stations:
         credential_dirs[s.id] = credential(out / "stations" / s.id, s.id)
+        credential_dirs[line_id(s.id)] = credential(out / "stations" / s.id / "line",
+                                                    line_id(s.id))
         for did in s.devices:
             if did not in revoked:
                 credential_dirs[did] = credential(out / "devices" / did, did)
@@ -281,11 +293,13 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
                         *_grant("read", topics.prefix(name, "dev", "+"), ("stats", "status")),
                         *(f"topic read {topics.prefix(name, 'dev', d)}/update" for d in devices),
                         *_grant("read", topics.prefix(name, "cloud"), CLOUD_LEAVES)],
-                 MONITOR: _monitor_rules(name)}
+                 MONITOR: _monitor_rules(name),
+                 line_id(s.id): [f"topic write {topics.line_prefix(s.id)}/#"]}
         for did in devices:
             rules[did] = [*_grant("write", topics.prefix(name, "dev", did), DEVICE_LEAVES),
                           *_grant("read", topics.prefix(name, "station", s.id),
-                                  ("model", "select", "status"))]
+                                  ("model", "select", "status")),
+                          f"topic read {topics.line_prefix(s.id)}/#"]
         (folder / "acl").write_text(_acl(rules))
         url = f"mqtts://{s.host}:{s.port}"
         (out / "stations" / s.id / "station.toml").write_text(toml_text({
@@ -298,6 +312,8 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
                 "model": {"name": "mlp"},
                 "source": {"kind": "camera", "uri": "0", "label": 0},
                 "broker": broker_section(did, url)}))
+        (out / "stations" / s.id / "line" / "line.toml").write_text(toml_text(
+            {"broker": broker_section(line_id(s.id), url)}))
     for name, url in (("cloud", cloud_url), *((s.id, f"mqtts://{s.host}:{s.port}")
                                               for s in stations)):
         (out / "monitor" / f"status-{name}.toml").write_text(toml_text(

@@ -1,7 +1,9 @@
 """The device's own entry point, and what every ``safl`` command shares with it.
 
 ``safl-device --config device.toml`` (or ``python -m edge_client``) runs one device
-service and nothing else: it loads numpy, the chosen trainer and paho, never the aggregator
+service and nothing else; ``safl-device export --config device.toml --out model.onnx`` writes
+the model that device deploys as plain ONNX for the line's own application.  It loads
+numpy, the chosen trainer and paho, never the aggregator
 or torch unless the device's model needs torch.  The ``safl`` command (``safl.cli``, the
 composition root) builds its ``device`` subcommand from the same functions, and its logging,
 version and error handling too, so both entry points behave alike.
@@ -19,7 +21,8 @@ from pathlib import Path
 from .errors import SaflError
 
 __all__ = ["main", "version", "add_common_arguments", "add_role_arguments",
-           "add_device_arguments", "overrides", "run_device", "setup_logging", "run_guarded"]
+           "add_device_arguments", "overrides", "run_device", "run_export", "setup_logging",
+           "run_guarded"]
 
 
 def version() -> str:
@@ -86,16 +89,38 @@ def overrides(args: argparse.Namespace, **tables: dict[str, str]) -> dict[str, d
 
 
 def run_device(args: argparse.Namespace) -> int:
-    from .config import BrokerConfig, DeviceConfig, ModelConfig, ServiceConfig, SourceConfig
-    from .service import DeviceService, load_role_file
+    from .service import DEVICE_TABLES, DeviceService, load_role_file
 
-    cfg = load_role_file(args.config, {"device": DeviceConfig, "model": ModelConfig,
-                                       "source": SourceConfig, "broker": BrokerConfig,
-                                       "service": ServiceConfig},
+    cfg = load_role_file(args.config, DEVICE_TABLES,
                          overrides(args, broker={"broker": "url"},
                                    service={"metrics_port": "metrics_port"},
                                    device={"device_id": "device_id", "station": "station"}))
     DeviceService(**cfg).run(exit_when_done=not args.keep_running)
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Export the deployable model a device keeps in its ``[service] state_dir``."""
+    from .service import DEVICE_TABLES, load_role_file, model_trainer
+    from .serving import load_deployable
+    from .trainers import layout_hash
+    from .trainers.onnx_export import export_onnx
+
+    cfg = load_role_file(args.config, DEVICE_TABLES,
+                         overrides(args, service={"state_dir": "state_dir"}))
+    state_dir = cfg["service"].state_dir
+    if not state_dir:
+        from .errors import ConfigError
+        raise ConfigError("state_dir", "the device keeps its deployable model in [service] "
+                          "state_dir: set it (or pass --state-dir)")
+    model = cfg["model"]
+    trainer = model_trainer(model, cfg["device"].lr)
+    saved = load_deployable(state_dir, layout_hash=layout_hash(trainer.layout))
+    out = export_onnx(trainer, saved.weights, args.out, input_shape=tuple(model.input_shape),
+                      num_classes=model.num_classes, model_round=saved.round,
+                      model_name=model.spec)
+    print(f"wrote {out}: {model.spec}, round {saved.round}, input {tuple(model.input_shape)}, "
+          f"{model.num_classes} classes")
     return 0
 
 
@@ -120,7 +145,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="safl-device export", description="write the "
+                                     "device's deployable model as ONNX (its input shape, "
+                                     "class count and round in the metadata)")
+    add_common_arguments(parser, "safl-device")
+    parser.add_argument("--config", type=Path, required=True, help="the device's TOML file")
+    parser.add_argument("--out", type=Path, required=True, help="the .onnx file to write")
+    parser.add_argument("--state-dir", default=None,
+                        help="where the device keeps its model (overrides [service])")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["export"]:
+        args = _export_parser().parse_args(argv[1:])
+        setup_logging(args, service=False)
+        return run_guarded(run_export, args, "safl-device export")
     args = _parser().parse_args(argv)
     setup_logging(args, service=True)
     return run_guarded(run_device, args, "safl-device")

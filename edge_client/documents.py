@@ -22,7 +22,8 @@ from typing import Any
 
 from .errors import MessageError
 
-__all__ = ["ModelManifest", "StationSummary", "CloudSummary", "Document", "DOCUMENT_VERSION",
+__all__ = ["ModelManifest", "StationSummary", "CloudSummary", "Prediction", "Document",
+           "DOCUMENT_VERSION",
            "encode_document", "decode_document"]
 
 DOCUMENT_VERSION = 1
@@ -56,6 +57,8 @@ class StationSummary:
     cpu_startup_s: float | None = None  # until the first station model
     local_mean: float | None = None  # device-local accuracy (docs/algorithms.md)
     local_worst10: float | None = None
+    prequential_mean: float | None = None  # test-then-train accuracy on the stream
+    prequential_worst10: float | None = None
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
 
@@ -70,13 +73,29 @@ class CloudSummary:
     stations: tuple[str, ...]
     offline: tuple[str, ...] = ()
     accuracy: float | None = None
+    local_mean: float | None = None  # over every station's devices, as they reported
+    local_worst10: float | None = None
+    prequential_mean: float | None = None
+    prequential_worst10: float | None = None
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
 
 
-Document = ModelManifest | StationSummary | CloudSummary
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What a device's deployable model says about one frame, for the line to act on."""
+
+    t: float  # capture time, unix seconds
+    frame: int  # the source's frame number
+    label: int
+    confidence: float  # softmax probability of ``label``
+    model_round: int  # the federation round the deployable model came from
+    latency_ms: float  # from capture to the prediction
+
+
+Document = ModelManifest | StationSummary | CloudSummary | Prediction
 _KINDS: dict[str, type] = {cls.__name__: cls for cls in (ModelManifest, StationSummary,
-                                                          CloudSummary)}
+                                                          CloudSummary, Prediction)}
 
 
 def encode_document(doc: Document) -> bytes:

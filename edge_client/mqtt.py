@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[str, m.Message], None]
 DocumentHandler = Callable[[str, Document], None]
+RawHandler = Callable[[str, bytes], None]
 
 
 # CONNACK reason codes (MQTT 5; paho maps 3.1.1's return codes onto them) that no retry
@@ -104,6 +105,7 @@ class MqttTransport:
         self.counters: Counter[str] = Counter()
         self._subs: list[tuple[str, Handler]] = []
         self._doc_subs: list[tuple[str, DocumentHandler]] = []
+        self._raw_subs: list[tuple[str, RawHandler]] = []
         self._inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self.admission = Admission(fleet=fleet, layout_hash=layout_hash, num_params=num_params,
                                    max_message=config.max_message,
@@ -156,7 +158,7 @@ class MqttTransport:
             log.error("broker refused %s: %s", self.client_id, reason_code)
             return
         self._refused = None
-        for topic_filter in {f for f, _ in [*self._subs, *self._doc_subs]}:
+        for topic_filter in {f for f, _ in [*self._subs, *self._doc_subs, *self._raw_subs]}:
             client.subscribe(topic_filter, qos=1)
         if self.presence is not None:
             client.publish(topic_for(self.presence), self._presence_frame(online=True), qos=1,
@@ -266,6 +268,13 @@ class MqttTransport:
         if self._connected.is_set():
             self._client.subscribe(topic_filter, qos=1)
 
+    def subscribe_raw(self, topic_filter: str, handler: RawHandler) -> None:
+        """Deliver the payloads published under ``topic_filter`` as they are: another
+        system's messages (the line's labels), which the handler parses and bounds."""
+        self._raw_subs.append((topic_filter, handler))
+        if self._connected.is_set():
+            self._client.subscribe(topic_filter, qos=1)
+
     def publish(self, topic: str, message: m.Message) -> None:
         retain = isinstance(message, m.Presence)
         for part in stream(message, chunk_size=self.config.chunk_size, fp16=self.config.fp16,
@@ -283,9 +292,13 @@ class MqttTransport:
                            online=False)
         return encode(p, wire_version=self.config.wire_version)
 
-    def publish_document(self, topic: str, doc: Document) -> None:
-        """Publish a retained JSON document (a manifest, a summary for ``safl status``)."""
-        self._last_info = self._client.publish(topic, encode_document(doc), qos=1, retain=True)
+    def publish_document(self, topic: str, doc: Document, *, retain: bool = True,
+                         qos: int = 1) -> None:
+        """Publish a JSON document: retained (a manifest, a summary for ``safl status``), or
+        a stream of them at QoS 0 (predictions: the next one supersedes a lost one)."""
+        info = self._client.publish(topic, encode_document(doc), qos=qos, retain=retain)
+        if qos:
+            self._last_info = info  # what close() waits for
 
     def deliver(self) -> int:
         """Admit queued frames and call their handlers; returns how many were delivered."""
@@ -298,6 +311,11 @@ class MqttTransport:
                 topic, payload = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            raw = [h for f, h in self._raw_subs if matches(f, topic)]
+            if raw:
+                self._dispatch(raw, topic, payload)
+                delivered += 1
+                continue
             if is_document_topic(topic):
                 delivered += self._deliver_document(topic, payload)
                 continue
@@ -308,7 +326,8 @@ class MqttTransport:
             delivered += 1
         return delivered
 
-    def _dispatch(self, handlers: list, topic: str, item: m.Message | Document) -> None:
+    def _dispatch(self, handlers: list, topic: str, item: m.Message | Document | bytes
+                  ) -> None:
         for handler in handlers:
             try:
                 handler(topic, item)

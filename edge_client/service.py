@@ -18,6 +18,7 @@ from . import messages as m
 from .config import (
     BrokerConfig,
     DeviceConfig,
+    InferenceConfig,
     ModelConfig,
     ServiceConfig,
     SourceConfig,
@@ -28,14 +29,23 @@ from .errors import ConfigError
 from .metrics import MetricsServer
 from .mqtt import MqttTransport
 from .runner import RoleRunner, StopFlag, pace_replay, serve
-from .sources import SourcePump, build_source, feed_device
+from .serving import StreamFeed, save_deployable
+from .sources import LiveLabels, SourcePump, build_source
 from .sources.replay import ReplaySource
+from .topics import predictions_topic
 from .trainers import build_trainer, layout_hash
 
 __all__ = ["DeviceService", "load_role_file", "with_metrics", "model_trainer",
-           "role_transport"]
+           "role_transport", "DEVICE_TABLES"]
+
+SAVE_EVERY = 5.0  # seconds between writes of the deployable model (an SD card wears)
 
 log = logging.getLogger(__name__)
+
+
+# The tables of a device's TOML file.
+DEVICE_TABLES = {"device": DeviceConfig, "model": ModelConfig, "source": SourceConfig,
+                 "broker": BrokerConfig, "service": ServiceConfig, "inference": InferenceConfig}
 
 
 def load_role_file(path: str | Path | None, tables: dict[str, type],
@@ -81,20 +91,24 @@ class DeviceService:
     source: SourceConfig
     broker: BrokerConfig
     service: ServiceConfig = ServiceConfig()
+    inference: InferenceConfig = InferenceConfig()
     # The running source's pump: its counters (frames dropped, wrong shapes, a recording's
     # end) are metrics too.  None for federation-paced replay.
     pump: SourcePump | None = field(default=None, init=False, repr=False)
+    feed: StreamFeed | None = field(default=None, init=False, repr=False)
+    labels: LiveLabels | None = field(default=None, init=False, repr=False)
 
     def build(self) -> tuple[RoleRunner, MqttTransport, tuple[Callable[[float], None], ...]]:
         """The device bound to its transport, and the ``serve`` hooks that feed it samples
-        (none when the federation paces a replay)."""
+        (none when the federation paces a replay) and keep its deployable model on disk."""
         cfg, mc = self.device, self.model
         trainer = model_trainer(mc, cfg.lr)
         device = Device(cfg, trainer, num_classes=mc.num_classes, sample_shape=mc.input_shape,
-                        rng=np.random.default_rng(cfg.seed))
+                        rng=np.random.default_rng(cfg.seed), inference=self.inference)
         transport = role_transport(self.broker, fleet=cfg.fleet, role="dev",
                                    participant=cfg.device_id, trainer=trainer)
         runner = RoleRunner(device, transport)
+        keep = self._keeper(device, transport.layout_hash)
         source, drops = build_source(self.source, sample_shape=mc.input_shape,
                                      num_classes=mc.num_classes,
                                      rng=np.random.default_rng(self.source.seed))
@@ -105,11 +119,40 @@ class DeviceService:
                 raise ConfigError("per_iteration", "federation-paced replay needs an array "
                                   "source")
             pace_replay(runner, source, self.source.per_iteration)
-            return runner, transport, ()
+            return runner, transport, keep
         pump = SourcePump(source, capacity=self.source.queue_size, drop_when_full=drops,
                           name=cfg.device_id).start()
         self.pump = pump
-        return runner, transport, (lambda now: runner.publish(feed_device(device, pump, now)),)
+        src = self.source
+        if src.label_topic:
+            self.labels = LiveLabels(mc.num_classes, window=src.label_window,
+                                     delay_max=src.label_delay_max)
+        topic = predictions_topic(cfg.fleet, cfg.device_id)
+        self.feed = feed = StreamFeed(device, pump, inference=self.inference, labels=self.labels,
+                                      publish=lambda doc: transport.publish_document(
+                                          topic, doc, retain=False, qos=0))
+        if src.label_topic:
+            transport.subscribe_raw(src.label_topic, lambda _topic, payload: runner.publish(
+                feed.on_label(payload, runner.clock())))
+        return runner, transport, (lambda now: runner.publish(feed(now)), *keep)
+
+    def _keeper(self, device: Device, layout: str) -> tuple[Callable[[float], None], ...]:
+        """With a state directory, a hook that keeps the deployable model there (for
+        ``safl-device export``), at most every ``SAVE_EVERY`` seconds, and at the end."""
+        folder = self.service.state_dir
+        if not folder:
+            return ()
+        saved = {"iteration": -1, "at": -SAVE_EVERY}
+
+        def keep(now: float, force: bool = False) -> None:
+            if device.deployable is None or (saved["iteration"] == device.deployable_iteration
+                                             and not force):
+                return
+            if force or now - saved["at"] >= SAVE_EVERY:
+                save_deployable(folder, device, layout)
+                saved.update(iteration=device.deployable_iteration, at=now)
+        self._save_now = lambda: keep(0.0, force=True)
+        return (keep,)
 
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
         runner, transport, hooks = self.build()
@@ -117,12 +160,21 @@ class DeviceService:
         metrics = with_metrics(self.service, "device", lambda: (
             {**device.counters, **transport.counters,
              **({f"source.{k}": v for k, v in pump.metrics().items() if k != "queued"}
-                if pump else {})},
+                if pump else {}),
+             **(dict(self.labels.counters) if self.labels else {})},
             {**device.metrics(), **({"source_queued": pump.metrics()["queued"]} if pump
                                     else {})}),
             labels={"fleet": device.config.fleet, "station": device.config.station,
                     "device": device.id})
-        serve(runner, transport, stop=stop or StopFlag(), metrics=metrics, hooks=hooks,
-              done=(lambda: device.finished) if exit_when_done else (lambda: False))
+        save_now = getattr(self, "_save_now", None)
+        try:
+            serve(runner, transport, stop=stop or StopFlag(), metrics=metrics, hooks=hooks,
+                  done=(lambda: device.finished) if exit_when_done else (lambda: False),
+                  on_stop=save_now)
+        finally:
+            if self.feed is not None:
+                self.feed.close()
+            if pump is not None:
+                pump.stop()
         log.info("device %s finished: %s %s", device.id, dict(device.counters), device.metrics())
         return device

@@ -24,6 +24,8 @@ __all__ = [
     "is_document_topic",
     "participant_of",
     "prefix",
+    "line_prefix",
+    "predictions_topic",
     "DEVICE_LEAVES",
     "STATION_LEAVES",
     "CLOUD_LEAVES",
@@ -31,7 +33,7 @@ __all__ = [
 
 # The leaves below each participant's prefix: everything it publishes (broker ACLs grant
 # them one by one, ``aggregator/provision.py``).
-DEVICE_LEAVES = ("stats", "update", "status")
+DEVICE_LEAVES = ("stats", "update", "status", "predictions")
 STATION_LEAVES = ("model", "select", "update", "stats", "status", "summary")
 CLOUD_LEAVES = ("model", "model/manifest", "status", "summary")
 
@@ -68,6 +70,17 @@ def topic_for(message: m.Message) -> str:
     if isinstance(message, m.Refusal):  # delivered locally where the refused frame came in
         return f"{root}/{message.role}/{message.sender}/{message.leaf}"
     raise TypeError(f"no topic for {type(message).__name__}")
+
+
+def predictions_topic(fleet: str, device: str) -> str:
+    """Where a device publishes what its model says about each frame (JSON, QoS 0)."""
+    return f"{_root(fleet)}/dev/{device}/predictions"
+
+
+def line_prefix(station: str) -> str:
+    """The factory line's own topics on a station's broker (labels it publishes live;
+    provisioned brokers let the station's devices read them)."""
+    return f"line/{station}"
 
 
 def station_model_topic(fleet: str, station: str) -> str:

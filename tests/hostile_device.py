@@ -10,9 +10,8 @@ import argparse
 import logging
 
 from aggregator.attacks import tamper
-from edge_client.config import BrokerConfig, DeviceConfig, ModelConfig, ServiceConfig, SourceConfig
 from edge_client.runner import StopFlag, serve
-from edge_client.service import DeviceService, load_role_file
+from edge_client.service import DEVICE_TABLES, DeviceService, load_role_file
 
 
 def main() -> None:
@@ -21,9 +20,7 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    cfg = load_role_file(args.config, {"device": DeviceConfig, "model": ModelConfig,
-                                       "source": SourceConfig, "broker": BrokerConfig,
-                                       "service": ServiceConfig}, {})
+    cfg = load_role_file(args.config, DEVICE_TABLES, {})
     runner, transport, hooks = DeviceService(**cfg).build()
     honest = transport.publish
     memory = {}  # what a replaying device keeps of its first update

@@ -8,9 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from edge_client.config import DeviceConfig, SourceConfig, load_config
+from edge_client.config import DeviceConfig, InferenceConfig, SourceConfig, load_config
 from edge_client.device import Device
 from edge_client.errors import ConfigError, SourceError
+from edge_client.serving import StreamFeed
 from edge_client.sources import (
     FixedLabel,
     ImageFolderSource,
@@ -22,7 +23,6 @@ from edge_client.sources import (
     TeacherLabels,
     VideoSource,
     build_source,
-    feed_device,
 )
 from edge_client.trainers import build_trainer
 
@@ -48,7 +48,7 @@ GRAY_28 = Preprocess(sample_shape=(1, 28, 28), resize=(28, 28), grayscale=True)
 
 def _collect(source, limit=1000):
     out = []
-    for sample, label in source.samples():
+    for sample, label, *_ in source.samples():
         out.append((sample, label))
         if len(out) >= limit:
             break
@@ -247,15 +247,16 @@ def test_a_device_is_fed_from_a_video_pump(tmp_path):
                  num_classes=2, sample_shape=(1, 28, 28), rng=np.random.default_rng(0))
     pump = SourcePump(source).start()
     pump.finished.wait(10)
-    out = feed_device(dev, pump, now=0.0)
+    feed = StreamFeed(dev, pump, inference=InferenceConfig())
+    out = feed(now=0.0)
     assert dev.buffer.samples_seen == 12 and dev.buffer.seen_counts.tolist() == [0, 12]
     assert out and out[0].next_batch_counts.tolist() == [0, 12]
-    assert feed_device(dev, pump, now=1.0) == []
+    assert feed(now=1.0) == []
     broken = SourcePump(VideoSource("rtsp://127.0.0.1:9/x", GRAY_28, FixedLabel(0, 2),
                                     retries=0)).start()
     broken.finished.wait(10)
     with pytest.raises(SourceError):
-        feed_device(dev, broken, now=2.0)
+        StreamFeed(dev, broken, inference=InferenceConfig())(now=2.0)
 
 
 def test_device_metrics_expose_buffer_overwrites():

@@ -45,8 +45,11 @@ class SourceConfig(PreprocessSettings):
     folder with one sub-folder per label, or a video file (labelled like a camera).
     ``camera``: ``uri`` is a device index, an RTSP/HTTP URL or a GStreamer pipeline.
     Camera and video frames take their label from exactly one of ``sidecar``
-    (JSONL/CSV keyed by frame or time), ``label`` (fixed) or ``teacher`` (ONNX model,
-    kept above ``confidence``).  ``synthetic`` is for tests.
+    (JSONL/CSV keyed by frame or time), ``label`` (fixed), ``teacher`` (ONNX model,
+    kept above ``confidence``) or ``label_topic`` (labels the line publishes live on the
+    device's broker, joined to the frame captured nearest before their time within
+    ``label_window`` seconds; frames wait ``label_delay_max`` seconds for theirs).
+    ``synthetic`` is for tests.
     """
 
     kind: str
@@ -57,6 +60,9 @@ class SourceConfig(PreprocessSettings):
     label: int = -1
     teacher: str = ""
     confidence: float = 0.9
+    label_topic: str = ""
+    label_window: float = 0.5
+    label_delay_max: float = 30.0
     classes: tuple[str, ...] = ()
     sample_fps: float = 0.0
     loop: bool = False
@@ -83,11 +89,16 @@ class SourceConfig(PreprocessSettings):
             raise ConfigError("uri", "a camera source needs a device index, URL or pipeline")
         if self.kind == "replay" and not self.path:
             raise ConfigError("path", "a replay source needs an array file, image folder or video")
-        labellers = [k for k in ("sidecar", "teacher") if getattr(self, k)] + (
+        labellers = [k for k in ("sidecar", "teacher", "label_topic") if getattr(self, k)] + (
             ["label"] if self.label >= 0 else [])
         if self.is_video and len(labellers) != 1:
             raise ConfigError("sidecar", "camera and video frames need exactly one of sidecar, "
-                              f"label or teacher; got {labellers or 'none'}")
+                              f"label, teacher or label_topic; got {labellers or 'none'}")
+        if self.label_topic and (not self.is_video or any(c in self.label_topic for c in "+#")):
+            raise ConfigError("label_topic", "one topic (no wildcards), for camera and video "
+                              "sources")
+        check_range("label_window", self.label_window, 0, low_open=True)
+        check_range("label_delay_max", self.label_delay_max, 0, low_open=True)
         check_range("confidence", self.confidence, 0, 1, low_open=True)
         check_range("sample_fps", self.sample_fps, 0)
         check_range("queue_size", self.queue_size, 1)

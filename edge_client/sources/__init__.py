@@ -1,8 +1,8 @@
 """Sample sources feeding a device's stream buffer, built from its ``[source]`` config.
 
 ``replay`` (arrays, image folders, video files), ``camera`` (OpenCV capture) and
-``synthetic`` (tests).  OpenCV is needed for images, video and cameras only:
-``pip install 'safl-edge[camera]'``.
+``synthetic`` (tests); camera and video labels may also arrive live (``live_labels.py``).
+OpenCV is needed for images, video and cameras only: ``pip install 'safl-edge[camera]'``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 from ..config import SourceConfig
 from ..errors import SourceError
 from .labels import FixedLabel, SidecarLabels, TeacherLabels
+from .live_labels import LiveLabels, parse_label
 from .preprocess import Preprocess
 from .pump import Source, SourcePump
 from .replay import ImageFolderSource, ReplaySource, load_arrays
@@ -33,7 +34,8 @@ __all__ = [
     "SidecarLabels",
     "TeacherLabels",
     "build_source",
-    "feed_device",
+    "LiveLabels",
+    "parse_label",
     "load_arrays",
 ]
 
@@ -79,6 +81,8 @@ def build_source(cfg: SourceConfig, *, sample_shape: tuple[int, ...], num_classe
         _require_cv2()
         if cfg.sidecar:
             labeler = SidecarLabels(cfg.sidecar, num_classes)
+        elif cfg.label_topic:
+            labeler = None  # the service joins the line's labels (live_labels.py)
         elif cfg.teacher:
             labeler = TeacherLabels(cfg.teacher, threshold=cfg.confidence,
                                     num_classes=num_classes)
@@ -97,16 +101,3 @@ def build_source(cfg: SourceConfig, *, sample_shape: tuple[int, ...], num_classe
         raise SourceError(f"{path}: samples of shape {x.shape[1:]}, the model needs "
                           f"{tuple(sample_shape)}")
     return ReplaySource(x.reshape(len(x), *sample_shape), y, rng, loop=cfg.loop), False
-
-
-def feed_device(device, pump: SourcePump, now: float, max_samples: int = 256) -> list:
-    """Move what the pump holds into the device's buffer; raise once a dead source is drained.
-
-    Samples queued before a failure are still delivered.  Returns the messages
-    the device wants published (fresh stats).
-    """
-    batch = pump.drain(max_samples)
-    if batch is None:
-        pump.check()
-        return []
-    return device.ingest(*batch, now)

@@ -1,5 +1,9 @@
 """Runs a source in its own thread and hands its samples to the training loop.
 
+Items are ``(sample, label)`` or ``(sample, label, frame number, capture time)``; the pump
+numbers and stamps (unix seconds) those that come without.  A label of None waits for a
+live label (``live_labels.py``); it travels as ``UNLABELLED``.
+
 Back-pressure: for recordings and replays the pump blocks when its queue is
 full (nothing recorded is lost); for live cameras it drops the newest frame
 and counts it, because a camera cannot wait.  A source that fails stops the
@@ -12,15 +16,27 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from ..errors import SaflError, SourceError
 
-__all__ = ["Source", "SourcePump"]
+__all__ = ["Source", "SourcePump", "Drained", "UNLABELLED"]
+
+UNLABELLED = -1
+
+
+class Drained(NamedTuple):
+    """Samples taken from the pump, in arrival order."""
+
+    x: np.ndarray
+    y: np.ndarray  # UNLABELLED where the label is still to come
+    frames: np.ndarray
+    times: np.ndarray  # capture, unix seconds
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +58,7 @@ class SourcePump:
         self.counters: Counter[str] = Counter()
         self.error: BaseException | None = None
         self.finished = threading.Event()
-        self._queue: queue.Queue[tuple[np.ndarray, int]] = queue.Queue(maxsize=capacity)
+        self._queue: queue.Queue[tuple] = queue.Queue(maxsize=capacity)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"safl-{name}", daemon=True)
 
@@ -55,6 +71,8 @@ class SourcePump:
             for item in self.source.samples():
                 if self._stop.is_set():
                     break
+                if len(item) == 2:
+                    item = (*item, self.counters["samples"], time.time())
                 if self.drop_when_full:
                     try:
                         self._queue.put_nowait(item)
@@ -76,8 +94,8 @@ class SourcePump:
         finally:
             self.finished.set()
 
-    def drain(self, max_samples: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Up to ``max_samples`` queued samples as ``(x, y)``, or None if none are queued."""
+    def drain(self, max_samples: int) -> Drained | None:
+        """Up to ``max_samples`` queued samples, or None if none are queued."""
         items = []
         while len(items) < max_samples:
             try:
@@ -86,7 +104,11 @@ class SourcePump:
                 break
         if not items:
             return None
-        return np.stack([x for x, _ in items]), np.array([y for _, y in items], dtype=np.int64)
+        return Drained(np.stack([it[0] for it in items]),
+                       np.array([UNLABELLED if it[1] is None else it[1] for it in items],
+                                dtype=np.int64),
+                       np.array([it[2] for it in items], dtype=np.int64),
+                       np.array([it[3] for it in items], dtype=np.float64))
 
     def check(self) -> None:
         """Raise the source's error, if it failed."""

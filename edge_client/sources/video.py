@@ -5,7 +5,9 @@ The URI is a device index (``"0"``), an RTSP/HTTP URL, a GStreamer pipeline
 or a video file.  Opening and reading retry with jittered exponential backoff,
 then fail with a :class:`SourceError` that names the URI.  A recording ends once (logged,
 counted as ``recording_ended``) or, with ``loop``, starts over (``loops``); frames of the
-wrong shape are refused with one log line and counted (``wrong_shape``).
+wrong shape are refused with one log line and counted (``wrong_shape``).  Each frame is
+yielded as ``(sample, label, frame number, capture time)``, the time in unix seconds; with
+no labeller (labels that arrive live) its label is None.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class VideoSource:
         keyed by either labels every pass alike).
     """
 
-    def __init__(self, uri: str, preprocess: Preprocess, labeler: Labeler, *,
+    def __init__(self, uri: str, preprocess: Preprocess, labeler: Labeler | None, *,
                  sample_fps: float = 0.0, retries: int = 5, backoff: float = 0.5,
                  loop: bool = False,
                  max_backoff: float = 10.0, rng: np.random.Generator | None = None,
@@ -70,6 +72,7 @@ class VideoSource:
         self.rng = rng or np.random.default_rng()
         self.clock, self.sleep = clock, sleep
         # One set of metrics per source: the labeler counts into the same Counter.
+        self.wall = time.time  # capture times: labels from the line name wall-clock times
         shared = getattr(labeler, "counters", None)
         self.counters: Counter[str] = shared if shared is not None else Counter()
         self._cap = None
@@ -104,7 +107,7 @@ class VideoSource:
         raise SourceError(f"cannot open {self.kind} {self.uri!r} after {self.retries + 1} "
                           "attempts: check the device, URL or pipeline")
 
-    def samples(self) -> Iterator[tuple[np.ndarray, int]]:
+    def samples(self) -> Iterator[tuple[np.ndarray, int | None, int, float]]:
         import cv2
 
         self._cap = self._open()
@@ -114,7 +117,7 @@ class VideoSource:
             if self._cap is not None:
                 self._cap.release()
 
-    def _frames(self, cv2) -> Iterator[tuple[np.ndarray, int]]:
+    def _frames(self, cv2) -> Iterator[tuple[np.ndarray, int | None, int, float]]:
         frame_no, next_t = -1, 0.0
         while self._cap is not None and not self._stopped:
             ok, frame = self._cap.read()
@@ -135,8 +138,12 @@ class VideoSource:
                 log.warning("lost %s %s; reconnecting", self.kind, self.uri)
                 self._cap.release()
                 self._cap = self._open()
+                if self._cap is not None:
+                    self.counters["reconnects"] += 1
+                    log.info("%s %s is back", self.kind, self.uri)
                 continue
             frame_no += 1
+            captured = self.wall()
             t = self.clock() if self.live else self._cap.get(cv2.CAP_PROP_POS_MSEC) / 1000.0
             if self.sample_fps:
                 if t < next_t:
@@ -150,11 +157,14 @@ class VideoSource:
                                 "wrong_shape; fix [source] crop/resize)", self.uri, frame_no, exc)
                 self.counters["wrong_shape"] += 1
                 continue
+            if self.labeler is None:  # its label comes later, from the line
+                yield sample, None, frame_no, captured
+                continue
             label = self.labeler(frame_no, t, sample)
             if label is None:
                 self.counters["unlabelled"] += 1
                 continue
-            yield sample, label
+            yield sample, label, frame_no, captured
 
     def close(self) -> None:
         """Ask the reading loop to stop; it releases the capture itself."""

@@ -1,0 +1,179 @@
+"""The device's stream loop: every sample a source delivers is predicted by the deployable
+model, published for the line, scored prequentially and, once labelled, trained on.
+
+:class:`StreamFeed` is the device service's hook.  Each loop turn it drains the source's
+pump; predicts the frames ``[inference]`` allows (``fps``, ``every``) in one batched
+forward pass, at most ``max_batch`` of the newest, the rest of a backlog skipped and
+counted (``inference_skipped``) so that inference never holds training up and never
+drops a frame training would take; hands labelled samples to the device with their
+predictions, and parks unlabelled ones with :class:`~edge_client.sources.LiveLabels` until
+the line's label arrives (:meth:`on_label`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from . import messages as m
+from .codec import decode, encode
+from .config import InferenceConfig
+from .device import Device
+from .documents import Prediction
+from .errors import ConfigError, MessageError
+from .inference import NOT_PREDICTED
+from .sources.live_labels import LiveLabels
+from .sources.pump import UNLABELLED, Drained, SourcePump
+
+__all__ = ["StreamFeed", "save_deployable", "load_deployable", "DEPLOYABLE_FILE"]
+
+log = logging.getLogger(__name__)
+
+DEPLOYABLE_FILE = "deployable.frame"  # in the device's state directory
+
+
+class StreamFeed:
+    """Moves what the pump holds through inference into the device (see the module)."""
+
+    def __init__(self, device: Device, pump: SourcePump, *, inference: InferenceConfig,
+                 labels: LiveLabels | None = None,
+                 publish: Callable[[Prediction], None] | None = None,
+                 max_samples: int = 256) -> None:
+        self.device, self.pump, self.inference, self.labels = device, pump, inference, labels
+        self.publish, self.max_samples = publish, max_samples
+        self.counters = device.counters  # one set of metrics per device
+        self._next_t = 0.0  # earliest capture time the fps cap lets through
+        self._arrivals = 0
+        self._jsonl = None
+        if inference.enabled and inference.jsonl:
+            try:
+                self._jsonl = open(inference.jsonl, "a", buffering=1)  # noqa: SIM115
+            except OSError as exc:
+                raise ConfigError("jsonl", f"cannot append to {inference.jsonl}: "
+                                  f"{exc.strerror}") from exc
+
+    def __call__(self, now: float) -> list[m.Message]:
+        """One loop turn; returns the messages the device wants published.  A dead source
+        raises once what it queued has been drained (``SourcePump.check``)."""
+        if self.labels is not None:
+            self.labels.expire()
+        batch = self.pump.drain(self.max_samples)
+        if batch is None:
+            self.pump.check()
+            return []
+        predicted = self._infer(batch)
+        labelled = batch.y != UNLABELLED
+        out: list[m.Message] = []
+        if labelled.any():
+            out += self.device.ingest(batch.x[labelled], batch.y[labelled], now,
+                                      predicted=predicted[labelled])
+        if not labelled.all():
+            if self.labels is None:  # a source that defers labels without a label topic
+                self.counters["unlabelled_dropped"] += int((~labelled).sum())
+            else:
+                self.labels.add_frames(batch.x[~labelled], batch.times[~labelled],
+                                       predicted[~labelled])
+        return out
+
+    def on_label(self, payload: bytes, now: float) -> list[m.Message]:
+        """A label message from the line: train on the frame it labels, if any."""
+        joined = self.labels.add_label(payload) if self.labels is not None else None
+        if joined is None:
+            return []
+        sample, label, predicted = joined
+        return self.device.ingest(sample[None], np.array([label]), now,
+                                  predicted=np.array([predicted]))
+
+    def _chosen(self, batch: Drained) -> np.ndarray:
+        """Indices of the frames to predict: ``every`` and ``fps``, then the backlog bound."""
+        cfg = self.inference
+        n = len(batch.y)
+        arrival = self._arrivals + np.arange(n)
+        self._arrivals += n
+        chosen = np.flatnonzero(arrival % cfg.every == 0)
+        if cfg.fps:
+            kept = []
+            for i in chosen:
+                if batch.times[i] >= self._next_t:
+                    kept.append(i)
+                    self._next_t = batch.times[i] + 1.0 / cfg.fps
+            chosen = np.array(kept, dtype=np.int64)
+        if len(chosen) > cfg.max_batch:
+            self.counters["inference_skipped"] += len(chosen) - cfg.max_batch
+            chosen = chosen[-cfg.max_batch:]  # the newest: what is in front of the camera
+        return chosen
+
+    def _infer(self, batch: Drained) -> np.ndarray:
+        predicted = np.full(len(batch.y), NOT_PREDICTED, dtype=np.int64)
+        if not self.inference.enabled:
+            return predicted
+        chosen = self._chosen(batch)
+        if not len(chosen):
+            return predicted
+        started = time.perf_counter()
+        out = self.device.infer(batch.x[chosen])
+        if out is None:
+            return predicted
+        labels, confidence = out
+        self.device.last_inference_s = (time.perf_counter() - started) / len(chosen)
+        predicted[chosen] = labels
+        done = time.time()
+        for i, label, conf in zip(chosen, labels, confidence, strict=True):
+            doc = Prediction(t=float(batch.times[i]), frame=int(batch.frames[i]),
+                             label=int(label), confidence=round(float(conf), 6),
+                             model_round=self.device.deployable_round,
+                             latency_ms=round(max(0.0, done - batch.times[i]) * 1000, 3))
+            if self.inference.publish and self.publish is not None:
+                self.publish(doc)
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps(doc.__dict__) + "\n")
+        return predicted
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+def save_deployable(folder: str | Path, device: Device, layout_hash: str) -> Path | None:
+    """Write the device's deployable model to its state directory as one wire frame (the
+    versioned, checksummed format models travel in), atomically; None before it has one."""
+    if device.deployable is None:
+        return None
+    path = Path(folder) / DEPLOYABLE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = encode(m.StationModel(fleet=device.config.fleet, sender=device.config.station,
+                                  round=device.deployable_round,
+                                  iteration=device.deployable_iteration,
+                                  weights=device.deployable), layout_hash=layout_hash)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(frame)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)  # a crash leaves the old model or the new one, never a torn file
+    return path
+
+
+def load_deployable(folder: str | Path, *, layout_hash: str) -> m.StationModel:
+    """The deployable model a device left in ``folder``; a missing, torn or foreign file is
+    a :class:`ConfigError` on ``state_dir`` that says which."""
+    path = Path(folder) / DEPLOYABLE_FILE
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError("state_dir", f"no deployable model at {path} ({exc.strerror}): has "
+                          "this device received a model yet?") from exc
+    try:
+        frame = decode(data, max_size=len(data) + 1)
+    except MessageError as exc:
+        raise ConfigError("state_dir", f"{path} is not a model frame: {exc}") from exc
+    if frame.layout_hash != layout_hash or not isinstance(frame.message, m.StationModel):
+        raise ConfigError("state_dir", f"{path} holds a model of layout {frame.layout_hash}, "
+                          f"the configured model has {layout_hash}")
+    return frame.message

@@ -1,0 +1,300 @@
+"""Inference on the stream: prequential accuracy, live labels, the stream loop, export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from edge_client import messages as m
+from edge_client.cli import main as device_main
+from edge_client.config import DeviceConfig, InferenceConfig
+from edge_client.device import Device
+from edge_client.documents import Prediction, decode_document, encode_document
+from edge_client.inference import NOT_PREDICTED, Prequential
+from edge_client.serving import StreamFeed, load_deployable, save_deployable
+from edge_client.sources import LiveLabels
+from edge_client.sources.pump import SourcePump
+from edge_client.trainers import build_trainer, layout_hash
+
+
+def test_prequential_scores_the_last_window_overall_and_per_class():
+    pre = Prequential(window=4, num_classes=3)
+    assert math.isnan(pre.accuracy) and pre.samples == 0
+    assert pre.score(np.array([0, 1, 2]), np.array([0, 0, NOT_PREDICTED])) == 2
+    assert pre.accuracy == 0.5 and pre.samples == 2
+    pre.score(np.array([2, 2, 2, 1]), np.array([2, 2, 2, 1]))  # pushes the first two out
+    assert pre.accuracy == 1.0 and pre.samples == 4 and pre.scored == 6
+    per = pre.per_class()
+    assert math.isnan(per[0]) and per[1] == 1.0 and per[2] == 1.0
+
+
+DEFAULT = InferenceConfig()
+
+
+def _device(digits, inference=DEFAULT, **cfg):
+    return Device(DeviceConfig(device_id="d0", station="s0", batch_size=16, **cfg),
+                  build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.1, seed=0),
+                  num_classes=10, sample_shape=(8, 8), rng=np.random.default_rng(0),
+                  inference=inference)
+
+
+def _model(weights, iteration=0, round_=0):
+    return m.StationModel(fleet="default", sender="s0", round=round_, iteration=iteration,
+                          weights=weights)
+
+
+def test_each_labelled_sample_is_predicted_before_it_is_trained_on(digits):
+    dev = _device(digits)
+    x, y = digits.x_train[:200], digits.y_train[:200]
+    dev.ingest(x[:50], y[:50], 0.0)  # no model yet: nothing to predict with
+    assert dev.prequential.samples == 0 and dev.counters["inference.no_model"] == 50
+    trained = build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.5, seed=1)
+    for _ in range(60):
+        trained.train_step(digits.x_train[:600], digits.y_train[:600])
+    dev.handle(_model(trained.get_flat()), 0.0)
+    dev.ingest(x[50:], y[50:], 1.0)
+    expected = (trained.logits(x[50:]).argmax(1) == y[50:]).mean()
+    assert dev.prequential.samples == 150
+    assert dev.prequential.accuracy == pytest.approx(expected)
+    assert dev.metrics()["prequential_accuracy"] == pytest.approx(expected)
+    stats = dev._stats(0, 0)
+    assert stats.prequential_samples == 150 and stats.prequential_accuracy == pytest.approx(
+        expected)
+
+
+def test_the_deployable_model_is_the_merged_start_the_device_would_serve(digits):
+    dev = _device(digits, mix=0.5, temperature=5.0)
+    dev.ingest(digits.x_train[:64], digits.y_train[:64], 0.0)
+    w0 = np.zeros(dev.trainer.num_params, np.float32)
+    dev.handle(_model(w0, 0), 0.0)
+    assert dev.deployable is not None and not dev.deployable.any()  # no local model yet
+    dev.handle(m.Selection(fleet="default", sender="s0", round=0, iteration=0,
+                           members=("d0",), deadline=60.0), 0.0)
+    dev.handle(_model(np.ones_like(w0), 1), 0.0)
+    # A fresh local model exists: the device serves the merge it made, not the raw aggregate.
+    assert dev.deployable_iteration == 0 and not np.array_equal(dev.deployable, np.ones_like(w0))
+    dev.handle(m.Selection(fleet="default", sender="s0", round=0, iteration=1,
+                           members=("d0",), deadline=60.0), 0.0)
+    assert dev.deployable_iteration == 1
+    assert not Device(dev.config, dev.trainer, num_classes=10, sample_shape=(8, 8),
+                      rng=np.random.default_rng(0)).prequential  # the simulator's default
+
+
+class _Frames:
+    """A source of camera-like frames: (sample, label or None, frame number, capture time)."""
+
+    def __init__(self, items):
+        self.items, self.counters = items, Counter()
+
+    def samples(self):
+        yield from self.items
+
+    def close(self):
+        pass
+
+
+def _drained_pump(items):
+    pump = SourcePump(_Frames(items), capacity=len(items) + 1).start()
+    pump.finished.wait(5)
+    return pump
+
+
+def _ready_device(digits, inference):
+    dev = _device(digits, inference=inference)
+    dev.handle(_model(np.zeros(650, np.float32)), 0.0)
+    return dev
+
+
+def test_the_stream_loop_publishes_predictions_and_skips_a_backlog(digits, tmp_path):
+    now = time.time()
+    items = [(digits.x_train[i], int(digits.y_train[i]), i, now - 1 + i * 0.01)
+             for i in range(100)]
+    published = []
+    jsonl = tmp_path / "pred.jsonl"
+    dev = _ready_device(digits, InferenceConfig(max_batch=30, jsonl=str(jsonl)))
+    feed = StreamFeed(dev, _drained_pump(items), inference=dev.inference,
+                      publish=published.append)
+    feed(0.0)
+    feed.close()
+    # The 30 newest were predicted; 70 skipped, all 100 buffered for training all the same.
+    assert len(published) == 30 and dev.counters["inference_skipped"] == 70
+    assert [p.frame for p in published] == list(range(70, 100))
+    assert dev.buffer.samples_seen == 100 and dev.prequential.samples == 30
+    doc = published[0]
+    assert doc.model_round == 0 and 0 < doc.confidence <= 1 and doc.latency_ms >= 0
+    assert decode_document(encode_document(doc)) == doc
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(lines) == 30 and set(lines[0]) == {"t", "frame", "label", "confidence",
+                                                  "model_round", "latency_ms"}
+    # fps caps predictions by capture time: 100 frames over 1 s at 20 fps -> 20.
+    dev2 = _ready_device(digits, InferenceConfig(fps=20))
+    published.clear()
+    StreamFeed(dev2, _drained_pump(items), inference=dev2.inference,
+               publish=published.append)(0.0)
+    assert len(published) == 20 and dev2.counters.get("inference_skipped", 0) == 0
+
+
+def test_live_labels_join_the_frame_captured_nearest_before_them():
+    clock = [1000.0]
+    labels = LiveLabels(3, window=0.5, delay_max=30.0, clock=lambda: clock[0])
+    xs = np.arange(4, dtype=np.float32)[:, None]
+    labels.add_frames(xs, np.array([10.0, 10.2, 10.4, 20.0]), np.array([1, 2, 0, 1]))
+    joined = labels.add_label(b'{"t": 10.3, "label": 2}')
+    assert joined is not None and joined[0][0] == 1.0 and joined[1:] == (2, 2)  # 10.2, not 10.4
+    assert labels.add_label(b'{"t": 15.0, "label": 1}') is None  # 4.6 s after 10.4: no frame
+    assert labels.counters["label_unmatched"] == 1 and labels.pending == 3
+    for bad, reason in ((b"not json", "malformed"), (b'{"t": 10.0}', "malformed"),
+                        (b'{"t": 10.0, "label": 3}', "out_of_range"),
+                        (b'{"t": 10.0, "label": true}', "out_of_range"),
+                        (b'{"t": NaN, "label": 1}', "bad_time"),
+                        (b'{"t": 1e999, "label": 1}', "bad_time"),
+                        (b'{"t": 10, "label": 1, "pad": "' + b"x" * 2000 + b'"}', "oversized")):
+        assert labels.add_label(bad) is None
+        assert labels.counters[f"label_refused.{reason}"] >= 1, bad[:30]
+    assert labels.pending == 3  # no refusal touched the frames waiting
+    clock[0] = 10.4 + 30.0 + 0.01
+    assert labels.expire() == 2 and labels.counters["label_expired"] == 2  # 10.0 and 10.4
+    assert labels.pending == 1
+
+
+def test_frames_wait_for_their_label_and_are_trained_on_only_then(digits):
+    now = time.time()
+    items = [(digits.x_train[i], None, i, now + i * 0.1) for i in range(20)]
+    dev = _ready_device(digits, InferenceConfig())
+    labels = LiveLabels(10, window=0.05, delay_max=30.0)
+    feed = StreamFeed(dev, _drained_pump(items), inference=dev.inference, labels=labels,
+                      publish=lambda doc: None)
+    feed(0.0)
+    assert dev.counters["predictions"] == 20 and dev.buffer.samples_seen == 0
+    assert labels.pending == 20
+    for i in range(0, 20, 2):
+        feed.on_label(json.dumps({"t": now + i * 0.1 + 0.01,
+                                  "label": int(digits.y_train[i])}).encode(), 1.0)
+    assert dev.buffer.samples_seen == 10 and labels.counters["label_joined"] == 10
+    assert dev.buffer.seen_counts.sum() == 10 and dev.prequential.samples == 10
+    assert feed.on_label(b'{"t": 1, "label": 99}', 2.0) == []  # refused, counted, no crash
+
+
+def test_prequential_scoring_changes_no_training_in_the_simulator(digits):
+    from aggregator.experiment import _fleet, _strategy, load_experiment
+    from aggregator.simulation import run_federation
+
+    cfg = load_experiment("experiments/quick.toml")
+    runs = {}
+    for every in (0, 2):
+        c = dataclasses.replace(cfg, prequential_every=every)
+        runs[every] = run_federation(digits, _strategy(c, "safl_fedgs"),
+                                     _fleet(c, digits, 0, "none"))
+    assert [r["accuracy"] for r in runs[0].rows] == [r["accuracy"] for r in runs[2].rows]
+    assert all(math.isnan(r["prequential_mean"]) for r in runs[0].rows)
+    last = runs[2].rows[-1]
+    assert 0.2 < last["prequential_mean"] <= 1 and last["prequential_worst10"] <= \
+        last["prequential_mean"]
+    assert runs[2].counters["prequential.scored"] > 1000
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch", "ort"])
+def test_the_exported_model_predicts_as_the_device_does(backend, digits, tmp_path, exported):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    if backend == "numpy":
+        model, shape, artifacts = "mlp", (64,), ""
+    else:
+        model, shape = "small_cnn", (1, 8, 8)
+        artifacts = str(exported("small_cnn", input_shape=shape, num_classes=10)) \
+            if backend == "ort" else ""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    trainer = build_trainer(model, backend=backend, input_shape=shape, num_classes=10,
+                            lr=0.1, seed=3, artifacts=artifacts or None)
+    x = digits.x_test[:300].reshape(300, *shape).astype(np.float32)
+    for _ in range(20):
+        trainer.train_step(digits.x_train[:256].reshape(256, *shape), digits.y_train[:256])
+    dev = Device(DeviceConfig(device_id="cam1", station="s0"), trainer, num_classes=10,
+                 sample_shape=shape, rng=np.random.default_rng(0), inference=InferenceConfig())
+    dev.handle(_model(trainer.get_flat(), iteration=7, round_=3), 0.0)
+    state = tmp_path / "state"
+    save_deployable(state, dev, layout_hash(trainer.layout))
+    toml = tmp_path / "dev.toml"
+    toml.write_text(
+        f'[device]\ndevice_id = "cam1"\nstation = "s0"\n'
+        f'[model]\nname = "{model}"\nbackend = "{backend}"\n'
+        f'input_shape = {list(shape)}\nnum_classes = 10\nseed = 3\n'
+        + (f'artifacts = "{artifacts}"\n' if artifacts else "")
+        + f'[source]\nkind = "synthetic"\n[service]\nstate_dir = "{state}"\n')
+    out = tmp_path / "model.onnx"
+    assert device_main(["export", "--config", str(toml), "--out", str(out)]) == 0
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    meta = session.get_modelmeta().custom_metadata_map
+    assert meta["safl.model_round"] == "3" and meta["safl.num_classes"] == "10"
+    assert meta["safl.input_shape"] == ",".join(map(str, shape))
+    logits = session.run(None, {session.get_inputs()[0].name: x})[0]
+    labels, _ = dev.infer(x)
+    assert (logits.argmax(1) == labels).all()
+    np.testing.assert_allclose(logits, trainer.logits(x, dev.deployable), rtol=1e-4, atol=1e-4)
+
+
+def test_export_refuses_a_missing_or_foreign_model_with_a_message(tmp_path, digits, capsys):
+    toml = tmp_path / "dev.toml"
+    toml.write_text('[device]\ndevice_id = "cam1"\nstation = "s0"\n[model]\nname = "mlp"\n'
+                    'input_shape = [64]\nnum_classes = 10\n[source]\nkind = "synthetic"\n'
+                    f'[service]\nstate_dir = "{tmp_path / "state"}"\n')
+    assert device_main(["export", "--config", str(toml), "--out", str(tmp_path / "m.onnx")]) == 2
+    assert "no deployable model" in capsys.readouterr().err
+    dev = _ready_device(digits, InferenceConfig())  # softmax: another layout than mlp
+    save_deployable(tmp_path / "state", dev, layout_hash(dev.trainer.layout))
+    with pytest.raises(Exception, match="layout"):
+        load_deployable(tmp_path / "state", layout_hash=layout_hash(
+            build_trainer("mlp", input_shape=(64,), num_classes=10, lr=0.1).layout))
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_stations_and_the_cloud_summarise_prequential_accuracy_and_clip_claims():
+    from aggregator.cloud import Cloud
+    from aggregator.config import CloudConfig, StationConfig
+    from aggregator.station import Station
+
+    st = Station(StationConfig(station_id="s0", devices=("d0", "d1", "d2"), min_devices=3,
+                               super_node_size=2),
+                 num_params=4, num_classes=2, rng=np.random.default_rng(0))
+    for did, acc in (("d0", 0.9), ("d1", 0.5), ("d2", 7.0)):  # d2 claims 700%
+        st.handle(m.DeviceStats(fleet="default", sender=did, round=0, iteration=0,
+                                station="s0", seen_counts=np.array([5, 5]),
+                                next_batch_counts=np.array([1, 1]),
+                                prequential_accuracy=acc, prequential_samples=100), 0.0)
+    assert st.counters["clipped.prequential_accuracy"] == 1
+    assert st.accuracy_summary() == {"prequential_mean": 0.7, "prequential_worst10": 0.5}
+    cloud = Cloud(CloudConfig(stations=("s0",), rounds=5), initial_weights=np.zeros(4, np.float32),
+                  num_classes=2)
+    cloud.handle(m.StationStats(fleet="default", sender="s0", round=0, iteration=0,
+                                seen_counts=np.array([10, 10])), 0.0)
+    cloud.handle(m.StationUpdate(fleet="default", sender="s0", round=0, iteration=1,
+                                 weights=np.zeros(4, np.float32), num_samples=4,
+                                 seen_counts=np.array([10, 10]),
+                                 prequential_accuracies=np.array([0.9, 0.5, 3.0], np.float32)),
+                 0.0)
+    assert cloud.counters["clipped.prequential_accuracies"] == 1
+    assert cloud.accuracy_summary()["prequential_mean"] == pytest.approx(0.7)
+
+
+def test_predictions_are_a_document_the_line_can_read():
+    doc = Prediction(t=1.5, frame=3, label=2, confidence=0.75, model_round=4, latency_ms=12.0)
+    raw = json.loads(encode_document(doc))
+    assert raw["kind"] == "Prediction" and raw["label"] == 2 and raw["model_round"] == 4
+
+
+def test_safl_status_shows_held_out_and_prequential_accuracy():
+    from aggregator.status import FleetStatus, format_status
+    from edge_client.documents import StationSummary
+
+    doc = StationSummary(station="st0", state="collecting", round=3, iteration=9, devices=2,
+                         online=2, quorum=1, local_mean=0.91, local_worst10=0.8,
+                         prequential_mean=0.88, prequential_worst10=0.75)
+    text = format_status(FleetStatus(stations={"st0": doc}), "plant")
+    assert "held-out 0.910 (0.800), prequential 0.880 (0.750)" in text
