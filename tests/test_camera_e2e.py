@@ -1,0 +1,208 @@
+"""A network camera end to end: a line's items filmed and served on loopback (ffmpeg's HTTP
+MJPEG, GStreamer's RTSP server), a device reading it through ``kind = "camera"``, labels the
+line publishes live with a 0.5-3 s delay, and a station and the cloud over Mosquitto, one OS
+process per role.  The device must predict at the stream's rate, learn from the live labels
+(prequential accuracy well above chance, and rising), and survive the camera going away.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import paho.mqtt.client as paho
+import pytest
+from brokers import Mosquitto, acl_lines, free_port
+from paho.mqtt.enums import CallbackAPIVersion
+from stream_servers import FPS, Line, StreamServer, have_ffmpeg, have_rtsp_server
+
+from edge_client.documents import Prediction, decode_document
+
+pytest.importorskip("cv2")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("mosquitto") is None,
+                                 reason="Mosquitto is installed by .ci/run")]
+
+FLEET, STATION, DEVICE = "plant", "st0", "cam1"
+LABELS = f"line/{STATION}/labels"
+CLASSES = (0, 1, 2, 3)  # four products on the line; chance is 25%
+MODEL = '[model]\nname = "softmax"\ninput_shape = [8, 8]\nnum_classes = 4\n'
+
+
+def _broker_table(url: str, user: str) -> str:
+    return f'[broker]\nurl = "{url}"\nusername = "{user}"\npassword = "{Mosquitto.PASSWORD}"\n'
+
+
+def _metrics(port: int) -> dict[str, float]:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.decode().splitlines():
+        found = re.match(r'^(\w+)(?:\{([^}]*)\})? (\S+)$', line)
+        if found:
+            kind = re.search(r'(?:kind|reason)="([^"]+)"', found.group(2) or "")
+            out[found.group(1) + (f".{kind.group(1)}" if kind else "")] = float(found.group(3))
+    return out
+
+
+class Federation:
+    """Mosquitto, the cloud, a station and a camera device, each its own process."""
+
+    def __init__(self, tmp: Path, uri: str) -> None:
+        acl = acl_lines(FLEET, {STATION: [DEVICE]}) + [
+            f"user line-{STATION}", f"topic write line/{STATION}/#", "",
+            f"user {DEVICE}", f"topic read line/{STATION}/#", ""]
+        self.broker = Mosquitto(tmp, ["cloud", STATION, DEVICE, f"line-{STATION}", "tester"],
+                                acl)
+        url, self.tmp = self.broker.url, tmp
+        self.metrics_port, self.jsonl = free_port(), tmp / "predictions.jsonl"
+        files = {
+            "cloud": f'[cloud]\nfleet = "{FLEET}"\nstations = ["{STATION}"]\nrounds = 10000\n'
+                     + MODEL + _broker_table(url, "cloud"),
+            "station": f'[station]\nfleet = "{FLEET}"\nstation_id = "{STATION}"\n'
+                       f'devices = ["{DEVICE}"]\nsuper_node_size = 1\nrand_per_group = 0\n'
+                       'sync_period = 2\nbatch_size = 8\niteration_timeout = 10.0\n'
+                       + MODEL + _broker_table(url, STATION),
+            "device": f'[device]\nfleet = "{FLEET}"\ndevice_id = "{DEVICE}"\n'
+                      f'station = "{STATION}"\nbatch_size = 8\nmin_batch = 8\nlr = 0.5\n'
+                      'mix = 1.0\n'
+                      + MODEL + f'[source]\nkind = "camera"\nuri = "{uri}"\n'
+                      f'label_topic = "{LABELS}"\ngrayscale = true\nresize = [8, 8]\n'
+                      'retries = 8\nbackoff = 0.5\n'
+                      f'[inference]\njsonl = "{self.jsonl}"\nwindow = 100\n'
+                      f'[service]\nmetrics_port = {self.metrics_port}\n'
+                      f'state_dir = "{tmp / "state"}"\n' + _broker_table(url, DEVICE)}
+        self.procs = {}
+        for role in ("cloud", "station", "device"):
+            path = tmp / f"{role}.toml"
+            path.write_text(files[role])
+            command = [sys.executable, "-m", "safl", role, "--config", str(path)]
+            if role == "device":
+                command = [sys.executable, "-m", "edge_client", "--config", str(path)]
+            self.procs[role] = subprocess.Popen(command, stdout=open(tmp / f"{role}.log", "w"),
+                                                stderr=subprocess.STDOUT,
+                                                env={**os.environ,
+                                                     "OPENCV_FFMPEG_CAPTURE_OPTIONS":
+                                                     "rtsp_transport;tcp"})
+        self.line_client = self._client(f"line-{STATION}")
+        self.predictions: list[tuple[float, Prediction]] = []
+        self.watch = self._client("tester")
+        self.watch.on_message = lambda c, u, msg: self.predictions.append(
+            (time.time(), decode_document(msg.payload)))
+        self.watch.subscribe(f"safl/{FLEET}/dev/{DEVICE}/predictions", qos=0)
+
+    def _client(self, user: str) -> paho.Client:
+        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"{user}-{time.time_ns()}")
+        client.username_pw_set(user, Mosquitto.PASSWORD)
+        client.connect("127.0.0.1", self.broker.port)
+        client.loop_start()
+        return client
+
+    def publish_label(self, topic: str, payload: bytes) -> None:
+        self.line_client.publish(topic, payload, qos=1)
+
+    def alive(self) -> dict[str, int | None]:
+        return {role: p.poll() for role, p in self.procs.items()}
+
+    def stop(self) -> None:
+        for client in (self.line_client, self.watch):
+            client.loop_stop()
+            client.disconnect()
+        for proc in self.procs.values():
+            proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.broker.stop()
+
+
+def _run(tmp_path, digits, kind: str, seconds: float, outage_at: float | None):
+    server = StreamServer(kind, free_port(), tmp_path / f"{kind}.log")
+    fed = Federation(tmp_path, server.uri)
+    line = Line(digits.x_train, digits.y_train, CLASSES, topic=LABELS,
+                publish=fed.publish_label, seed=1)
+    samples, outage = [], None
+    try:
+        line.run([server])
+        start = time.time()
+        while time.time() - start < seconds:
+            time.sleep(5.0)
+            samples.append((time.time() - start, _metrics(fed.metrics_port)))
+            if outage_at is not None and outage is None and time.time() - start >= outage_at:
+                server.kill()  # the camera goes away ...
+                outage = time.time()
+                time.sleep(3.0)
+                server.start()  # ... and comes back on the same address
+            assert all(rc is None for rc in fed.alive().values()), fed.alive()
+        final = _metrics(fed.metrics_port)
+    finally:
+        line.stop()
+        fed.stop()
+        server.stop()
+    log = (tmp_path / "device.log").read_text()
+    return fed, line, samples, final, outage, start, log
+
+
+def _report(kind, fed, line, samples, final, start, seconds):
+    preds = [p for _, p in fed.predictions]
+    rate = len(preds) / seconds
+    joined, sent = final.get("safl_label_joined_total", 0), line.sent
+    print(f"\n{kind}: {len(preds)} predictions in {seconds:.0f} s ({rate:.1f}/s, stream "
+          f"{FPS} fps); labels sent {sent}, joined {joined:.0f}, expired "
+          f"{final.get('safl_label_expired_total', 0):.0f}, unmatched "
+          f"{final.get('safl_label_unmatched_total', 0):.0f}; delays "
+          f"{min(line.delays):.1f}-{max(line.delays):.1f} s; trained "
+          f"{final.get('safl_samples_trained_total', 0):.0f} samples, round "
+          f"{final.get('safl_round', 0):.0f}")
+    print("  prequential accuracy over time: " + ", ".join(
+        f"{t:.0f}s {m.get('safl_prequential_accuracy', float('nan')):.2f}" for t, m in samples))
+    return preds, rate, joined, sent
+
+
+def _learned(samples, final):
+    curve = [m.get("safl_prequential_accuracy", np.nan) for _, m in samples]
+    early = next(v for v in curve if v == v)
+    return early, final["safl_prequential_accuracy"]
+
+
+@pytest.mark.skipif(not have_ffmpeg(), reason="ffmpeg is installed by .ci/run")
+def test_an_mjpeg_camera_trains_the_device_from_live_labels_and_survives_an_outage(
+        tmp_path, digits):
+    seconds = 80.0
+    fed, line, samples, final, outage, start, log = _run(tmp_path, digits, "mjpeg", seconds,
+                                                         outage_at=35.0)
+    preds, rate, joined, sent = _report("mjpeg", fed, line, samples, final, start, seconds)
+    assert rate >= 0.5 * FPS  # the outage and start-up cost some seconds
+    assert joined >= 0.6 * sent and final["safl_samples_trained_total"] >= 150
+    early, end = _learned(samples, final)
+    assert end >= 0.7 and end > early, (early, end)  # chance is 0.25
+    # The camera went away and came back: counted, and predictions resumed after it.
+    assert final["safl_source_total.read_failures"] >= 1
+    assert final["safl_source_total.reconnects"] >= 1
+    after = [p for t, p in fed.predictions if t > outage + 6.0]
+    assert len(after) >= 5 * (seconds - (outage - start) - 15), len(after)
+    assert "is back" in log
+    rounds = [p.model_round for p in preds]
+    assert rounds[-1] > rounds[0]  # the served model followed the federation
+
+
+@pytest.mark.skipif(not have_rtsp_server(), reason="GStreamer's RTSP server for the system "
+                    "python3 is installed by .ci/run")
+def test_an_rtsp_camera_is_predicted_at_its_rate_and_learned_from(tmp_path, digits):
+    seconds = 50.0
+    fed, line, samples, final, _, start, _ = _run(tmp_path, digits, "rtsp", seconds, None)
+    preds, rate, joined, sent = _report("rtsp", fed, line, samples, final, start, seconds)
+    assert rate >= 0.6 * FPS and joined >= 0.6 * sent
+    early, end = _learned(samples, final)
+    assert end >= 0.6, (early, end)
