@@ -12,6 +12,11 @@ numpy MLP's SGD step on a batch of 32, both on one thread in one process, at thi
 and at ``BASELINE`` (a temporary git worktree), at an acceptance probability of 0.9 (early
 in a run) and 0.5; the target is a merge under 0.2x the step.
 
+A third table serves the stream: every frame predicted alone (batch of one) by the
+deployable model before it enters the buffer, the per-frame latency beside the same run's
+training step (target under 0.2x for small_cnn), and peak RSS with inference on against the
+run with it off (target under +10%).
+
 Run: ``python bench/device_footprint.py [--iterations N] [--backends torch,ort,numpy]``.
 Needs the ort and torch extras for those rows.
 """
@@ -63,6 +68,7 @@ CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 backend, model, artifacts, iterations = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+serving = sys.argv[5] == "on"
 device = "cuda" if backend == "torch-cuda" else "cpu"
 backend = "torch" if backend == "torch-cuda" else backend
 if backend == "ort":
@@ -72,7 +78,7 @@ elif backend == "torch":
     import torch  # default threads, like ORT: both may use every core
 import numpy as np
 from edge_client import messages as m
-from edge_client.config import DeviceConfig
+from edge_client.config import DeviceConfig, InferenceConfig
 from edge_client.device import Device
 from edge_client.trainers import build_trainer
 import_s = time.perf_counter() - t0
@@ -82,12 +88,23 @@ trainer = build_trainer(model, backend=backend, input_shape=shape, num_classes=1
                         **({"device": device} if backend == "torch" else {}))
 dev = Device(DeviceConfig(device_id="d", station="s", mix=0.5, temperature=50.0,
                           holdout_every=0, buffer_capacity=4096), trainer,
-             num_classes=10, sample_shape=shape, rng=np.random.default_rng(0))
+             num_classes=10, sample_shape=shape, rng=np.random.default_rng(0),
+             inference=InferenceConfig() if serving else None)
 rng = np.random.default_rng(1)
 zbar = trainer.get_flat()
-times = []
+times, frame_times = [], []
 for t in range(iterations + 5):
-    dev.ingest(rng.random((32, *shape), dtype=np.float32), rng.integers(0, 10, 32), 0.0)
+    x, y = rng.random((32, *shape), dtype=np.float32), rng.integers(0, 10, 32)
+    predicted = None
+    if serving and dev.deployable is not None:
+        # A camera delivers a frame at a time: each is predicted alone, then buffered.
+        predicted = np.empty(32, dtype=np.int64)
+        for i in range(32):
+            start = time.perf_counter()
+            predicted[i] = dev.infer(x[i:i + 1])[0][0]
+            if t >= 5:
+                frame_times.append(time.perf_counter() - start)
+    dev.ingest(x, y, 0.0, predicted=predicted)
     dev.handle(m.StationModel(fleet="default", sender="s", round=0, iteration=t,
                               weights=zbar), 0.0)
     start = time.perf_counter()
@@ -100,14 +117,17 @@ for t in range(iterations + 5):
 with open("/proc/self/status") as fh:
     rss_mb = next(int(l.split()[1]) for l in fh if l.startswith("VmHWM")) / 1024
 print(json.dumps({"import_s": import_s, "step_ms": 1e3 * float(np.median(times)),
+                  "frame_ms": 1e3 * float(np.median(frame_times)) if frame_times else None,
                   "peak_rss_mb": rss_mb, "params": trainer.num_params,
                   "torch_loaded": "torch" in sys.modules}))
 """
 
 
-def _child(backend: str, model: str, artifacts: str, iterations: int) -> dict:
+def _child(backend: str, model: str, artifacts: str, iterations: int,
+           serving: bool = False) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD, backend, model, artifacts,
-                          str(iterations)], capture_output=True, text=True, check=True)
+                          str(iterations), "on" if serving else "off"], capture_output=True,
+                         text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -138,6 +158,8 @@ def main() -> None:
             print(f"exported small_cnn artifacts in {time.perf_counter() - t0:.1f} s")
         rows = {name: _child(name, models[name], folder if name == "ort" else "",
                              args.iterations) for name in wanted}
+        served = {name: _child(name, models[name], folder if name == "ort" else "",
+                               args.iterations, serving=True) for name in wanted}
     base = rows["torch"]
     print(f"\n{'backend':<10} {'model':<10} {'params':>7} {'import s':>9} {'step ms':>8} "
           f"{'peak RSS MB':>12} {'step/torch':>11} {'RSS/torch':>10} {'torch loaded':>13}")
@@ -147,6 +169,16 @@ def main() -> None:
               f"{r['step_ms']:>8.2f} {r['peak_rss_mb']:>12.1f} "
               f"{r['step_ms'] / base['step_ms']:>11.2f} "
               f"{r['peak_rss_mb'] / base['peak_rss_mb']:>10.2f} {str(r['torch_loaded']):>13}")
+    print("\ninference on the stream: each frame predicted alone by the deployable model "
+          "before it is buffered (docs/sources.md); the same run with inference off beside it")
+    print(f"{'backend':<10} {'model':<10} {'frame ms':>9} {'step ms':>8} {'frame/step':>11} "
+          f"{'RSS off MB':>11} {'RSS on MB':>10} {'on/off':>7}")
+    for name in wanted:
+        r, off = served[name], rows[name]
+        print(f"{name:<10} {models[name]:<10} {r['frame_ms']:>9.3f} {r['step_ms']:>8.2f} "
+              f"{r['frame_ms'] / r['step_ms']:>11.2f} {off['peak_rss_mb']:>11.1f} "
+              f"{r['peak_rss_mb']:>10.1f} {r['peak_rss_mb'] / off['peak_rss_mb']:>7.3f}")
+    print("targets: small_cnn frame < 0.2x a step; RSS with inference on < 1.10x off")
     merge = {}
     with checkout(BASELINE) as tree:
         merge["baseline"] = json.loads(probe(tree, _MERGE))
