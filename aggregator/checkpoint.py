@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.errors import SaflError
+from edge_client.files import write_atomic
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "CHECKPOINT_FORMAT"]
 
@@ -33,24 +33,10 @@ class CheckpointError(SaflError):
 
 def save_checkpoint(path: str | Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> int:
     """Write ``arrays`` and ``meta`` atomically to ``path``; returns the bytes written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     doc = json.dumps({"format": CHECKPOINT_FORMAT, **meta}).encode()
     buf = io.BytesIO()
     np.savez(buf, **arrays, **{_META: np.frombuffer(doc, dtype=np.uint8)})
-    data = buf.getbuffer()
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
-    return len(data)
+    return write_atomic(path, buf.getbuffer())
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:

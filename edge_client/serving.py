@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from .config import InferenceConfig
 from .device import Device
 from .documents import Prediction
 from .errors import ConfigError, MessageError
+from .files import write_atomic
 from .inference import NOT_PREDICTED
 from .sources.live_labels import LiveLabels
 from .sources.pump import UNLABELLED, Drained, SourcePump
@@ -146,17 +146,11 @@ def save_deployable(folder: str | Path, device: Device, layout_hash: str) -> Pat
     if device.deployable is None:
         return None
     path = Path(folder) / DEPLOYABLE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
     frame = encode(m.StationModel(fleet=device.config.fleet, sender=device.config.station,
                                   round=device.deployable_round,
                                   iteration=device.deployable_iteration,
                                   weights=device.deployable), layout_hash=layout_hash)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(frame)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)  # a crash leaves the old model or the new one, never a torn file
+    write_atomic(path, frame)
     return path
 
 

@@ -9,12 +9,12 @@ writes it.  Plain ``onnxruntime``, which has aarch64 wheels, runs the result.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ArtifactError
+from ..files import write_atomic
 from .base import Trainer
 from .manifest import layout_hash
 
@@ -43,8 +43,5 @@ def export_onnx(trainer: Trainer, weights: np.ndarray, out: str | Path, *,
     for key, value in meta.items():
         model.metadata_props.add(key=key, value=value)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    onnx.save(model, str(tmp))
-    os.replace(tmp, out)
+    write_atomic(out, model.SerializeToString())
     return out
