@@ -92,9 +92,16 @@ class Device(RoleBase):
                 "buffer.overwritten_unread": self.buffer.overwritten_unread,
                 "buffer.unread": self.buffer.unread, "buffer.seen": self.buffer.samples_seen,
                 "local_accuracy": self._local_acc[0],
-                **({"prequential_accuracy": self.prequential.accuracy,
-                    "inference_seconds": self.last_inference_s}
-                   if self.prequential is not None else {})}
+                **(self._prequential_gauges() if self.prequential is not None else {})}
+
+    def _prequential_gauges(self) -> dict[str, float]:
+        """Prequential accuracy overall and per class (the classes in the window), and the
+        per-frame inference time."""
+        per = self.prequential.per_class()
+        return {"prequential_accuracy": self.prequential.accuracy,
+                **{f"prequential_accuracy.class_{k}": float(a) for k, a in enumerate(per)
+                   if a == a},
+                "inference_seconds": self.last_inference_s}
 
     def subscriptions(self) -> list[str]:
         return device_topics(self.config.fleet, self.config.station)

@@ -62,7 +62,11 @@ def test_each_labelled_sample_is_predicted_before_it_is_trained_on(digits):
     expected = (trained.logits(x[50:]).argmax(1) == y[50:]).mean()
     assert dev.prequential.samples == 150
     assert dev.prequential.accuracy == pytest.approx(expected)
-    assert dev.metrics()["prequential_accuracy"] == pytest.approx(expected)
+    gauges = dev.metrics()
+    assert gauges["prequential_accuracy"] == pytest.approx(expected)
+    hits = trained.logits(x[50:]).argmax(1) == y[50:]
+    for k in np.unique(y[50:]):
+        assert gauges[f"prequential_accuracy.class_{k}"] == pytest.approx(hits[y[50:] == k].mean())
     stats = dev._stats(0, 0)
     assert stats.prequential_samples == 150 and stats.prequential_accuracy == pytest.approx(
         expected)
