@@ -26,6 +26,9 @@ CHECKS = [
     ("numpy", "manylinux_2_17_aarch64", "3.10", "aarch64 wheel (JetPack 6's Python)"),
     ("paho-mqtt>=2.0", "any", "3.10", "pure Python"),
     ("opencv-python-headless", "manylinux_2_17_aarch64", "3.11", "aarch64 wheel"),
+    # safl-device export on the board, and the line's application running what it wrote
+    ("onnx>=1.16,<1.18", "manylinux_2_17_aarch64", "3.11", "aarch64 wheel"),
+    ("onnxruntime", "manylinux_2_27_aarch64", "3.11", "aarch64 wheel"),
 ]
 
 

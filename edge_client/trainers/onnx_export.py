@@ -30,7 +30,8 @@ def export_onnx(trainer: Trainer, weights: np.ndarray, out: str | Path, *,
     try:
         import onnx
     except ImportError as exc:
-        raise ArtifactError("exporting needs the onnx package: pip install onnx") from exc
+        raise ArtifactError("exporting needs the onnx package: pip install "
+                            "'safl-edge[export]'") from exc
     render = getattr(trainer, "inference_onnx", None)
     if render is None:
         raise ArtifactError(f"{type(trainer).__name__} cannot render its model as ONNX")
