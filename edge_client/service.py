@@ -97,6 +97,8 @@ class DeviceService:
     pump: SourcePump | None = field(default=None, init=False, repr=False)
     feed: StreamFeed | None = field(default=None, init=False, repr=False)
     labels: LiveLabels | None = field(default=None, init=False, repr=False)
+    # Writes the deployable model to state_dir now (at the end of a run); None without one.
+    save_now: Callable[[], None] | None = field(default=None, init=False, repr=False)
 
     def build(self) -> tuple[RoleRunner, MqttTransport, tuple[Callable[[float], None], ...]]:
         """The device bound to its transport, and the ``serve`` hooks that feed it samples
@@ -151,7 +153,7 @@ class DeviceService:
             if force or now - saved["at"] >= SAVE_EVERY:
                 save_deployable(folder, device, layout)
                 saved.update(iteration=device.deployable_iteration, at=now)
-        self._save_now = lambda: keep(0.0, force=True)
+        self.save_now = lambda: keep(0.0, force=True)
         return (keep,)
 
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
@@ -166,11 +168,10 @@ class DeviceService:
                                     else {})}),
             labels={"fleet": device.config.fleet, "station": device.config.station,
                     "device": device.id})
-        save_now = getattr(self, "_save_now", None)
         try:
             serve(runner, transport, stop=stop or StopFlag(), metrics=metrics, hooks=hooks,
                   done=(lambda: device.finished) if exit_when_done else (lambda: False),
-                  on_stop=save_now)
+                  on_stop=self.save_now)
         finally:
             if self.feed is not None:
                 self.feed.close()

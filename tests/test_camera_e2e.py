@@ -198,6 +198,13 @@ def test_an_mjpeg_camera_trains_the_device_from_live_labels_and_survives_an_outa
     assert "is back" in log
     rounds = [p.model_round for p in preds]
     assert rounds[-1] > rounds[0]  # the served model followed the federation
+    # The device kept its model in state_dir: the line's application gets it as ONNX.
+    out = tmp_path / "model.onnx"
+    subprocess.run([sys.executable, "-m", "edge_client", "export", "--config",
+                    str(tmp_path / "device.toml"), "--out", str(out)], check=True)
+    ort = pytest.importorskip("onnxruntime")
+    meta = ort.InferenceSession(str(out)).get_modelmeta().custom_metadata_map
+    assert int(meta["safl.model_round"]) >= rounds[-1] - 1 and meta["safl.num_classes"] == "4"
 
 
 @pytest.mark.skipif(not have_rtsp_server(), reason="GStreamer's RTSP server for the system "
