@@ -1,7 +1,8 @@
 """Benchmark: a device's footprint on each training backend, each in a fresh process.
 
 For ORT and torch the model is ``small_cnn`` (114k parameters, 1x28x28); numpy runs the
-``mlp`` (it has no convolutions).  Each child process imports its backend, builds a device
+``mlp`` and, as ``numpy-cnn``, the same ``small_cnn`` (``trainers/numpy_cnn.py``).  Each
+child process imports its backend, builds a device
 role and runs ``--iterations`` SAFL iterations (annealed merge + one SGD step on a batch of
 32 from the stream buffer), then reports import time, time per training step and peak RSS.
 Ratios are to the torch backend on the CPU measured in the same run.  Where torch sees a
@@ -70,7 +71,7 @@ t0 = time.perf_counter()
 backend, model, artifacts, iterations = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 serving = sys.argv[5] == "on"
 device = "cuda" if backend == "torch-cuda" else "cpu"
-backend = "torch" if backend == "torch-cuda" else backend
+backend = {"torch-cuda": "torch", "numpy-cnn": "numpy"}.get(backend, backend)
 if backend == "ort":
     from edge_client.trainers.ort_backend import load_training_api
     load_training_api()
@@ -134,7 +135,7 @@ def _child(backend: str, model: str, artifacts: str, iterations: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=200)
-    parser.add_argument("--backends", default="torch,ort,numpy",
+    parser.add_argument("--backends", default="torch,ort,numpy,numpy-cnn",
                         help="comma-separated rows; torch (on the CPU) is the baseline")
     args = parser.parse_args()
     import torch
@@ -148,7 +149,7 @@ def main() -> None:
     else:
         print(f"accelerator: none (torch {torch.__version__} sees no CUDA device)")
     models = {"torch": "small_cnn", "torch-cuda": "small_cnn", "ort": "small_cnn",
-              "numpy": "mlp"}
+              "numpy": "mlp", "numpy-cnn": "small_cnn"}
     with tempfile.TemporaryDirectory() as folder:
         if "ort" in wanted:
             from models.export import export_model
@@ -191,6 +192,11 @@ def main() -> None:
         for p in (0.9, 0.5):
             m = r[f"merge p={p}"]
             print(f"{name:<9} {1e3 * step:>12.3f} {1e3 * m:>9.3f} {p:>4} {m / step:>13.2f}")
+    if "numpy-cnn" in rows:
+        cnn = rows["numpy-cnn"]
+        print(f"targets: numpy small_cnn step within 2x torch's "
+              f"({cnn['step_ms'] / base['step_ms']:.2f}x) and RSS under half "
+              f"({cnn['peak_rss_mb'] / base['peak_rss_mb']:.2f}x)")
     if "ort" in rows:
         ort = rows["ort"]
         print(f"\ntargets: ORT peak RSS <= 120 MB ({ort['peak_rss_mb']:.0f}) and <= 0.5x torch "

@@ -139,6 +139,10 @@ class NumpyTrainer:
 def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: float,
           seed: int, hidden: int = 128) -> NumpyTrainer:
     """``softmax`` (regression) or ``mlp`` (one hidden layer, ReLU)."""
+    from .numpy_cnn import CNN_MODELS, build_cnn
+    if model in CNN_MODELS:
+        return build_cnn(model, input_shape=input_shape, num_classes=num_classes, lr=lr,
+                         seed=seed)
     d = math.prod(input_shape)
     trainer = _build(model, d, num_classes, lr=lr, seed=seed, hidden=hidden)
     trainer.input_shape = tuple(input_shape)  # what an exported graph takes
@@ -151,4 +155,5 @@ def _build(model: str, d: int, num_classes: int, *, lr: float, seed: int,
         return NumpyTrainer([d, num_classes], lr=lr, seed=seed, names=["fc"])
     if model == "mlp":
         return NumpyTrainer([d, hidden, num_classes], lr=lr, seed=seed, names=["fc1", "fc2"])
-    raise ConfigError("model", f"numpy backend offers 'softmax' and 'mlp', not {model!r}")
+    raise ConfigError("model", "numpy backend offers 'softmax', 'mlp', 'small_cnn', "
+                      f"'femnist_cnn' and 'camera_cnn', not {model!r}")

@@ -1,0 +1,268 @@
+"""The zoo's convolutional models on numpy alone: a CNN trainer for boards without torch.
+
+``small_cnn``/``femnist_cnn`` (two 5x5 convolutions with 2x2 max-pool, then two dense
+layers) and ``camera_cnn`` (three 3x3 convolutions with max-pool, global average pool, one
+dense layer), parameter for parameter and in the flat order of the torch backend's modules
+(``trainers/zoo.py``), so the layout hash is the same and a mixed numpy/torch fleet is one
+fleet.  Inside, activations are channels-last; convolutions run as one matrix product over
+im2col windows (``sliding_window_view``: one copy), an input's gradient as the forward
+convolution with the flipped kernel; gradients are written by hand and checked against
+torch's in ``tests/test_numpy_cnn.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import ConfigError, ShapeError
+from .base import check_flat
+from .numpy_backend import _softmax_xent
+
+__all__ = ["ConvTrainer", "build_cnn", "CNN_MODELS"]
+
+CNN_MODELS = ("small_cnn", "femnist_cnn", "camera_cnn")
+
+
+def _conv(x: np.ndarray, w: np.ndarray, b: np.ndarray, pad: int):
+    """Stride-1 convolution (torch's cross-correlation) of NHWC ``x`` (channels last: the
+    im2col windows and the product need no transposes); returns the NHWC output and what
+    the backward pass needs."""
+    n, h, wd, c = x.shape
+    o, _, k, _ = w.shape
+    xp = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    win = np.lib.stride_tricks.sliding_window_view(xp, (k, k), axis=(1, 2))  # n h w c k k
+    cols = win.reshape(n * h * wd, c * k * k)  # the one copy: windows overlap
+    out = cols @ w.reshape(o, -1).T + b
+    return out.reshape(n, h, wd, o), (cols, xp.shape, pad, k)
+
+
+def _conv_back(grad: np.ndarray, w: np.ndarray, cache, need_input: bool = True):
+    cols, padded, pad, k = cache
+    n, h, wd, o = grad.shape
+    g = grad.reshape(n * h * wd, o)
+    gw = (g.T @ cols).reshape(w.shape)
+    gb = g.sum(axis=0)
+    if not need_input:  # the first layer: nothing below it to train
+        return None, gw, gb
+    # The input's gradient is the forward convolution of the output's gradient with the
+    # kernel flipped and its channels swapped ("same" padding, stride 1: the same padding).
+    flipped = np.ascontiguousarray(w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
+    dx, _ = _conv(np.ascontiguousarray(grad), flipped, np.zeros(w.shape[1], grad.dtype),
+                  k - 1 - pad)
+    return dx, gw, gb
+
+
+_OFFSETS = ((0, 0), (0, 1), (1, 0), (1, 1))  # row-major in the window: torch's tie order
+
+
+def _pool(x: np.ndarray):
+    """2x2 max-pool of NHWC ``x``, stride 2, floor (as torch): the output and which of the
+    four offsets won each window (the first maximum, as torch's)."""
+    n, h, w, c = x.shape
+    h2, w2 = h // 2, w // 2
+    parts = [x[:, i:2 * h2:2, j:2 * w2:2] for i, j in _OFFSETS]
+    out = np.maximum(np.maximum(parts[0], parts[1]), np.maximum(parts[2], parts[3]))
+    taken = np.zeros(out.shape, dtype=bool)
+    masks = []
+    for part in parts:
+        won = (part == out) & ~taken
+        taken |= won
+        masks.append(won)
+    return out, (masks, x.shape)
+
+
+def _pool_back(grad: np.ndarray, cache) -> np.ndarray:
+    masks, shape = cache
+    dx = np.zeros(shape, dtype=grad.dtype)
+    h2, w2 = grad.shape[1], grad.shape[2]
+    for (i, j), won in zip(_OFFSETS, masks, strict=True):
+        dx[:, i:2 * h2:2, j:2 * w2:2] = grad * won
+    return dx
+
+
+class ConvTrainer:
+    """Convolution blocks (conv, ReLU, 2x2 max-pool), then global average pool or flatten,
+    then dense layers (ReLU between them), trained with plain SGD."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, *, kernel: int,
+                 channels: tuple[int, ...], dense: tuple[int, ...], global_pool: bool,
+                 lr: float, seed: int) -> None:
+        c, h, w = input_shape
+        self.input_shape, self.lr = (c, h, w), lr
+        self.kernel, self.pad, self.global_pool = kernel, kernel // 2, global_pool
+        layout, fan_ins = [], []
+        for i, out in enumerate(channels):
+            layout += [(f"conv{i + 1}.weight", (out, c, kernel, kernel)),
+                       (f"conv{i + 1}.bias", (out,))]
+            fan_ins += [c * kernel * kernel] * 2
+            c, h, w = out, h // 2, w // 2
+        features = c if global_pool else c * h * w
+        sizes = [features, *dense, num_classes]
+        names = ["fc"] if len(sizes) == 2 else [f"fc{i + 1}" for i in range(len(sizes) - 1)]
+        for name, (fin, fout) in zip(names, zip(sizes[:-1], sizes[1:], strict=True),
+                                     strict=True):
+            layout += [(f"{name}.weight", (fout, fin)), (f"{name}.bias", (fout,))]
+            fan_ins += [fin] * 2
+        self.layout = tuple(layout)
+        self._convs, self._dense = len(channels), len(sizes) - 1
+        self._flat = np.empty(sum(math.prod(s) for _, s in layout), dtype=np.float32)
+        self._params = self._views(self._flat)
+        rng = np.random.default_rng(seed)
+        for p, fan_in in zip(self._params, fan_ins, strict=True):
+            bound = 1.0 / math.sqrt(fan_in)  # torch's default for Conv2d and Linear
+            p[...] = rng.uniform(-bound, bound, p.shape)
+
+    @property
+    def num_params(self) -> int:
+        return self._flat.size
+
+    def get_flat(self) -> np.ndarray:
+        return self._flat.copy()
+
+    def set_flat(self, flat: np.ndarray) -> None:
+        self._flat[...] = check_flat(flat, self._flat.size)
+
+    def _views(self, flat: np.ndarray) -> list[np.ndarray]:
+        views, offset = [], 0
+        for _, shape in self.layout:
+            size = math.prod(shape)
+            views.append(flat[offset:offset + size].reshape(shape))
+            offset += size
+        return views
+
+    def _inputs(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32)
+        if len(x) and x[0].size != math.prod(self.input_shape):
+            raise ShapeError(f"input samples have {x[0].size} values, model expects shape "
+                             f"{self.input_shape}")
+        return x.reshape(len(x), *self.input_shape)
+
+    def _forward(self, x: np.ndarray, params: list[np.ndarray]):
+        caches = []
+        x = x.transpose(0, 2, 3, 1)  # NCHW samples, channels last inside
+        for i in range(self._convs):
+            z, conv = _conv(x, params[2 * i], params[2 * i + 1], self.pad)
+            a = np.maximum(z, 0.0)
+            x, pool = _pool(a)
+            caches.append((conv, z > 0, pool))
+        flat_shape = x.shape
+        # torch flattens NCHW: the dense layer's columns are in that order.
+        x = x.mean(axis=(1, 2)) if self.global_pool else x.transpose(0, 3, 1, 2).reshape(
+            len(x), -1)
+        acts = [x]
+        base = 2 * self._convs
+        for j in range(self._dense):
+            z = acts[-1] @ params[base + 2 * j].T + params[base + 2 * j + 1]
+            acts.append(np.maximum(z, 0.0) if j < self._dense - 1 else z)
+        return acts, caches, flat_shape
+
+    def logits(self, x: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        params = self._params if weights is None else self._views(
+            check_flat(weights, self.num_params))
+        return self._forward(self._inputs(x), params)[0][-1]
+
+    def gradients(self, x: np.ndarray, y: np.ndarray) -> tuple[float, list[np.ndarray]]:
+        """Mean cross-entropy on the batch and its gradient, one array per layout entry."""
+        params = self._params
+        acts, caches, flat_shape = self._forward(self._inputs(x), params)
+        loss, grad = _softmax_xent(acts[-1], np.asarray(y))
+        grads: list[np.ndarray] = [None] * len(params)  # type: ignore[list-item]
+        base = 2 * self._convs
+        for j in reversed(range(self._dense)):
+            w = params[base + 2 * j]
+            grads[base + 2 * j], grads[base + 2 * j + 1] = grad.T @ acts[j], grad.sum(axis=0)
+            grad = grad @ w
+            if j:
+                grad = grad * (acts[j] > 0)
+        n, h, w, c = flat_shape
+        if self.global_pool:
+            grad = np.broadcast_to(grad[:, None, None, :] / (h * w), flat_shape)
+        else:
+            grad = grad.reshape(n, c, h, w).transpose(0, 2, 3, 1)
+        for i in reversed(range(self._convs)):
+            conv, positive, pool = caches[i]
+            grad = _pool_back(np.ascontiguousarray(grad, dtype=np.float32), pool) * positive
+            grad, grads[2 * i], grads[2 * i + 1] = _conv_back(grad, params[2 * i], conv,
+                                                              need_input=i > 0)
+        return loss, grads
+
+    def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
+        """One SGD step on a batch; returns the batch loss before the step."""
+        loss, grads = self.gradients(x, y)
+        step = np.float32(self.lr)
+        for p, g in zip(self._params, grads, strict=True):
+            p -= step * g.astype(np.float32, copy=False)
+        return loss
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray,
+                 weights: np.ndarray | None = None) -> tuple[float, float]:
+        y = np.asarray(y)
+        if len(y) == 0:
+            return float("nan"), float("nan")
+        losses, hits = 0.0, 0
+        for i in range(0, len(y), 512):  # bounds the im2col memory on large test sets
+            logits = self.logits(x[i:i + 512], weights)
+            loss, _ = _softmax_xent(logits, y[i:i + 512])
+            losses += loss * len(logits)
+            hits += int((logits.argmax(axis=1) == y[i:i + 512]).sum())
+        return losses / len(y), hits / len(y)
+
+    def inference_onnx(self, weights: np.ndarray) -> bytes:
+        """The model with ``weights`` as an ONNX graph (``trainers/onnx_export.py``)."""
+        from onnx import TensorProto, helper, numpy_helper
+
+        from .onnx_export import OPSET
+
+        views = self._views(check_flat(weights, self.num_params))
+        inits = [numpy_helper.from_array(np.ascontiguousarray(v), name)
+                 for (name, _), v in zip(self.layout, views, strict=True)]
+        names = [name for name, _ in self.layout]
+        nodes, cur = [], "input"
+        for i in range(self._convs):
+            nodes += [helper.make_node("Conv", [cur, names[2 * i], names[2 * i + 1]],
+                                       [f"c{i}"], pads=[self.pad] * 4,
+                                       kernel_shape=[self.kernel] * 2),
+                      helper.make_node("Relu", [f"c{i}"], [f"r{i}"]),
+                      helper.make_node("MaxPool", [f"r{i}"], [f"p{i}"], kernel_shape=[2, 2],
+                                       strides=[2, 2])]
+            cur = f"p{i}"
+        if self.global_pool:
+            nodes.append(helper.make_node("GlobalAveragePool", [cur], ["gap"]))
+            cur = "gap"
+        nodes.append(helper.make_node("Flatten", [cur], ["flat"], axis=1))
+        cur, base = "flat", 2 * self._convs
+        for j in range(self._dense):
+            out = "logits" if j == self._dense - 1 else f"d{j}"
+            nodes.append(helper.make_node("Gemm", [cur, names[base + 2 * j],
+                                                   names[base + 2 * j + 1]],
+                                          [out if out == "logits" else out + "_pre"], transB=1))
+            if out != "logits":
+                nodes.append(helper.make_node("Relu", [out + "_pre"], [out]))
+            cur = out
+        classes = self.layout[-1][1][0]
+        graph = helper.make_graph(
+            nodes, "safl_numpy_cnn",
+            [helper.make_tensor_value_info("input", TensorProto.FLOAT,
+                                           ["batch", *self.input_shape])],
+            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
+            inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                 ir_version=8).SerializeToString()
+
+
+def build_cnn(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: float,
+              seed: int) -> ConvTrainer:
+    """The zoo's CNN ``model`` on numpy (shapes as ``trainers/zoo.py`` builds them)."""
+    if len(input_shape) == 2:
+        input_shape = (1, *input_shape)
+    if len(input_shape) != 3:
+        raise ConfigError("input_shape", f"CNNs need (H, W) or (C, H, W), got {input_shape}")
+    shape = tuple(int(v) for v in input_shape)
+    if model == "camera_cnn":
+        return ConvTrainer(shape, num_classes, kernel=3, channels=(16, 32, 64), dense=(),
+                           global_pool=True, lr=lr, seed=seed)
+    channels, dense = ((16, 32), 64) if model == "small_cnn" else ((32, 64), 2048)
+    return ConvTrainer(shape, num_classes, kernel=5, channels=channels, dense=(dense,),
+                       global_pool=False, lr=lr, seed=seed)
