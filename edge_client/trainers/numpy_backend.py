@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import ConfigError, ShapeError
 from .base import check_flat
 
-__all__ = ["NumpyTrainer", "build"]
+__all__ = ["NumpyTrainer", "FlatParameters", "build"]
 
 
 def _softmax_xent(logits: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
@@ -27,23 +27,20 @@ def _softmax_xent(logits: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]
     return loss, probs / n
 
 
-class NumpyTrainer:
-    """A stack of dense layers (ReLU between them) trained with plain SGD."""
+class FlatParameters:
+    """Parameters in one flat float32 vector, each tensor a view into it, drawn as torch's
+    default initialisation draws Linear and Conv2d tensors: uniform in +-1/sqrt(fan_in)."""
 
-    def __init__(self, sizes: list[int], *, lr: float, seed: int, names: list[str]) -> None:
-        self.lr = lr
-        self._dims = list(zip(sizes[:-1], sizes[1:], strict=True))
-        layout = []
-        for name, (fan_in, fan_out) in zip(names, self._dims, strict=True):
-            layout += [(f"{name}.weight", (fan_out, fan_in)), (f"{name}.bias", (fan_out,))]
+    layout: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def _allocate(self, layout: list, fan_ins: list[int], seed: int) -> None:
         self.layout = tuple(layout)
         self._flat = np.empty(sum(math.prod(s) for _, s in layout), dtype=np.float32)
         self._params = self._views(self._flat)
         rng = np.random.default_rng(seed)
-        for i, (fan_in, _) in enumerate(self._dims):
-            bound = 1.0 / math.sqrt(fan_in)  # torch.nn.Linear's default init
-            for p in self._params[2 * i:2 * i + 2]:
-                p[...] = rng.uniform(-bound, bound, p.shape)
+        for p, fan_in in zip(self._params, fan_ins, strict=True):
+            bound = 1.0 / math.sqrt(fan_in)
+            p[...] = rng.uniform(-bound, bound, p.shape)
 
     @property
     def num_params(self) -> int:
@@ -55,12 +52,6 @@ class NumpyTrainer:
     def set_flat(self, flat: np.ndarray) -> None:
         self._flat[...] = check_flat(flat, self._flat.size)
 
-    def _inputs(self, x: np.ndarray) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float32).reshape(len(x), -1)
-        if x.shape[1] != self._dims[0][0]:
-            raise ShapeError(f"input has {x.shape[1]} features, model expects {self._dims[0][0]}")
-        return x
-
     def _views(self, flat: np.ndarray) -> list[np.ndarray]:
         """The tensors of ``flat`` (this layout), as views: no copy."""
         views, offset = [], 0
@@ -69,6 +60,25 @@ class NumpyTrainer:
             views.append(flat[offset:offset + size].reshape(shape))
             offset += size
         return views
+
+
+class NumpyTrainer(FlatParameters):
+    """A stack of dense layers (ReLU between them) trained with plain SGD."""
+
+    def __init__(self, sizes: list[int], *, lr: float, seed: int, names: list[str]) -> None:
+        self.lr = lr
+        self._dims = list(zip(sizes[:-1], sizes[1:], strict=True))
+        layout, fan_ins = [], []
+        for name, (fan_in, fan_out) in zip(names, self._dims, strict=True):
+            layout += [(f"{name}.weight", (fan_out, fan_in)), (f"{name}.bias", (fan_out,))]
+            fan_ins += [fan_in, fan_in]
+        self._allocate(layout, fan_ins, seed)
+
+    def _inputs(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32).reshape(len(x), -1)
+        if x.shape[1] != self._dims[0][0]:
+            raise ShapeError(f"input has {x.shape[1]} features, model expects {self._dims[0][0]}")
+        return x
 
     def _forward(self, x: np.ndarray, params: list[np.ndarray] | None = None
                  ) -> list[np.ndarray]:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ConfigError, ShapeError
 from .base import check_flat
-from .numpy_backend import _softmax_xent
+from .numpy_backend import FlatParameters, _softmax_xent
 
 __all__ = ["ConvTrainer", "build_cnn", "CNN_MODELS"]
 
@@ -82,7 +82,7 @@ def _pool_back(grad: np.ndarray, cache) -> np.ndarray:
     return dx
 
 
-class ConvTrainer:
+class ConvTrainer(FlatParameters):
     """Convolution blocks (conv, ReLU, 2x2 max-pool), then global average pool or flatten,
     then dense layers (ReLU between them), trained with plain SGD."""
 
@@ -105,32 +105,8 @@ class ConvTrainer:
                                      strict=True):
             layout += [(f"{name}.weight", (fout, fin)), (f"{name}.bias", (fout,))]
             fan_ins += [fin] * 2
-        self.layout = tuple(layout)
         self._convs, self._dense = len(channels), len(sizes) - 1
-        self._flat = np.empty(sum(math.prod(s) for _, s in layout), dtype=np.float32)
-        self._params = self._views(self._flat)
-        rng = np.random.default_rng(seed)
-        for p, fan_in in zip(self._params, fan_ins, strict=True):
-            bound = 1.0 / math.sqrt(fan_in)  # torch's default for Conv2d and Linear
-            p[...] = rng.uniform(-bound, bound, p.shape)
-
-    @property
-    def num_params(self) -> int:
-        return self._flat.size
-
-    def get_flat(self) -> np.ndarray:
-        return self._flat.copy()
-
-    def set_flat(self, flat: np.ndarray) -> None:
-        self._flat[...] = check_flat(flat, self._flat.size)
-
-    def _views(self, flat: np.ndarray) -> list[np.ndarray]:
-        views, offset = [], 0
-        for _, shape in self.layout:
-            size = math.prod(shape)
-            views.append(flat[offset:offset + size].reshape(shape))
-            offset += size
-        return views
+        self._allocate(layout, fan_ins, seed)
 
     def _inputs(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float32)
