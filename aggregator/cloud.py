@@ -26,7 +26,7 @@ from edge_client.topics import cloud_topics
 from .config import CloudConfig
 from .fusion import Fold, fold_for
 from .server_optimizers import build_server_optimizer
-from .station import accuracy_summary
+from .station import device_accuracy_summary
 
 __all__ = ["Cloud", "CloudState", "CLOUD_ID"]
 
@@ -177,11 +177,9 @@ class Cloud(RoleBase):
 
     def accuracy_summary(self) -> dict[str, float]:
         """Held-out and prequential accuracy over every station's devices."""
-        out: dict[str, float] = {}
-        for key in ("local", "prequential"):
-            values = [v for acc in self._accuracies.values() for v in acc[key]]
-            out.update(accuracy_summary(values, key))
-        return out
+        return device_accuracy_summary(
+            *([v for acc in self._accuracies.values() for v in acc[key]]
+              for key in ("local", "prequential")))
 
     def _plausible_count(self, msg: m.StationUpdate) -> m.StationUpdate:
         """Clip a station's claimed samples to what its devices can have seen."""

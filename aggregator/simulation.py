@@ -33,7 +33,7 @@ from .attacks import install
 from .cloud import Cloud
 from .config import CloudConfig, StationConfig
 from .datasets import Dataset
-from .station import Station, accuracy_summary
+from .station import Station, device_accuracy_summary
 
 __all__ = ["Strategy", "FleetSpec", "FleetPlan", "RunResult", "plan_fleet", "run_federation"]
 
@@ -228,9 +228,9 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
             return
         evaluator.set_flat(message.weights)
         loss, acc = evaluator.evaluate(x_eval, y_eval)
-        local = {**accuracy_summary([a for s in stations for a in s.local_accuracies()]),
-                 **accuracy_summary([a for s in stations for a in s.prequential_accuracies()],
-                                    "prequential")}
+        local = device_accuracy_summary(
+            [a for s in stations for a in s.local_accuracies()],
+            [a for s in stations for a in s.prequential_accuracies()])
         rows.append({
             "strategy": strategy.name, "round": message.round, "iteration": message.iteration,
             "samples": trained,

@@ -40,7 +40,7 @@ from .trust import (
     seat_candidates,
 )
 
-__all__ = ["StationState", "Station", "accuracy_summary"]
+__all__ = ["StationState", "Station", "accuracy_summary", "device_accuracy_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,12 @@ def accuracy_summary(accuracies, name: str = "local") -> dict[str, float]:
     ranked = sorted(float(a) for a in accuracies)
     worst = ranked[:max(1, len(ranked) // 10)]
     return {f"{name}_mean": float(np.mean(ranked)), f"{name}_worst10": float(np.mean(worst))}
+
+
+def device_accuracy_summary(local, prequential) -> dict[str, float]:
+    """Held-out (``local_*``) and prequential (``prequential_*``) accuracy of the devices
+    that measured each: mean and worst 10%."""
+    return {**accuracy_summary(local), **accuracy_summary(prequential, "prequential")}
 
 
 class StationState(RoleState):
@@ -200,8 +206,7 @@ class Station(RoleBase):
 
     def accuracy_summary(self) -> dict[str, float]:
         """Held-out and prequential accuracy over the devices, mean and worst 10%."""
-        return {**accuracy_summary(self.local_accuracies()),
-                **accuracy_summary(self.prequential_accuracies(), "prequential")}
+        return device_accuracy_summary(self.local_accuracies(), self.prequential_accuracies())
 
     @property
     def missing(self) -> list[str]:

@@ -17,7 +17,7 @@ import numpy as np
 from . import messages as m
 from .buffer import StreamBuffer
 from .config import DeviceConfig, InferenceConfig
-from .inference import NOT_PREDICTED, Prequential, predict
+from .inference import NOT_PREDICTED, Prequential, one_in, predict
 from .role import RoleBase
 from .safl import annealed_merge, performance_gap, upload_probability
 from .topics import device_topics
@@ -60,7 +60,7 @@ class Device(RoleBase):
         # model exists to merge.  Its round, for whoever acts on a prediction.
         self.deployable: np.ndarray | None = None
         self.deployable_round = self.deployable_iteration = 0
-        self.last_inference_s = 0.0  # per frame, measured by the stream loop
+        self.last_inference_s = 0.0  # per sample, of the last prediction
         self.trainer = trainer
         self.trainer.lr = config.lr
         self.rng = rng
@@ -125,7 +125,10 @@ class Device(RoleBase):
             self.counters["inference.no_model"] += len(x)
             return None
         self.counters["predictions"] += len(x)
-        return predict(self.trainer, x, self.deployable)
+        started = time.perf_counter()  # a measurement for metrics, like the training step's
+        out = predict(self.trainer, x, self.deployable)
+        self.last_inference_s = (time.perf_counter() - started) / max(1, len(x))
+        return out
 
     def ingest(self, x: np.ndarray, y: np.ndarray, now: float,
                predicted: np.ndarray | None = None) -> list[m.Message]:
@@ -190,8 +193,7 @@ class Device(RoleBase):
 
     def _predict_every(self, x: np.ndarray) -> np.ndarray:
         predicted = np.full(len(x), NOT_PREDICTED, dtype=np.int64)
-        arrival = self.buffer.samples_seen + np.arange(len(x))
-        chosen = np.flatnonzero(arrival % self.inference.every == 0)
+        chosen = one_in(self.inference.every, self.buffer.samples_seen, len(x))
         if len(chosen):
             out = self.infer(x[chosen])
             if out is not None:

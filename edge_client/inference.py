@@ -14,9 +14,15 @@ import numpy as np
 
 from .trainers import Trainer
 
-__all__ = ["Prequential", "predict", "NOT_PREDICTED"]
+__all__ = ["Prequential", "predict", "one_in", "NOT_PREDICTED"]
 
 NOT_PREDICTED = -1  # a sample's prediction slot when it was skipped (fps, backlog, no model)
+
+
+def one_in(every: int, first: int, n: int) -> np.ndarray:
+    """Indices among ``n`` arrivals, numbered from ``first``, of those predicted when one
+    sample in ``every`` is (``[inference] every``)."""
+    return np.flatnonzero((first + np.arange(n)) % every == 0)
 
 
 def predict(trainer: Trainer, x: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray,

@@ -257,23 +257,22 @@ class MqttTransport:
         return self._connected.is_set()
 
     # -- the transport interface ------------------------------------------------------
-    def subscribe(self, topic_filter: str, handler: Handler) -> None:
-        self._subs.append((topic_filter, handler))
-        if self._connected.is_set():
+    def _add_subscription(self, subs: list, topic_filter: str, handler) -> None:
+        subs.append((topic_filter, handler))
+        if self._connected.is_set():  # else _on_connect subscribes it
             self._client.subscribe(topic_filter, qos=1)
+
+    def subscribe(self, topic_filter: str, handler: Handler) -> None:
+        self._add_subscription(self._subs, topic_filter, handler)
 
     def subscribe_documents(self, topic_filter: str, handler: DocumentHandler) -> None:
         """Deliver the JSON documents (``documents.py``) published under ``topic_filter``."""
-        self._doc_subs.append((topic_filter, handler))
-        if self._connected.is_set():
-            self._client.subscribe(topic_filter, qos=1)
+        self._add_subscription(self._doc_subs, topic_filter, handler)
 
     def subscribe_raw(self, topic_filter: str, handler: RawHandler) -> None:
         """Deliver the payloads published under ``topic_filter`` as they are: another
         system's messages (the line's labels), which the handler parses and bounds."""
-        self._raw_subs.append((topic_filter, handler))
-        if self._connected.is_set():
-            self._client.subscribe(topic_filter, qos=1)
+        self._add_subscription(self._raw_subs, topic_filter, handler)
 
     def publish(self, topic: str, message: m.Message) -> None:
         retain = isinstance(message, m.Presence)

@@ -29,7 +29,7 @@ from .errors import ConfigError
 from .metrics import MetricsServer
 from .mqtt import MqttTransport
 from .runner import RoleRunner, StopFlag, pace_replay, serve
-from .serving import StreamFeed, save_deployable
+from .serving import DeployableKeeper, StreamFeed
 from .sources import LiveLabels, SourcePump, build_source
 from .sources.replay import ReplaySource
 from .topics import predictions_topic
@@ -37,8 +37,6 @@ from .trainers import build_trainer, layout_hash
 
 __all__ = ["DeviceService", "load_role_file", "with_metrics", "model_trainer",
            "role_transport", "DEVICE_TABLES"]
-
-SAVE_EVERY = 5.0  # seconds between writes of the deployable model (an SD card wears)
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +95,8 @@ class DeviceService:
     pump: SourcePump | None = field(default=None, init=False, repr=False)
     feed: StreamFeed | None = field(default=None, init=False, repr=False)
     labels: LiveLabels | None = field(default=None, init=False, repr=False)
-    # Writes the deployable model to state_dir now (at the end of a run); None without one.
-    save_now: Callable[[], None] | None = field(default=None, init=False, repr=False)
+    # Keeps the deployable model in state_dir (None without one).
+    keeper: DeployableKeeper | None = field(default=None, init=False, repr=False)
 
     def build(self) -> tuple[RoleRunner, MqttTransport, tuple[Callable[[float], None], ...]]:
         """The device bound to its transport, and the ``serve`` hooks that feed it samples
@@ -110,7 +108,10 @@ class DeviceService:
         transport = role_transport(self.broker, fleet=cfg.fleet, role="dev",
                                    participant=cfg.device_id, trainer=trainer)
         runner = RoleRunner(device, transport)
-        keep = self._keeper(device, transport.layout_hash)
+        if self.service.state_dir:
+            self.keeper = DeployableKeeper(self.service.state_dir, device,
+                                           transport.layout_hash)
+        keep = (self.keeper,) if self.keeper else ()
         source, drops = build_source(self.source, sample_shape=mc.input_shape,
                                      num_classes=mc.num_classes,
                                      rng=np.random.default_rng(self.source.seed))
@@ -138,24 +139,6 @@ class DeviceService:
                 feed.on_label(payload, runner.clock())))
         return runner, transport, (lambda now: runner.publish(feed(now)), *keep)
 
-    def _keeper(self, device: Device, layout: str) -> tuple[Callable[[float], None], ...]:
-        """With a state directory, a hook that keeps the deployable model there (for
-        ``safl-device export``), at most every ``SAVE_EVERY`` seconds, and at the end."""
-        folder = self.service.state_dir
-        if not folder:
-            return ()
-        saved = {"iteration": -1, "at": -SAVE_EVERY}
-
-        def keep(now: float, force: bool = False) -> None:
-            if device.deployable is None or (saved["iteration"] == device.deployable_iteration
-                                             and not force):
-                return
-            if force or now - saved["at"] >= SAVE_EVERY:
-                save_deployable(folder, device, layout)
-                saved.update(iteration=device.deployable_iteration, at=now)
-        self.save_now = lambda: keep(0.0, force=True)
-        return (keep,)
-
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
         runner, transport, hooks = self.build()
         device, pump = runner.role, self.pump
@@ -171,7 +154,7 @@ class DeviceService:
         try:
             serve(runner, transport, stop=stop or StopFlag(), metrics=metrics, hooks=hooks,
                   done=(lambda: device.finished) if exit_when_done else (lambda: False),
-                  on_stop=self.save_now)
+                  on_stop=self.keeper.save if self.keeper else None)
         finally:
             if self.feed is not None:
                 self.feed.close()

@@ -27,15 +27,17 @@ from .device import Device
 from .documents import Prediction
 from .errors import ConfigError, MessageError
 from .files import write_atomic
-from .inference import NOT_PREDICTED
+from .inference import NOT_PREDICTED, one_in
 from .sources.live_labels import LiveLabels
 from .sources.pump import UNLABELLED, Drained, SourcePump
 
-__all__ = ["StreamFeed", "save_deployable", "load_deployable", "DEPLOYABLE_FILE"]
+__all__ = ["StreamFeed", "DeployableKeeper", "save_deployable", "load_deployable",
+           "DEPLOYABLE_FILE", "SAVE_EVERY"]
 
 log = logging.getLogger(__name__)
 
 DEPLOYABLE_FILE = "deployable.frame"  # in the device's state directory
+SAVE_EVERY = 5.0  # seconds between writes of the deployable model (an SD card wears)
 
 
 class StreamFeed:
@@ -93,10 +95,8 @@ class StreamFeed:
     def _chosen(self, batch: Drained) -> np.ndarray:
         """Indices of the frames to predict: ``every`` and ``fps``, then the backlog bound."""
         cfg = self.inference
-        n = len(batch.y)
-        arrival = self._arrivals + np.arange(n)
-        self._arrivals += n
-        chosen = np.flatnonzero(arrival % cfg.every == 0)
+        chosen = one_in(cfg.every, self._arrivals, len(batch.y))
+        self._arrivals += len(batch.y)
         if cfg.fps:
             kept = []
             for i in chosen:
@@ -116,12 +116,10 @@ class StreamFeed:
         chosen = self._chosen(batch)
         if not len(chosen):
             return predicted
-        started = time.perf_counter()
         out = self.device.infer(batch.x[chosen])
         if out is None:
             return predicted
         labels, confidence = out
-        self.device.last_inference_s = (time.perf_counter() - started) / len(chosen)
         predicted[chosen] = labels
         done = time.time()
         for i, label, conf in zip(chosen, labels, confidence, strict=True):
@@ -138,6 +136,25 @@ class StreamFeed:
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+class DeployableKeeper:
+    """A serve hook keeping the device's deployable model in its state directory (for
+    ``safl-device export``): written when it changed, at most every ``SAVE_EVERY`` seconds,
+    and by :meth:`save` at the end of a run."""
+
+    def __init__(self, folder: str | Path, device: Device, layout_hash: str) -> None:
+        self.folder, self.device, self.layout_hash = folder, device, layout_hash
+        self._iteration, self._at = -1, -SAVE_EVERY  # of the model on disk
+
+    def __call__(self, now: float) -> None:
+        if self.device.deployable_iteration != self._iteration and \
+                now - self._at >= SAVE_EVERY:
+            self.save(now)
+
+    def save(self, now: float = 0.0) -> None:
+        if save_deployable(self.folder, self.device, self.layout_hash) is not None:
+            self._iteration, self._at = self.device.deployable_iteration, now
 
 
 def save_deployable(folder: str | Path, device: Device, layout_hash: str) -> Path | None:

@@ -32,6 +32,8 @@ class FlatParameters:
     default initialisation draws Linear and Conv2d tensors: uniform in +-1/sqrt(fan_in)."""
 
     layout: tuple[tuple[str, tuple[int, ...]], ...]
+    input_shape: tuple[int, ...]
+    eval_chunk: int | None = None  # samples a forward pass takes at most when evaluating
 
     def _allocate(self, layout: list, fan_ins: list[int], seed: int) -> None:
         self.layout = tuple(layout)
@@ -60,6 +62,49 @@ class FlatParameters:
             views.append(flat[offset:offset + size].reshape(shape))
             offset += size
         return views
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray,
+                 weights: np.ndarray | None = None) -> tuple[float, float]:
+        """Mean cross-entropy and accuracy on ``(x, y)``, of ``weights`` if given (else of
+        the trainer's own parameters, which stay as they are either way)."""
+        y = np.asarray(y)
+        if len(y) == 0:
+            return float("nan"), float("nan")
+        step = self.eval_chunk or len(y)
+        logits = np.concatenate([self.logits(x[i:i + step], weights)
+                                 for i in range(0, len(y), step)])
+        loss, _ = _softmax_xent(logits, y)
+        return loss, float((logits.argmax(axis=1) == y).mean())
+
+    def _onnx(self, weights: np.ndarray, nodes: list, current: str, dense: int) -> bytes:
+        """An ONNX model of ``nodes`` (from ``input`` to ``current``) followed by the layout's
+        last ``dense`` layers as Gemm (ReLU between them), initializers named as the layout
+        (``trainers/onnx_export.py``)."""
+        from onnx import TensorProto, helper, numpy_helper
+
+        from .onnx_export import OPSET
+
+        views = self._views(check_flat(weights, self.num_params))
+        inits = [numpy_helper.from_array(np.ascontiguousarray(v), name)
+                 for (name, _), v in zip(self.layout, views, strict=True)]
+        names = [name for name, _ in self.layout][-2 * dense:]
+        for j in range(dense):
+            out = "logits" if j == dense - 1 else f"dense{j}"
+            pre = out if out == "logits" else out + "_pre"
+            nodes.append(helper.make_node("Gemm", [current, names[2 * j], names[2 * j + 1]],
+                                          [pre], transB=1))
+            if out != "logits":
+                nodes.append(helper.make_node("Relu", [pre], [out]))
+            current = out
+        classes = self.layout[-1][1][0]
+        graph = helper.make_graph(
+            nodes, "safl_numpy",
+            [helper.make_tensor_value_info("input", TensorProto.FLOAT,
+                                           ["batch", *self.input_shape])],
+            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
+            inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                 ir_version=8).SerializeToString()
 
 
 class NumpyTrainer(FlatParameters):
@@ -94,32 +139,11 @@ class NumpyTrainer(FlatParameters):
         return self._forward(self._inputs(x), params)[-1]
 
     def inference_onnx(self, weights: np.ndarray) -> bytes:
-        """The model with ``weights`` as an ONNX graph: Flatten, then Gemm (+ Relu) per
-        layer, initializers named as the layout (``trainers/onnx_export.py``)."""
-        from onnx import TensorProto, helper, numpy_helper
+        """The model with ``weights`` as an ONNX graph: Flatten, then its dense layers."""
+        from onnx import helper
 
-        from .onnx_export import OPSET
-
-        views = self._views(check_flat(weights, self.num_params))
-        inits = [numpy_helper.from_array(np.ascontiguousarray(v), name)
-                 for (name, _), v in zip(self.layout, views, strict=True)]
-        nodes, current = [helper.make_node("Flatten", ["input"], ["flat"], axis=1)], "flat"
-        for i in range(len(self._dims)):
-            out = "logits" if i == len(self._dims) - 1 else f"h{i}"
-            nodes.append(helper.make_node("Gemm", [current, self.layout[2 * i][0],
-                                                   self.layout[2 * i + 1][0]],
-                                          [out + "_pre" if out != "logits" else out],
-                                          transB=1))
-            if out != "logits":
-                nodes.append(helper.make_node("Relu", [out + "_pre"], [out]))
-            current = out
-        graph = helper.make_graph(
-            nodes, "safl_numpy", [helper.make_tensor_value_info(
-                "input", TensorProto.FLOAT, ["batch", *self.input_shape])],
-            [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                           ["batch", self._dims[-1][1]])], inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                                 ir_version=8).SerializeToString()
+        return self._onnx(weights, [helper.make_node("Flatten", ["input"], ["flat"], axis=1)],
+                          "flat", len(self._dims))
 
     def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
         """One SGD step on a batch; returns the batch loss before the step."""
@@ -133,17 +157,6 @@ class NumpyTrainer(FlatParameters):
             w -= np.float32(self.lr) * gw
             self._params[2 * i + 1] -= np.float32(self.lr) * gb
         return loss
-
-    def evaluate(self, x: np.ndarray, y: np.ndarray,
-                 weights: np.ndarray | None = None) -> tuple[float, float]:
-        """Mean cross-entropy and accuracy on ``(x, y)``, of ``weights`` if given (else of
-        the trainer's own parameters, which stay as they are either way)."""
-        y = np.asarray(y)
-        if len(y) == 0:
-            return float("nan"), float("nan")
-        logits = self.logits(x, weights)
-        loss, _ = _softmax_xent(logits, y)
-        return loss, float((logits.argmax(axis=1) == y).mean())
 
 
 def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: float,

@@ -86,6 +86,8 @@ class ConvTrainer(FlatParameters):
     """Convolution blocks (conv, ReLU, 2x2 max-pool), then global average pool or flatten,
     then dense layers (ReLU between them), trained with plain SGD."""
 
+    eval_chunk = 512  # bounds the im2col memory on large test sets
+
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int, *, kernel: int,
                  channels: tuple[int, ...], dense: tuple[int, ...], global_pool: bool,
                  lr: float, seed: int) -> None:
@@ -172,28 +174,10 @@ class ConvTrainer(FlatParameters):
             p -= step * g.astype(np.float32, copy=False)
         return loss
 
-    def evaluate(self, x: np.ndarray, y: np.ndarray,
-                 weights: np.ndarray | None = None) -> tuple[float, float]:
-        y = np.asarray(y)
-        if len(y) == 0:
-            return float("nan"), float("nan")
-        losses, hits = 0.0, 0
-        for i in range(0, len(y), 512):  # bounds the im2col memory on large test sets
-            logits = self.logits(x[i:i + 512], weights)
-            loss, _ = _softmax_xent(logits, y[i:i + 512])
-            losses += loss * len(logits)
-            hits += int((logits.argmax(axis=1) == y[i:i + 512]).sum())
-        return losses / len(y), hits / len(y)
-
     def inference_onnx(self, weights: np.ndarray) -> bytes:
         """The model with ``weights`` as an ONNX graph (``trainers/onnx_export.py``)."""
-        from onnx import TensorProto, helper, numpy_helper
+        from onnx import helper
 
-        from .onnx_export import OPSET
-
-        views = self._views(check_flat(weights, self.num_params))
-        inits = [numpy_helper.from_array(np.ascontiguousarray(v), name)
-                 for (name, _), v in zip(self.layout, views, strict=True)]
         names = [name for name, _ in self.layout]
         nodes, cur = [], "input"
         for i in range(self._convs):
@@ -208,24 +192,7 @@ class ConvTrainer(FlatParameters):
             nodes.append(helper.make_node("GlobalAveragePool", [cur], ["gap"]))
             cur = "gap"
         nodes.append(helper.make_node("Flatten", [cur], ["flat"], axis=1))
-        cur, base = "flat", 2 * self._convs
-        for j in range(self._dense):
-            out = "logits" if j == self._dense - 1 else f"d{j}"
-            nodes.append(helper.make_node("Gemm", [cur, names[base + 2 * j],
-                                                   names[base + 2 * j + 1]],
-                                          [out if out == "logits" else out + "_pre"], transB=1))
-            if out != "logits":
-                nodes.append(helper.make_node("Relu", [out + "_pre"], [out]))
-            cur = out
-        classes = self.layout[-1][1][0]
-        graph = helper.make_graph(
-            nodes, "safl_numpy_cnn",
-            [helper.make_tensor_value_info("input", TensorProto.FLOAT,
-                                           ["batch", *self.input_shape])],
-            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
-            inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                                 ir_version=8).SerializeToString()
+        return self._onnx(weights, nodes, "flat", self._dense)
 
 
 def build_cnn(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: float,
