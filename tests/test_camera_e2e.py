@@ -77,7 +77,7 @@ class Federation:
                       'mix = 1.0\n'
                       + MODEL + f'[source]\nkind = "camera"\nuri = "{uri}"\n'
                       f'label_topic = "{LABELS}"\ngrayscale = true\nresize = [8, 8]\n'
-                      'retries = 10\nbackoff = 0.2\n'
+                      'retries = 10\nbackoff = 0.2\ntimeout = 5.0\n'
                       f'[inference]\njsonl = "{self.jsonl}"\nwindow = 100\n'
                       f'[service]\nmetrics_port = {self.metrics_port}\n'
                       f'state_dir = "{tmp / "state"}"\n' + _broker_table(url, DEVICE)}

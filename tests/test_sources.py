@@ -266,3 +266,22 @@ def test_device_metrics_expose_buffer_overwrites():
     dev.ingest(np.zeros((25, 2), np.float32), np.arange(25) % 2, 0.0)
     m = dev.metrics()
     assert m["buffer.overwritten_unread"] == 15 and m["buffer.unread"] == 10
+
+
+def test_a_network_camera_that_sends_nothing_is_given_up_on_after_its_timeout():
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    held = []  # connections accepted and never answered: a camera that hangs
+    threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(4)],
+                     daemon=True).start()
+    uri = f"http://127.0.0.1:{server.getsockname()[1]}/cam.mjpg"
+    source = VideoSource(uri, GRAY_28, FixedLabel(0, 2), retries=0, timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(SourceError, match="cannot open"):
+        next(source.samples())
+    assert time.monotonic() - started < 10  # FFmpeg's own default waits 30 s
+    server.close()

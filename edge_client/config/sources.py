@@ -75,6 +75,7 @@ class SourceConfig(PreprocessSettings):
     queue_size: int = 256
     retries: int = 5
     backoff: float = 0.5
+    timeout: float = 10.0  # s a network camera may stay silent before it is reconnected
 
     @property
     def is_video(self) -> bool:
@@ -106,6 +107,7 @@ class SourceConfig(PreprocessSettings):
         check_range("initial", self.initial, 0)
         check_range("retries", self.retries, 0)
         check_range("backoff", self.backoff, 0)
+        check_range("timeout", self.timeout, 0, low_open=True)
 
 
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mkv", ".mov", ".webm", ".mjpeg", ".h264")

@@ -90,6 +90,7 @@ def build_source(cfg: SourceConfig, *, sample_shape: tuple[int, ...], num_classe
             labeler = FixedLabel(cfg.label, num_classes)
         source = VideoSource(cfg.uri or cfg.path, preprocess, labeler,
                              sample_fps=cfg.sample_fps, retries=cfg.retries,
+                             timeout=cfg.timeout,
                              backoff=cfg.backoff, loop=cfg.loop, rng=rng)
         return source, source.live
     if path.is_dir():

@@ -52,6 +52,9 @@ class VideoSource:
         their own timestamps, live sources the clock.
     retries, backoff, max_backoff : int, float, float
         Attempts after the first, and the backoff base and cap in seconds.
+    timeout : float
+        Seconds a network camera may take to open, or between frames, before it counts as
+        lost (``read_failures``) and is reconnected.
     loop : bool
         A video file starts over at its end (frame numbers and times too, so a sidecar
         keyed by either labels every pass alike).
@@ -59,7 +62,7 @@ class VideoSource:
 
     def __init__(self, uri: str, preprocess: Preprocess, labeler: Labeler | None, *,
                  sample_fps: float = 0.0, retries: int = 5, backoff: float = 0.5,
-                 loop: bool = False,
+                 loop: bool = False, timeout: float = 10.0,
                  max_backoff: float = 10.0, rng: np.random.Generator | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
@@ -68,7 +71,7 @@ class VideoSource:
             raise SourceError(f"video file {self.uri} does not exist")
         self.preprocess, self.labeler, self.sample_fps = preprocess, labeler, sample_fps
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
-        self.loop = loop
+        self.loop, self.timeout = loop, timeout
         self.rng = rng or np.random.default_rng()
         self.clock, self.sleep = clock, sleep
         # One set of metrics per source: the labeler counts into the same Counter.
@@ -92,6 +95,13 @@ class VideoSource:
                 cap = cv2.VideoCapture(int(self.uri))
             elif self.kind == "gstreamer":
                 cap = cv2.VideoCapture(self.uri, cv2.CAP_GSTREAMER)
+            elif self.kind == "url":
+                # A network camera that accepts the connection but sends nothing would hold
+                # the read for FFmpeg's default 30 s: give up sooner and reconnect.
+                ms = int(self.timeout * 1000)
+                cap = cv2.VideoCapture(self.uri, cv2.CAP_FFMPEG,
+                                       [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, ms,
+                                        cv2.CAP_PROP_READ_TIMEOUT_MSEC, ms])
             else:
                 cap = cv2.VideoCapture(self.uri)
             if cap.isOpened():
