@@ -2,7 +2,9 @@
 
 ``safl-device --config device.toml`` (or ``python -m edge_client``) runs one device
 service and nothing else; ``safl-device export --config device.toml --out model.onnx`` writes
-the model that device deploys as plain ONNX for the line's own application.  It loads
+the model that device deploys as plain ONNX for the line's own application;
+``safl-device backends`` lists the training backends this install can run, and why not the
+others.  It loads
 numpy, the chosen trainer and paho, never the aggregator
 or torch unless the device's model needs torch.  The ``safl`` command (``safl.cli``, the
 composition root) builds its ``device`` subcommand from the same functions, and its logging,
@@ -21,8 +23,8 @@ from pathlib import Path
 from .errors import SaflError
 
 __all__ = ["main", "version", "add_common_arguments", "add_role_arguments",
-           "add_device_arguments", "overrides", "run_device", "run_export", "setup_logging",
-           "run_guarded"]
+           "add_device_arguments", "overrides", "run_device", "run_export", "run_backends",
+           "setup_logging", "run_guarded"]
 
 
 def version() -> str:
@@ -124,6 +126,26 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_backends(args: argparse.Namespace) -> int:
+    """Print which backends can train here (each probed for real) and why not the others."""
+    import platform
+
+    from .trainers.availability import probe_all
+
+    found = probe_all()
+    if args.json:
+        print(json.dumps([b.as_dict() for b in found], indent=1))
+        return 0
+    print(f"safl-edge {version()} on {platform.system()} {platform.machine()}, "
+          f"Python {platform.python_version()}")
+    for b in found:
+        state = "yes" if b.usable else "no"
+        step = f"{b.step_ms:.1f} ms/step" if b.step_ms is not None else ""
+        print(f"  {b.name:<6} {state:<4} {b.version:<14} {', '.join(b.devices):<24} {step}")
+        print(f"         {b.why}")
+    return 0
+
+
 def run_guarded(run: Callable[[argparse.Namespace], int], args: argparse.Namespace,
                 prog: str) -> int:
     """Run a command; a safl error is one line and its exit code, never a traceback."""
@@ -157,8 +179,21 @@ def _export_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _backends_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="safl-device backends", description="which "
+                                     "training backends this install can run (each takes one "
+                                     "real step), and why not the others")
+    add_common_arguments(parser, "safl-device")
+    parser.add_argument("--json", action="store_true", help="one JSON object per backend")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["backends"]:
+        args = _backends_parser().parse_args(argv[1:])
+        setup_logging(args, service=False)
+        return run_guarded(run_backends, args, "safl-device backends")
     if argv[:1] == ["export"]:
         args = _export_parser().parse_args(argv[1:])
         setup_logging(args, service=False)

@@ -11,9 +11,9 @@ COPY pyproject.toml README.md ./
 COPY edge_client edge_client
 COPY aggregator/__init__.py aggregator/__init__.py
 COPY models models
-# PyPI's aarch64 torch pulls CUDA 13 packages (454 MB and more): take PyTorch's CPU build.
-RUN pip install --no-cache-dir torch --index-url https://download.pytorch.org/whl/cpu \
-    && pip install --no-cache-dir '.[camera]'
+# The torch extra takes torch 2.9.1 on aarch64: CPU-only, and it runs on a Pi 4 (2.10.0
+# dies of SIGILL there, 2.11 on need CUDA 13; deploy/check_aarch64.py installs it so).
+RUN pip install --no-cache-dir '.[torch,camera]'
 USER safl
 WORKDIR /var/lib/safl
 ENTRYPOINT ["safl", "device"]
