@@ -5,7 +5,7 @@ layers) and ``camera_cnn`` (three 3x3 convolutions with max-pool, global average
 dense layer), parameter for parameter and in the flat order of the torch backend's modules
 (``trainers/zoo.py``), so the layout hash is the same and a mixed numpy/torch fleet is one
 fleet.  Inside, activations are channels-last; convolutions run as one matrix product over
-im2col windows (``sliding_window_view``: one copy), an input's gradient as the forward
+im2col windows (a strided view: one copy), an input's gradient as the forward
 convolution with the flipped kernel; gradients are written by hand and checked against
 torch's in ``tests/test_numpy_cnn.py``.
 """
@@ -31,10 +31,14 @@ def _conv(x: np.ndarray, w: np.ndarray, b: np.ndarray, pad: int):
     the backward pass needs."""
     n, h, wd, c = x.shape
     o, _, k, _ = w.shape
-    xp = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-    win = np.lib.stride_tricks.sliding_window_view(xp, (k, k), axis=(1, 2))  # n h w c k k
-    cols = win.reshape(n * h * wd, c * k * k)  # the one copy: windows overlap
-    out = cols @ w.reshape(o, -1).T + b
+    xp = np.ascontiguousarray(np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0))))
+    sn, sh, sw, sc = xp.strides
+    # Windows as (n, h, w, ki, kj, c): within a window row, kj and c are one contiguous run
+    # of k*c floats, so the one copy (windows overlap) moves runs, not single values.
+    win = np.lib.stride_tricks.as_strided(xp, (n, h, wd, k, k, c), (sn, sh, sw, sh, sw, sc),
+                                          writeable=False)
+    cols = win.reshape(n * h * wd, k * k * c)
+    out = cols @ w.transpose(2, 3, 1, 0).reshape(k * k * c, o) + b
     return out.reshape(n, h, wd, o), (cols, xp.shape, pad, k)
 
 
@@ -42,7 +46,7 @@ def _conv_back(grad: np.ndarray, w: np.ndarray, cache, need_input: bool = True):
     cols, padded, pad, k = cache
     n, h, wd, o = grad.shape
     g = grad.reshape(n * h * wd, o)
-    gw = (g.T @ cols).reshape(w.shape)
+    gw = (g.T @ cols).reshape(o, k, k, w.shape[1]).transpose(0, 3, 1, 2)
     gb = g.sum(axis=0)
     if not need_input:  # the first layer: nothing below it to train
         return None, gw, gb
