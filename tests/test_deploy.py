@@ -384,6 +384,9 @@ def test_compose_file_runs_the_provisioned_hierarchy(tmp_path):
 
 
 def test_the_arm64_device_image_installs_a_cpu_only_torch():
+    """Through the torch extra, whose aarch64 marker takes torch 2.9.1 (CPU-only, runs on a
+    Pi 4: tests/test_backends.py, and deploy/check_aarch64.py installs it so), not an index
+    whose newest aarch64 wheel dies of SIGILL on a Cortex-A72."""
     text = (DEPLOY / "docker" / "device-arm64.Dockerfile").read_text()
-    assert "--index-url https://download.pytorch.org/whl/cpu" in text
-    assert "[camera,torch]" not in text  # PyPI's aarch64 torch pulls CUDA 13 packages
+    assert "'.[torch,camera]'" in text
+    assert "--index-url" not in text and "pip install --no-cache-dir torch" not in text
