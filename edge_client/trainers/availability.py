@@ -113,10 +113,12 @@ def _probe_ort() -> BackendStatus:
     from importlib.metadata import PackageNotFoundError, version
 
     deprecated = "deprecated upstream (1.19.2 of 2024-09 is the last release)"
-    try:
-        installed = version("onnxruntime-training-cpu")
-    except PackageNotFoundError:
-        installed = ""
+    installed = ""
+    for dist in ("onnxruntime-training-cpu", "onnxruntime-training"):  # the CPU and GPU builds
+        try:
+            installed = installed or version(dist)
+        except PackageNotFoundError:
+            pass
     if not installed and not _ort_platform_ok():
         here = f"{platform.system()} {platform.machine()} with Python {sys.version.split()[0]}"
         return BackendStatus("ort", False, why=f"onnxruntime-training has wheels for "
