@@ -10,8 +10,8 @@ What a Raspberry Pi user does, done here under emulation (``qemu-user-static`` t
    ``ort`` extra in the other (it must install nothing: no aarch64 wheel exists);
 3. ask each venv's ``safl-device backends`` what it can run;
 4. time training steps of the numpy MLP, the numpy CNN and torch's CNN inside it;
-5. run two fleets on Fashion-MNIST (a station, the cloud and Mosquitto on the host, over
-   loopback, which the chroot shares) in which two devices are emulated arm64 processes:
+5. run two fleets on Fashion-MNIST (a station, the cloud and Mosquitto, with a login per
+   participant, on the host, over loopback, which the chroot shares) in which two devices are emulated arm64 processes:
    numpy MLP devices, then a numpy and a torch ``small_cnn`` device in one mixed fleet.  It
    asserts that every round completes, that the emulated devices uploaded, and that the global
    model learns; it records each device's peak RSS and step time.
@@ -36,7 +36,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -251,31 +250,20 @@ def step_probes(rootfs: Path, steps: int) -> list[dict]:
 
 # --- the fleets -----------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def mosquitto(folder: Path):
+    """The tests' Mosquitto (password file, ACL), one login per participant."""
     if not shutil.which("mosquitto"):
         raise CheckFailed("mosquitto is not installed: apt-get install mosquitto")
-    port = free_port()
-    conf = folder / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nuser root\n")
-    with open(folder / "mosquitto.log", "w") as out:
-        proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=out,
-                                stderr=subprocess.STDOUT)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from brokers import Mosquitto
+
+    users = ["cloud", "st0", *(f"dev{k:03d}" for k in range(4))]
+    broker = Mosquitto(folder, users, ["pattern readwrite safl/#"])
     try:
-        for _ in range(100):
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
-                break
-            time.sleep(0.05)
-        yield f"mqtt://127.0.0.1:{port}"
+        yield broker.url, lambda user: (user, Mosquitto.PASSWORD)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        broker.stop()
 
 
 FLEETS = {  # name: model, backends in turn, emulated devices (number -> venv), rounds
@@ -285,7 +273,7 @@ FLEETS = {  # name: model, backends in turn, emulated devices (number -> venv), 
 }
 
 
-def run_fleet(name: str, rootfs: Path, folder: Path, broker: str) -> dict:
+def run_fleet(name: str, rootfs: Path, folder: Path, broker: str, credentials) -> dict:
     """One station of four devices, two of them emulated; the cloud scores every round."""
     import numpy as np
 
@@ -321,8 +309,8 @@ def run_fleet(name: str, rootfs: Path, folder: Path, broker: str) -> dict:
 
     started = time.monotonic()
     log(f"fleet {name}: {model} on {note}, devices {sorted(commands)} emulated")
-    rows = launch_fleet(folder / name, data, strategy, spec, broker, timeout=1800,
-                        during=sample, commands=commands)
+    rows = launch_fleet(folder / name, data, strategy, spec, broker, credentials=credentials,
+                        timeout=1800, during=sample, commands=commands)
     wall = time.monotonic() - started
     devices = {}
     for k in range(4):
@@ -429,9 +417,10 @@ def main(argv: list[str] | None = None) -> int:
             check_install(found, backends)
             result = {"machine": platform.machine(), "install": found, "backends": backends,
                       "probes": step_probes(rootfs, args.steps), "fleets": []}
-            with mosquitto(args.out) as broker:
+            with mosquitto(args.out) as (broker, credentials):
                 for name in FLEETS:
-                    result["fleets"].append(run_fleet(name, rootfs, args.out, broker))
+                    result["fleets"].append(run_fleet(name, rootfs, args.out, broker,
+                                                      credentials))
     except CheckFailed as exc:
         print(f"aarch64 check: FAILED: {exc}", file=sys.stderr)
         return 1

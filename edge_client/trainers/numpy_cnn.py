@@ -39,11 +39,11 @@ def _conv(x: np.ndarray, w: np.ndarray, b: np.ndarray, pad: int):
                                           writeable=False)
     cols = win.reshape(n * h * wd, k * k * c)
     out = cols @ w.transpose(2, 3, 1, 0).reshape(k * k * c, o) + b
-    return out.reshape(n, h, wd, o), (cols, xp.shape, pad, k)
+    return out.reshape(n, h, wd, o), (cols, pad, k)
 
 
 def _conv_back(grad: np.ndarray, w: np.ndarray, cache, need_input: bool = True):
-    cols, padded, pad, k = cache
+    cols, pad, k = cache
     n, h, wd, o = grad.shape
     g = grad.reshape(n * h * wd, o)
     gw = (g.T @ cols).reshape(o, k, k, w.shape[1]).transpose(0, 3, 1, 2)
