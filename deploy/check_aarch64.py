@@ -11,8 +11,9 @@ What a Raspberry Pi user does, done here under emulation (``qemu-user-static`` t
 3. ask each venv's ``safl-device backends`` what it can run;
 4. time training steps of the numpy MLP, the numpy CNN and torch's CNN inside it;
 5. run two fleets on Fashion-MNIST (a station, the cloud and Mosquitto, with a login per
-   participant, on the host, over loopback, which the chroot shares) in which two devices are emulated arm64 processes:
-   numpy MLP devices, then a numpy and a torch ``small_cnn`` device in one mixed fleet.  It
+   participant, on the host, over loopback, which the chroot shares) in which two devices
+   are emulated arm64 processes: numpy MLP devices, then a numpy and a torch ``small_cnn``
+   device in one mixed fleet.  It
    asserts that every round completes, that the emulated devices uploaded, and that the global
    model learns; it records each device's peak RSS and step time.
 
