@@ -72,6 +72,7 @@ class Device(RoleBase):
         self._next_hello = 0.0
         self._model: m.StationModel | None = None
         self._accept_any_iteration = False  # set when the station's presence comes back
+        self._awaiting: m.Selection | None = None  # a selection that came before its model
         self._local: np.ndarray | None = None
         self._local_iteration = 0  # station iteration at which _local was trained
         self._local_acc: tuple[float, int] = (0.0, 0)  # device-local accuracy, samples
@@ -175,15 +176,47 @@ class Device(RoleBase):
             if self._local is None or message.iteration - self._local_iteration \
                     > self.config.merge_max_age:
                 self._deploy(message, message.weights)  # nothing fresh to merge
-            return []
+            return self._model_arrived(message)
         if isinstance(message, m.Selection):
-            if self.id not in message.members:
-                return []
-            if self._model is None or self._model.iteration != message.iteration:
-                return self._reject("no_model", f"selected for {message.iteration} without "
-                                    "that iteration's model")
-            return self._train_and_reply(self._model)
+            return self._on_selection(message)
         return self._reject("unexpected_type", type(message).__name__)
+
+    def _on_selection(self, message: m.Selection) -> list[m.Message]:
+        """Train now if this iteration's model is here; else wait for it.
+
+        MQTT orders messages per topic only: a broker under load may deliver the selection
+        before the model the station published first (seen with Mosquitto on 2 busy cores,
+        where a whole super node then missed its deadline).  A selection ahead of its model
+        is parked until that model arrives; one behind the model is stale.
+        """
+        if self.id not in message.members:
+            return []
+        if self._model is not None and self._model.iteration == message.iteration:
+            return self._train_and_reply(self._model)
+        if self._model is not None and message.iteration < self._model.iteration:
+            return self._reject("no_model", f"selected for {message.iteration}, the model "
+                                f"is of iteration {self._model.iteration}")
+        if self._awaiting is not None:
+            self._drop_awaiting(f"superseded by the selection for {message.iteration}")
+        self._awaiting = message
+        self.counters["selection.before_model"] += 1
+        return []
+
+    def _drop_awaiting(self, why: str) -> None:
+        self._reject("no_model", f"selected for {self._awaiting.iteration}, its model never "
+                     f"came ({why})")
+        self._awaiting = None
+
+    def _model_arrived(self, model: m.StationModel) -> list[m.Message]:
+        """Answer the parked selection this model completes (and drop one it passed)."""
+        waiting = self._awaiting
+        if waiting is None or model.iteration < waiting.iteration:
+            return []
+        if model.iteration > waiting.iteration:
+            self._drop_awaiting(f"the model of {model.iteration} came instead")
+            return []
+        self._awaiting = None
+        return self._train_and_reply(model)
 
     def _next_counts(self) -> np.ndarray:
         """The next batch's histogram as the station sees it: empty (not ready) below
@@ -211,6 +244,8 @@ class Device(RoleBase):
         if not msg.online or msg.role != "station":
             return []
         self._accept_any_iteration = self._model is not None
+        if self._awaiting is not None:  # a restarted station selects anew
+            self._drop_awaiting("the station restarted")
         model = self._model
         return [self._stats(model.round if model else 0, model.iteration if model else 0)]
 

@@ -243,13 +243,40 @@ def test_device_rejects_foreign_and_malformed_models(digits):
          "rejected.unknown_sender"),
         (m.StationModel(fleet="x", sender="s", round=0, iteration=0, weights=np.zeros(n)),
          "rejected.wrong_fleet"),
-        (m.Selection(fleet="t", sender="s", round=0, iteration=0, members=("d0",), deadline=1),
-         "rejected.no_model"),
     ]
     for msg, counter in cases:
         assert dev.handle(msg, 0) == [] and dev.counters[counter] == 1
     with pytest.raises(ShapeError):
         dev.buffer.push(np.zeros((1, 3)), np.array([0]))
+
+
+def test_a_selection_ahead_of_its_model_waits_for_it(digits):
+    """MQTT orders per topic only: the selection may overtake the model published first."""
+    cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0, batch_size=16)
+    dev = Device(cfg, _trainer(), num_classes=F, sample_shape=(8, 8),
+                 rng=np.random.default_rng(0))
+    dev.buffer.push(digits.x_train[:64], digits.y_train[:64])
+    w = dev.trainer.get_flat()
+
+    def model(it):
+        return dev.handle(m.StationModel(fleet="t", sender="s", round=0, iteration=it,
+                                         weights=w), 0)
+
+    def select(it):
+        return dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=it,
+                                      members=("d0",), deadline=1), 0)
+
+    assert select(0) == [] and dev.counters["selection.before_model"] == 1  # no model yet
+    out = model(0)
+    assert [type(x) for x in out] == [m.DeviceStats, m.DeviceUpdate] and out[1].iteration == 0
+    assert select(2) == [] and model(1) == []  # still waiting for the model of 2
+    out = model(2)
+    assert isinstance(out[1], m.DeviceUpdate) and out[1].iteration == 2
+    # A selection whose model never comes is dropped when a later model passes it, and a
+    # selection behind the model is stale: neither trains.
+    assert select(4) == [] and model(5) == [] and dev.counters["rejected.no_model"] == 1
+    assert select(3) == [] and dev.counters["rejected.no_model"] == 2
+    assert dev.counters["steps"] == 2
 
 
 def _selected_twice(digits, iterations=(0, 1), **device_kw):
