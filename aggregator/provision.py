@@ -36,12 +36,11 @@ else:  # pragma: no cover
 
 from edge_client import topics
 from edge_client.codec import DEFAULT_CHUNK_SIZE
-from edge_client.config import BrokerConfig, check_id
+from edge_client.config import BrokerConfig, check_id, toml_text
 from edge_client.errors import ConfigError, SaflError
 from edge_client.mqtt import MqttTransport
 from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES
 
-from .launch import toml_text
 from .pki import issue, make_ca, serial_of, write_crl, write_private
 
 __all__ = ["FleetFile", "load_fleet_file", "provision", "kick", "MAX_PACKET"]

@@ -28,8 +28,8 @@ n, model, backend, rounds = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.
 if backend == "torch":
     import torch
     torch.set_num_threads(int(sys.argv[5]))
-from aggregator.datasets import load_default, assign_groups
-from aggregator.simulation import FleetSpec, Strategy, run_federation
+from lab.datasets import load_default, assign_groups
+from lab.simulation import FleetSpec, Strategy, run_federation
 
 def rss_mb():
     with open("/proc/self/status") as fh:

@@ -31,7 +31,7 @@ SAMPLES_PER_ROUND = 4 * 5 * 10 * 32
 _OLD = """
 import dataclasses, sys, time, torch
 torch.set_num_threads(1)
-from aggregator.experiment import load_experiment, _run_one
+from lab.experiment import load_experiment, _run_one
 cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), rounds={rounds},
                           strategies=("fedgs",))
 r = _run_one((cfg, "fedgs", 0, "none", False))
@@ -40,7 +40,7 @@ print(r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
 
 _NEW = """
 import dataclasses, sys, time
-from aggregator.experiment import load_experiment, _run_one
+from lab.experiment import load_experiment, _run_one
 cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), samples=0,
                           rounds={rounds}, strategies=("fedgs",))
 r = _run_one((cfg, "fedgs", 0, "none", False, {threads}))

@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from baseline import ROOT, checkout, probe  # noqa: E402
 from brokers import Mosquitto, acl_lines  # noqa: E402
 
-from aggregator.datasets import assign_groups, dirichlet_label_skew, load_dataset  # noqa: E402
-from aggregator.demo import demo_strategies  # noqa: E402
-from aggregator.launch import launch_fleet  # noqa: E402
-from aggregator.simulation import FleetSpec, plan_fleet, run_federation  # noqa: E402
 from aggregator.status import fleet_status  # noqa: E402
 from edge_client import messages as m  # noqa: E402
 from edge_client.codec import DEFAULT_CHUNK_SIZE, encode, split  # noqa: E402
+from lab.datasets import assign_groups, dirichlet_label_skew, load_dataset  # noqa: E402
+from lab.demo import demo_strategies  # noqa: E402
+from lab.launch import launch_fleet  # noqa: E402
+from lab.simulation import FleetSpec, plan_fleet, run_federation  # noqa: E402
 
 BASELINE = "9ed31b9"  # main before issue 14's wire work (incremental checks, wire version 2)
 from edge_client.config import BrokerConfig  # noqa: E402

@@ -278,10 +278,10 @@ def run_fleet(name: str, rootfs: Path, folder: Path, broker: str, credentials) -
     """One station of four devices, two of them emulated; the cloud scores every round."""
     import numpy as np
 
-    from aggregator.datasets import dirichlet_label_skew, load_default
-    from aggregator.demo import demo_strategies
-    from aggregator.launch import launch_fleet
-    from aggregator.simulation import FleetSpec
+    from lab.datasets import dirichlet_label_skew, load_default
+    from lab.demo import demo_strategies
+    from lab.launch import launch_fleet
+    from lab.simulation import FleetSpec
 
     model, backends, emulated, rounds = FLEETS[name]
     data, note = load_default()

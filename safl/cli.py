@@ -26,10 +26,10 @@ SERVICES = ("device", "station", "cloud", "broker")  # log at INFO by default
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from aggregator.demo import run_demo
+    from lab.demo import run_demo
 
     if args.fleet_out:
-        from aggregator.demo import write_demo_fleet
+        from lab.demo import write_demo_fleet
         write_demo_fleet(args.fleet_out, broker=args.broker or "mqtt://127.0.0.1:1883",
                          rounds=args.rounds or 20, seed=args.seed)
         print(f"wrote a fleet to {args.fleet_out.resolve()}: start it with the commands in "
@@ -112,7 +112,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from aggregator.results import run_experiments
+    from lab.results import run_experiments
 
     run_experiments(args.configs, out=args.out, jobs=args.jobs, full=args.full,
                     fresh=args.fresh, finished_only=args.finished_only, report=args.report)
@@ -120,7 +120,7 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from aggregator.sweep import run_sweep
+    from lab.sweep import run_sweep
 
     run_sweep(args.config, out=args.out, jobs=args.jobs)
     return 0

@@ -16,7 +16,7 @@ def rng() -> np.random.Generator:
 @pytest.fixture(scope="session")
 def digits():
     """scikit-learn's bundled 8x8 digits (real data, no download)."""
-    from aggregator.datasets import load_dataset
+    from lab.datasets import load_dataset
 
     return load_dataset("digits")
 

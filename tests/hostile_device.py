@@ -1,5 +1,5 @@
 """A compromised device process for the fault tests: the real device service, with every
-message it sends rewritten by :func:`aggregator.attacks.tamper`.
+message it sends rewritten by :func:`lab.attacks.tamper`.
 
     python tests/hostile_device.py ATTACK --config device.toml
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from aggregator.attacks import tamper
 from edge_client.runner import StopFlag, serve
 from edge_client.service import DEVICE_TABLES, DeviceService, load_role_file
+from lab.attacks import tamper
 
 
 def main() -> None:

@@ -8,14 +8,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from aggregator.claims import assess_claims, verdict
-from aggregator.datasets import assign_groups, dirichlet_label_skew, safl_split
-from aggregator.experiment import DEFAULT_STRATEGIES, ExperimentConfig
-from aggregator.simulation import FleetSpec, RunResult, plan_fleet, run_federation
-from aggregator.strategies import build_strategy
-from aggregator.summary import samples_to
 from edge_client.config import DeviceConfig
 from edge_client.errors import ConfigError
+from lab.claims import assess_claims, verdict
+from lab.datasets import assign_groups, dirichlet_label_skew, safl_split
+from lab.experiment import DEFAULT_STRATEGIES, ExperimentConfig
+from lab.simulation import FleetSpec, RunResult, plan_fleet, run_federation
+from lab.strategies import build_strategy
+from lab.summary import samples_to
 from safl.cli import main
 
 SETTINGS = ExperimentConfig(name="t", factories=2, devices_per_factory=4, super_node=2,
@@ -140,8 +140,8 @@ def test_bad_experiment_configs_name_the_key(tmp_path):
 
 @pytest.mark.slow
 def test_parallel_jobs_give_the_same_results(tmp_path):
-    from aggregator.experiment import run_experiment
-    from aggregator.summary import result_rows
+    from lab.experiment import run_experiment
+    from lab.summary import result_rows
 
     config = tmp_path / "two.toml"
     config.write_text(open("experiments/quick.toml").read()
@@ -174,7 +174,7 @@ def test_a_sweep_runs_its_grid_and_resumes_from_finished_runs(tmp_path, capsys):
 
 
 def test_a_sweep_names_a_bad_key(tmp_path):
-    from aggregator.sweep import load_grid
+    from lab.sweep import load_grid
     config = tmp_path / "sweep.toml"
     config.write_text('[experiment]\nname = "x"\n[sweep]\nlearning_rate = [0.1]\n')
     with pytest.raises(ConfigError, match="sweep.learning_rate"):
@@ -197,8 +197,8 @@ def test_a_samples_budget_sets_rounds_and_the_temperature_follows_the_run():
 
 
 def test_finished_runs_are_reused_and_can_be_reported_alone(tmp_path, capsys):
-    from aggregator.experiment import run_experiment
-    from aggregator.summary import result_rows
+    from lab.experiment import run_experiment
+    from lab.summary import result_rows
 
     one, two = tmp_path / "one.toml", tmp_path / "two.toml"
     text = open("experiments/quick.toml").read().replace("rounds = 6", "rounds = 2")

@@ -18,11 +18,11 @@ import pytest
 from brokers import Mosquitto, acl_lines
 
 from aggregator.checkpoint import load_checkpoint
-from aggregator.datasets import assign_groups, dirichlet_label_skew
-from aggregator.launch import launch_fleet
-from aggregator.simulation import FleetSpec, Strategy, plan_fleet, run_federation
 from aggregator.status import fleet_status
 from edge_client.config import BrokerConfig
+from lab.datasets import assign_groups, dirichlet_label_skew
+from lab.launch import launch_fleet
+from lab.simulation import FleetSpec, Strategy, plan_fleet, run_federation
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("mosquitto") is None,

@@ -186,8 +186,8 @@ def test_frames_wait_for_their_label_and_are_trained_on_only_then(digits):
 
 
 def test_prequential_scoring_changes_no_training_in_the_simulator(digits):
-    from aggregator.experiment import _fleet, _strategy, load_experiment
-    from aggregator.simulation import run_federation
+    from lab.experiment import _fleet, _strategy, load_experiment
+    from lab.simulation import run_federation
 
     cfg = load_experiment("experiments/quick.toml")
     runs = {}

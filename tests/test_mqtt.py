@@ -16,11 +16,6 @@ import pytest
 from brokers import Amqtt, Mosquitto, acl_lines, free_port
 from paho.mqtt.enums import CallbackAPIVersion
 
-from aggregator.attacks import forge_nan
-from aggregator.datasets import assign_groups, dirichlet_label_skew
-from aggregator.demo import demo_strategies
-from aggregator.launch import launch_fleet
-from aggregator.simulation import FleetSpec, plan_fleet, run_federation
 from aggregator.status import fleet_status, format_status
 from edge_client import messages as m
 from edge_client.codec import encode
@@ -28,6 +23,11 @@ from edge_client.config import BrokerConfig
 from edge_client.errors import BrokerRefused, ConnectError
 from edge_client.mqtt import MqttTransport
 from edge_client.topics import topic_for
+from lab.attacks import forge_nan
+from lab.datasets import assign_groups, dirichlet_label_skew
+from lab.demo import demo_strategies
+from lab.launch import launch_fleet
+from lab.simulation import FleetSpec, plan_fleet, run_federation
 
 pytestmark = pytest.mark.skipif(shutil.which("mosquitto") is None,
                                 reason="Mosquitto is installed by .ci/run")
@@ -327,7 +327,7 @@ def test_a_device_service_stops_cleanly_on_sigterm(tmp_path, digits):
     import subprocess
     import sys
 
-    from aggregator.launch import toml_text
+    from edge_client.config import toml_text
 
     server = Mosquitto(tmp_path, ["d0", "st0", "tester"], acl_lines("f", {"st0": ["d0"]}))
     np.savez(tmp_path / "d0.npz", x=digits.x_train[:100], y=digits.y_train[:100])

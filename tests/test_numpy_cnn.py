@@ -53,8 +53,8 @@ def test_numpy_cnn_trains_and_evaluates_a_given_vector(digits, evaluates_as_if_l
 
 @pytest.mark.slow
 def test_a_mixed_numpy_torch_cnn_fleet_learns_as_a_torch_only_one(digits):
-    from aggregator.datasets import assign_groups, dirichlet_label_skew
-    from aggregator.simulation import FleetSpec, Strategy, run_federation
+    from lab.datasets import assign_groups, dirichlet_label_skew
+    from lab.simulation import FleetSpec, Strategy, run_federation
 
     strategy = Strategy("fedgs", device={"mix": 1.0},
                         station={"super_node_size": 2, "rand_per_group": 1, "sync_period": 3})

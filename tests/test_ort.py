@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import pytest
 
-from aggregator.datasets import assign_groups, dirichlet_label_skew
-from aggregator.demo import demo_strategies
-from aggregator.simulation import FleetSpec, run_federation
 from edge_client.errors import ArtifactError
 from edge_client.trainers import build_trainer, layout_hash
 from edge_client.trainers.manifest import Manifest
+from lab.datasets import assign_groups, dirichlet_label_skew
+from lab.demo import demo_strategies
+from lab.simulation import FleetSpec, run_federation
 from safl.cli import main
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregator.datasets import assign_groups, dirichlet_label_skew
-from aggregator.demo import demo_strategies
-from aggregator.simulation import FleetSpec, Strategy, run_federation
+from lab.datasets import assign_groups, dirichlet_label_skew
+from lab.demo import demo_strategies
+from lab.simulation import FleetSpec, Strategy, run_federation
 
 
 def _spec(digits, seed=0, rounds=20):

@@ -8,7 +8,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from aggregator.attacks import tamper
 from aggregator.cloud import Cloud
 from aggregator.config import CloudConfig, StationConfig
 from aggregator.fusion import krum, median, multi_krum, trimmed_mean
@@ -21,6 +20,7 @@ from aggregator.trust import (
     majority_capped,
 )
 from edge_client import messages as m
+from lab.attacks import tamper
 
 # -- robust fusion rules, hand-computed --------------------------------------------------
 

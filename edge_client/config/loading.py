@@ -24,7 +24,7 @@ else:  # pragma: no cover - Python 3.10 (JetPack 6)
 from ..errors import ConfigError
 from ..messages import ID_PATTERN, is_id
 
-__all__ = ["load_config", "from_mapping", "check_range", "check_id"]
+__all__ = ["load_config", "from_mapping", "check_range", "check_id", "toml_text"]
 
 C = TypeVar("C")
 
@@ -110,3 +110,24 @@ def load_config(cls: type[C], role: str, path: str | Path | None = None,
     values.update({k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)})
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return from_mapping(cls, values)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def toml_text(tables: dict[str, dict[str, Any]]) -> str:
+    """A TOML document of flat tables (enough for role configs; no dependency): what the
+    provisioner and the lab's launcher write and :func:`load_config` reads back."""
+    out = []
+    for name, values in tables.items():
+        out.append(f"[{name}]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+        out.append("")
+    return "\n".join(out)

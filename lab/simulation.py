@@ -18,6 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from aggregator.cloud import Cloud
+from aggregator.config import CloudConfig, StationConfig
+from aggregator.station import Station, device_accuracy_summary
 from edge_client import messages as m
 from edge_client.admission import Admission
 from edge_client.config import DeviceConfig, InferenceConfig, from_mapping
@@ -30,12 +33,10 @@ from edge_client.trainers import build_trainer, layout_hash
 from edge_client.transport import LocalBus
 
 from .attacks import install
-from .cloud import Cloud
-from .config import CloudConfig, StationConfig
 from .datasets import Dataset
-from .station import Station, device_accuracy_summary
 
-__all__ = ["Strategy", "FleetSpec", "FleetPlan", "RunResult", "plan_fleet", "run_federation"]
+__all__ = ["Strategy", "FleetSpec", "FleetPlan", "RunResult", "plan_fleet", "run_federation",
+           "public_settings"]
 
 # Simulated time does not pass inside one synchronous delivery; deadlines never fire.
 _SIM_CLOCK: Callable[[], float] = lambda: 0.0  # noqa: E731
@@ -75,7 +76,7 @@ class FleetSpec:
     # Devices of one backend share one trainer: a device's model lives in its flat vectors,
     # the trainer is only compute.  Memory per simulated device then excludes the model.
     share_trainers: bool = False
-    # Compromised devices (by number) and what they send (aggregator.attacks.ATTACKS).
+    # Compromised devices (by number) and what they send (lab.attacks.ATTACKS).
     attack: str = "none"
     attackers: tuple[int, ...] = ()
     # Prequential accuracy: each device predicts one arriving sample in this many with its
@@ -154,7 +155,8 @@ def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
     return FleetPlan(fleet, cloud, stations, devices, replay, [float(r) for r in rates])
 
 
-def _public(values: dict[str, Any]) -> dict[str, Any]:
+def public_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """A plan entry's config keys, without the plan's own ``_``-prefixed bookkeeping."""
     return {k: v for k, v in values.items() if not k.startswith("_")}
 
 
@@ -188,7 +190,7 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     number: dict[str, int] = {}  # device id -> partition
     shared: dict[str, Any] = {}
     for values in plan.devices:
-        cfg = from_mapping(DeviceConfig, _public(values))
+        cfg = from_mapping(DeviceConfig, public_settings(values))
         k = values["_k"]
         backend = values["_backend"]
         if spec.share_trainers:

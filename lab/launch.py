@@ -21,33 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from edge_client.config import toml_text
 from edge_client.errors import SaflError
 
 from .datasets import Dataset
-from .simulation import FleetSpec, Strategy, _public, plan_fleet
+from .simulation import FleetSpec, Strategy, plan_fleet, public_settings
 
-__all__ = ["write_fleet", "launch_fleet", "fleet_commands", "toml_text", "Fleet"]
+__all__ = ["write_fleet", "launch_fleet", "fleet_commands", "Fleet"]
 
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, (tuple, list)):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def toml_text(tables: dict[str, dict[str, Any]]) -> str:
-    """A TOML document of flat tables (enough for role configs; no dependency)."""
-    out = []
-    for name, values in tables.items():
-        out.append(f"[{name}]")
-        out += [f"{k} = {_value(v)}" for k, v in values.items() if v is not None]
-        out.append("")
-    return "\n".join(out)
 
 
 def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpec,
@@ -91,7 +72,8 @@ def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpe
                   "seed": plan.replay_seeds[k], "per_iteration": plan.stream_rates[k],
                   "initial": spec.initial_samples}
         path = run_dir / f"{did}.toml"
-        path.write_text(toml_text({"device": _public(values), "model": model(values["_backend"]),
+        path.write_text(toml_text({"device": public_settings(values),
+                                   "model": model(values["_backend"]),
                                    "source": source, "broker": broker(did)}))
         paths[did] = path
     paths["_test"] = test

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 def demo_strategies(super_node_size: int = 4, sync_period: int = 5,
                     rounds: int = DEFAULT_ROUNDS["local"], factories: int = 2) -> list[Strategy]:
-    """The recipes the demo compares (``aggregator/strategies.py``, with the experiments'
+    """The recipes the demo compares (``lab/strategies.py``, with the experiments'
     default settings), named for the table: ``safl+fedgs``, ``fedgs`` (the same without
     SAFL, so the table separates what GBP-CS brings from what SAFL adds) and ``fedavg``
     (the same device steps per round on random devices)."""
@@ -55,8 +55,9 @@ def demo_strategies(super_node_size: int = 4, sync_period: int = 5,
 def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
                  rounds: int) -> RunResult:
     """One strategy as separate processes; the table's traffic is what crossed the wire."""
+    from aggregator.status import fleet_status
+
     from .launch import launch_fleet
-    from .status import fleet_status
 
     started = time.perf_counter()
     rows = launch_fleet(out / strategy.name, data, strategy, spec, url,

@@ -3,7 +3,7 @@
 The experiment file gains a ``[sweep]`` table mapping ``[experiment]`` keys to lists of
 values; every combination runs each strategy over the experiment's seeds, in parallel
 jobs, and ``sweep.csv`` gets one row per (setting, strategy) with the mean and spread over
-seeds of the figures :func:`aggregator.experiment.run_summary` defines.  Finished runs are
+seeds of the figures :func:`lab.experiment.run_summary` defines.  Finished runs are
 kept per setting, so an interrupted sweep resumes.
 """
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from aggregator.selection import blas_threads
 from edge_client.config import check_range, load_config
 from edge_client.errors import ConfigError
 
@@ -34,7 +35,6 @@ from .datasets import (
     safl_split,
 )
 from .report import Progress, format_table, plot_accuracy, write_metrics
-from .selection import blas_threads
 from .simulation import FleetSpec, RunResult, run_federation
 from .strategies import RECIPES, RecipeSettings, build_strategy
 from .summary import merge_seeds, result_rows
@@ -90,7 +90,7 @@ class ExperimentConfig(RecipeSettings):
     lr_decay_fraction: float = 0.0
     seed: int = 0
     seeds: int = 1  # runs per strategy, seeds seed, seed+1, ...: tables give mean and sd
-    # What the compromised devices send (aggregator.attacks): one report section per attack.
+    # What the compromised devices send (lab.attacks): one report section per attack.
     attacks: tuple[str, ...] = ("none",)
     attackers: int = 1  # how many devices are compromised under an attack
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
