@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge_client.config import check_id, check_range
+from edge_client.config import TrainingSettings, check_id, check_range
 from edge_client.errors import ConfigError
 
 from .fusion import FUSION_RULES
@@ -26,8 +26,12 @@ def _check_roster(key: str, ids: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StationConfig:
-    """One base station: its roster and FedGS settings (SPEC §4)."""
+class StationConfig(TrainingSettings):
+    """One base station: its roster and FedGS settings (SPEC §4).
+
+    From :class:`TrainingSettings` it knows its devices' training: an update may claim at
+    most ``local_steps x batch_size`` samples, a next-batch histogram at most ``batch_size``.
+    """
 
     station_id: str
     devices: tuple[str, ...]
@@ -43,11 +47,6 @@ class StationConfig:
     gbp_max_iter: int = 100
     seed: int = 0  # of the random part of each super node
     hello_interval: float = 2.0  # seconds between join repeats until the cloud answers
-    # What the station knows of its devices' settings; an update may claim at most
-    # local_steps x batch_size samples, a next-batch histogram at most batch_size.
-    batch_size: int = 32
-    local_steps: int = 1
-    lr: float = 0.05
     # Update-distance guard (docs/reliability.md): a fixed bound on ||z - w^m||, or (0) an
     # adaptive one, update_norm_factor x the median accepted distance; before 8 updates,
     # lr x local_steps x grad_norm_bound.  Both 0: off.
@@ -73,6 +72,7 @@ class StationConfig:
     refused_sit_out: int = 10
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_id("station_id", self.station_id)
         check_id("fleet", self.fleet)
         _check_roster("devices", self.devices)
@@ -84,9 +84,6 @@ class StationConfig:
         check_range("gbp_max_iter", self.gbp_max_iter, 0)
         check_range("min_devices", self.min_devices, 0, len(self.devices))
         check_range("hello_interval", self.hello_interval, 0, low_open=True)
-        check_range("batch_size", self.batch_size, 1)
-        check_range("local_steps", self.local_steps, 1)
-        check_range("lr", self.lr, 0, low_open=True)
         check_range("update_norm_bound", self.update_norm_bound, 0)
         check_range("update_norm_factor", self.update_norm_factor, 0)
         check_range("grad_norm_bound", self.grad_norm_bound, 0, low_open=True)

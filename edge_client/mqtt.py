@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import socket
 import threading
 import time
+import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
@@ -82,12 +83,15 @@ class MqttTransport:
     persistent : bool
         Keep a session on the broker across disconnects (a role); an observer such as
         ``safl status`` leaves none behind.
+    jitter : numpy.random.Generator, optional
+        Draws the reconnect pauses; by default one seeded from ``client_id``, so that each
+        participant's pauses are its own and repeat from run to run.
     """
 
     def __init__(self, config: BrokerConfig, *, client_id: str, fleet: str,
                  layout_hash: str = "", presence: m.Presence | None = None,
                  num_params: int = 0, clock: Callable[[], float] = time.monotonic,
-                 persistent: bool = True) -> None:
+                 persistent: bool = True, jitter: np.random.Generator | None = None) -> None:
         if config.cert:
             check_pair(config.ca, config.cert, config.key)  # refuse bad files before connecting
         identity = broker_identity(config)
@@ -102,6 +106,8 @@ class MqttTransport:
         self.config, self.client_id, self.fleet = config, client_id, fleet
         self.layout_hash, self.presence, self.clock = layout_hash, presence, clock
         self.persistent = persistent
+        self._jitter = jitter if jitter is not None else np.random.default_rng(
+            zlib.crc32(client_id.encode()))
         self.counters: Counter[str] = Counter()
         self._subs: list[tuple[str, Handler]] = []
         self._doc_subs: list[tuple[str, DocumentHandler]] = []
@@ -206,12 +212,26 @@ class MqttTransport:
             return self._try_connect()
         return self._connected.is_set()
 
-    def connect(self) -> None:
-        """Connect (retrying with backoff until ``connect_timeout``) and start the network loop."""
-        deadline = time.monotonic() + self.config.connect_timeout
+    def _backoff(self) -> Iterator[float]:
+        """Pauses between connection attempts: doubling from ``backoff_min`` to
+        ``backoff_max``, each drawn in 50-100% of that (jitter: a fleet that lost its broker
+        does not come back at once), from this participant's own generator."""
         delay = self.config.backoff_min
-        while not self._try_connect():
-            if self._refused is not None and self._refused.value in REFUSED_FOR_GOOD:
+        while True:
+            yield delay * float(self._jitter.uniform(0.5, 1.0))
+            delay = min(delay * 2, self.config.backoff_max)
+
+    def _retry(self, attempt: Callable[[], bool], deadline: float | None = None) -> bool:
+        """The one reconnect loop: ``attempt`` until it connects (True) or the transport is
+        closed (False).  With a ``deadline`` (the first connection) it gives up when the
+        broker refuses for good (:class:`BrokerRefused`) or the next pause would pass the
+        deadline (:class:`ConnectError`); a running service keeps trying (a broker's
+        credentials or certificates may be fixed while it waits)."""
+        for pause in self._backoff():
+            if attempt():
+                return True
+            if deadline is not None and self._refused is not None \
+                    and self._refused.value in REFUSED_FOR_GOOD:
                 hint = ""
                 if self._refused.value in _IDENTITY_REFUSALS:
                     hint = ("; a broker that binds client ids to identities refuses a client "
@@ -219,38 +239,42 @@ class MqttTransport:
                             "client with neither")
                 raise BrokerRefused(f"{self.config.url} refused {self.client_id}: "
                                     f"{self._refused}{hint}")
-            if time.monotonic() + delay > deadline:
+            if deadline is not None and time.monotonic() + pause > deadline:
                 raise ConnectError(f"cannot connect to {self.config.url} as {self.client_id} "
                                    f"within {self.config.connect_timeout:.0f} s"
                                    + (f" ({self._refused})" if self._refused else ""))
-            time.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, self.config.backoff_max)
+            if self._stop.wait(pause):
+                return False
+        return False  # pragma: no cover - the backoff never ends
+
+    def connect(self) -> None:
+        """Connect (retrying with backoff until ``connect_timeout``) and start the network loop."""
+        self._retry(self._try_connect, deadline=time.monotonic() + self.config.connect_timeout)
         self._thread = threading.Thread(target=self._network_loop, daemon=True,
                                         name=f"mqtt-{self.client_id}")
         self._thread.start()
 
-    def _network_loop(self) -> None:
-        delay = self.config.backoff_min
-        while not self._stop.is_set():
-            if self._connected.is_set():
-                rc = self._client.loop(timeout=0.2)
-                if rc == paho.MQTT_ERR_SUCCESS:
-                    delay = self.config.backoff_min
-                    continue
-                self._connected.clear()
-            self._stop.wait(delay * random.uniform(0.5, 1.0))  # jitter: fleets reconnect apart
-            delay = min(delay * 2, self.config.backoff_max)
-            if self._stop.is_set():
+    def _try_reconnect(self) -> bool:
+        self.counters["reconnects"] += 1
+        try:
+            self._client.reconnect()
+        except (OSError, ValueError) as exc:
+            log.warning("%s reconnect failed: %s", self.client_id, exc)
+            return False
+        deadline = time.monotonic() + self.config.handshake_timeout
+        while not self._connected.is_set() and time.monotonic() < deadline:
+            if self._client.loop(timeout=0.1) != paho.MQTT_ERR_SUCCESS:
                 break
-            try:
-                self.counters["reconnects"] += 1
-                self._client.reconnect()
-                deadline = time.monotonic() + self.config.handshake_timeout
-                while not self._connected.is_set() and time.monotonic() < deadline:
-                    if self._client.loop(timeout=0.1) != paho.MQTT_ERR_SUCCESS:
-                        break
-            except (OSError, ValueError) as exc:
-                log.warning("%s reconnect failed: %s", self.client_id, exc)
+        return self._connected.is_set()
+
+    def _network_loop(self) -> None:
+        while not self._stop.is_set():
+            if self._client.loop(timeout=0.2) == paho.MQTT_ERR_SUCCESS \
+                    and self._connected.is_set():
+                continue
+            self._connected.clear()
+            if not self._retry(self._try_reconnect):
+                break
 
     @property
     def connected(self) -> bool:

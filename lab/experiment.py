@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from aggregator.selection import blas_threads
-from edge_client.config import check_range, load_config
+from aggregator.server_optimizers import SERVER_OPTIMIZERS
+from edge_client.config import TrainingSettings, check_range, load_config
 from edge_client.errors import ConfigError
 
 from .attacks import ATTACKS
@@ -73,8 +74,8 @@ class ExperimentConfig(RecipeSettings):
     # temperature fraction refers to; a run may take more rounds, up to twice that.
     samples: int = 0
     eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
-    lr: float = 0.05
-    batch_size: int = 32
+    lr: float = TrainingSettings.lr
+    batch_size: int = TrainingSettings.batch_size
     model: str = "mlp"
     backend: str = "numpy"
     arrivals_per_step: int = 48
@@ -112,8 +113,8 @@ class ExperimentConfig(RecipeSettings):
             raise ConfigError("attacks", f"must list some of {ATTACKS}")
         check_range("seeds", self.seeds, 1)
         check_range("samples", self.samples, 0)
-        if self.cloud_optimizer not in ("none", "fedavgm"):
-            raise ConfigError("cloud_optimizer", "must be 'none' or 'fedavgm'")
+        if self.cloud_optimizer not in SERVER_OPTIMIZERS:
+            raise ConfigError("cloud_optimizer", f"must be one of {tuple(SERVER_OPTIMIZERS)}")
         if self.samples:
             object.__setattr__(self, "rounds", -(-self.samples // self.samples_per_round))
         check_range("temperature_fraction", self.temperature_fraction, 0)

@@ -23,7 +23,7 @@ from aggregator.config import CloudConfig, StationConfig
 from aggregator.station import Station, device_accuracy_summary
 from edge_client import messages as m
 from edge_client.admission import Admission
-from edge_client.config import DeviceConfig, InferenceConfig, from_mapping
+from edge_client.config import DeviceConfig, InferenceConfig, TrainingSettings, from_mapping
 from edge_client.device import Device
 from edge_client.errors import SaflError
 from edge_client.runner import RoleRunner, StopFlag, pace_replay, serve
@@ -67,7 +67,7 @@ class FleetSpec:
     model: str = "mlp"
     backends: tuple[str, ...] = ("numpy",)  # assigned to devices in turn: a mixed fleet
     artifacts: str | None = None  # exported model folder, for the "ort" backend
-    lr: float = 0.05
+    lr: float = TrainingSettings.lr
     seed: int = 0
     arrivals_per_step: int = 32  # samples sensed per local-step time, fleet mean per device
     initial_samples: int = 64

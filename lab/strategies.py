@@ -44,8 +44,9 @@ class RecipeSettings:
     # Every recipe's devices train at lr * lr_decay from this round on (0: a constant lr).
     lr_decay_rounds: float = 0.0
     lr_decay: float = 0.1
-    # Server optimiser of the hierarchical recipes at the cloud (FedGS, SAFL+FedGS):
-    # "fedavgm" applies the momentum above to the external synchronisation.
+    # Server optimiser of the hierarchical recipes at the cloud (FedGS, SAFL+FedGS), any of
+    # aggregator.server_optimizers: "fedavgm" applies the momentum above to the external
+    # synchronisation, the adaptive ones step at server_lr.
     cloud_optimizer: str = "fedavgm"
 
     @property
@@ -56,11 +57,20 @@ class RecipeSettings:
 
 
 def _cloud(s: RecipeSettings) -> dict:
-    """FedAvgM at the cloud: momentum over the external synchronisations (docs/algorithms.md
-    gives the measurement that made it the hierarchical recipes' default)."""
-    if s.cloud_optimizer == "none":
+    """The hierarchical recipes' server optimiser: by default FedAvgM, momentum over the
+    external synchronisations (docs/algorithms.md gives the measurement that made it the
+    default); any registered one (``aggregator.server_optimizers``) may be chosen."""
+    return _server(s, s.cloud_optimizer)
+
+
+def _server(s: RecipeSettings, kind: str) -> dict:
+    """The cloud's settings for server optimiser ``kind`` (FedAvgM: a unit step with the
+    momentum above; the adaptive ones: ``server_lr``)."""
+    if kind == "none":
         return {}
-    return {"server_optimizer": "fedavgm", "server_lr": 1.0, "beta1": s.momentum}
+    if kind == "fedavgm":
+        return {"server_optimizer": "fedavgm", "server_lr": 1.0, "beta1": s.momentum}
+    return {"server_optimizer": kind, "server_lr": s.server_lr}
 
 
 def _schedule(s: RecipeSettings, per_round: int) -> dict:
@@ -98,8 +108,8 @@ def _safl(s: RecipeSettings, hierarchical: bool, gated: bool) -> dict:
             "nu": s.nu if gated else 0.0, "merge_max_age": s.merge_max_age}
 
 
-def _adaptive(kind: str) -> Callable[[RecipeSettings], Strategy]:
-    return lambda s: _flat(s, cloud={"server_optimizer": kind, "server_lr": s.server_lr})
+def _server_recipe(kind: str) -> Callable[[RecipeSettings], Strategy]:
+    return lambda s: _flat(s, cloud=_server(s, kind))
 
 
 RECIPES: dict[str, Callable[[RecipeSettings], Strategy]] = {
@@ -107,11 +117,10 @@ RECIPES: dict[str, Callable[[RecipeSettings], Strategy]] = {
     "fedgs_random": lambda s: _hier(s, "random"),
     "fedavg": lambda s: _flat(s),
     "fedprox": lambda s: _flat(s, device={"prox_mu": s.prox_mu}),
-    "fedavgm": lambda s: _flat(s, cloud={"server_optimizer": "fedavgm", "server_lr": 1.0,
-                                         "beta1": s.momentum}),
-    "fedadagrad": _adaptive("fedadagrad"),
-    "fedadam": _adaptive("fedadam"),
-    "fedyogi": _adaptive("fedyogi"),
+    "fedavgm": _server_recipe("fedavgm"),  # FedAvg with server momentum
+    "fedadagrad": _server_recipe("fedadagrad"),
+    "fedadam": _server_recipe("fedadam"),
+    "fedyogi": _server_recipe("fedyogi"),
     "ida": lambda s: _flat(s, station={"fusion": "ida"}),
     # Byzantine-robust fusion at the station (aggregator/fusion.py cites each paper), and
     # FedAvg with the update-distance guard off, to show what the guard prevents.

@@ -72,34 +72,36 @@ def _broker(args: argparse.Namespace) -> int:
     return run_broker(args.host, args.port)
 
 
-def _station(args: argparse.Namespace) -> int:
-    from aggregator.config import StationConfig
-    from aggregator.services import StationService
+def _aggregator_role(args: argparse.Namespace, table: str, config: type, service: type,
+                     flags: dict[str, dict[str, str]] | None = None, **service_kw) -> int:
+    """Load a station's or the cloud's role file (its table, [model], [broker], [service])
+    with the flags every role takes, and run its service until the federation ends."""
     from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
     from edge_client.service import load_role_file
 
-    cfg = load_role_file(args.config, {"station": StationConfig, "model": ModelConfig,
+    cfg = load_role_file(args.config, {table: config, "model": ModelConfig,
                                        "broker": BrokerConfig, "service": ServiceConfig},
                          overrides(args, broker={"broker": "url"},
-                                    service={"metrics_port": "metrics_port",
-                                             "state_dir": "state_dir"}))
-    StationService(**cfg).run()
+                                   service={"metrics_port": "metrics_port",
+                                            "state_dir": "state_dir"}, **(flags or {})))
+    service(**cfg, **service_kw).run()
     return 0
+
+
+def _station(args: argparse.Namespace) -> int:
+    from aggregator.config import StationConfig
+    from aggregator.services import StationService
+
+    return _aggregator_role(args, "station", StationConfig, StationService)
 
 
 def _cloud(args: argparse.Namespace) -> int:
     from aggregator.config import CloudConfig
     from aggregator.services import CloudService
-    from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
-    from edge_client.service import load_role_file
 
-    cfg = load_role_file(args.config, {"cloud": CloudConfig, "model": ModelConfig,
-                                       "broker": BrokerConfig, "service": ServiceConfig},
-                         overrides(args, broker={"broker": "url"}, cloud={"rounds": "rounds"},
-                                    service={"metrics_port": "metrics_port",
-                                             "state_dir": "state_dir"}))
-    CloudService(**cfg, eval_path=args.eval or "", out=str(args.out or "")).run()
-    return 0
+    return _aggregator_role(args, "cloud", CloudConfig, CloudService,
+                            {"cloud": {"rounds": "rounds"}}, eval_path=args.eval or "",
+                            out=str(args.out or ""))
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -67,6 +67,20 @@ def test_an_lr_decay_reaches_every_recipe_in_its_own_iterations():
         DeviceConfig(device_id="d", station="s", lr_decay_at=wrong["lr_decay_at"])
 
 
+def test_the_hierarchical_recipes_take_every_registered_server_optimizer():
+    from aggregator.config import CloudConfig
+    from aggregator.server_optimizers import SERVER_OPTIMIZERS
+
+    for kind in SERVER_OPTIMIZERS:
+        cfg = ExperimentConfig(name="t", factories=2, devices_per_factory=4, super_node=2,
+                               sync_period=3, rounds=2, cloud_optimizer=kind)
+        cloud = build_strategy("fedgs", cfg.settings).cloud
+        assert cloud.get("server_optimizer", "none") == kind
+        CloudConfig(stations=("s0",), rounds=1, **cloud)  # the cloud takes what it built
+    with pytest.raises(ConfigError, match="cloud_optimizer"):
+        ExperimentConfig(name="t", cloud_optimizer="sgd")
+
+
 def test_shared_trainers_change_nothing_but_memory(digits):
     strategy = build_strategy("safl_fedgs", SETTINGS)
     alone = run_federation(digits, strategy, _spec(digits))

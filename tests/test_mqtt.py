@@ -174,6 +174,26 @@ def test_broker_refuses_wrong_password(tmp_path):
         server.stop()
 
 
+def test_reconnect_pauses_double_with_jitter_of_the_participants_own(tmp_path):
+    cfg = BrokerConfig(url="mqtt://127.0.0.1:1", backoff_min=0.5, backoff_max=4.0)
+
+    def pauses(client_id):
+        backoff = MqttTransport(cfg, client_id=client_id, fleet="f")._backoff()
+        return [next(backoff) for _ in range(6)]
+
+    first = pauses("d0")
+    for pause, nominal in zip(first, [0.5, 1.0, 2.0, 4.0, 4.0, 4.0], strict=True):
+        assert 0.5 * nominal <= pause <= nominal
+    assert pauses("d0") == first and pauses("d1") != first  # its own, and repeatable
+    # The first connection gives up within connect_timeout, on the same schedule.
+    quick = BrokerConfig(url=f"mqtt://127.0.0.1:{free_port()}", backoff_min=0.1,
+                         connect_timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(ConnectError, match="within 1 s"):
+        MqttTransport(quick, client_id="d0", fleet="f").connect()
+    assert time.monotonic() - started < 3.0
+
+
 @pytest.mark.slow
 def test_malformed_messages_are_counted_and_the_run_finishes(tmp_path, digits):
     spec = _spec(digits, rounds=16)

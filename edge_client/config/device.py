@@ -7,22 +7,36 @@ import dataclasses
 from ..errors import ConfigError
 from .loading import check_id, check_range
 
-__all__ = ["DeviceConfig"]
+__all__ = ["DeviceConfig", "TrainingSettings"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DeviceConfig:
+class TrainingSettings:
+    """How a device trains: ``local_steps`` SGD steps at ``lr`` on one-shot batches of
+    ``batch_size``.  Declared once: the device trains by them, the station bounds its
+    devices' claims by them (``StationConfig`` extends this too), the lab's fleets start
+    from them."""
+
+    batch_size: int = 32
+    local_steps: int = 1
+    lr: float = 0.05
+
+    def __post_init__(self) -> None:
+        check_range("batch_size", self.batch_size, 1)
+        check_range("local_steps", self.local_steps, 1)
+        check_range("lr", self.lr, 0, low_open=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceConfig(TrainingSettings):
     """Settings of one device (SPEC §2-3)."""
 
     device_id: str
     station: str
     fleet: str = "default"
-    batch_size: int = 32
     # Labelled samples the device waits for before it reports a batch ready: a live camera
     # whose labels trickle in would otherwise be picked for one-sample steps (1: any).
     min_batch: int = 1
-    local_steps: int = 1
-    lr: float = 0.05
     # Step decay: from station iteration ``lr_decay_at`` on, train at ``lr * lr_decay``
     # (0: never).  Late in a run a smaller step settles the model the noise keeps moving.
     lr_decay_at: int = 0
@@ -47,12 +61,10 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         from ..safl import GRANULARITIES
+        super().__post_init__()
         for key in ("device_id", "station", "fleet"):
             check_id(key, getattr(self, key))
-        check_range("batch_size", self.batch_size, 1)
-        check_range("local_steps", self.local_steps, 1)
         check_range("min_batch", self.min_batch, 1, self.batch_size)
-        check_range("lr", self.lr, 0, low_open=True)
         check_range("lr_decay_at", self.lr_decay_at, 0)
         check_range("lr_decay", self.lr_decay, 0, 1, low_open=True)
         check_range("temperature", self.temperature, 0, low_open=True)
