@@ -1,11 +1,10 @@
-"""Fusion rules and server optimisers: pure numpy, validated, never mutating inputs.
+"""Fusion rules: pure numpy, validated, never mutating inputs.
 
-Fusion rules turn a set of model vectors into one (SAFL eq. 3, FedGS internal
-and external sync); server optimisers turn the fused pseudo-gradient into the
-next global model (Reddi et al., "Adaptive Federated Optimization", ICLR 2021).
-Both are registered by name.  A :class:`Fold` builds a rule's result one update at a
-time, so a station or cloud need not keep every reply: FedAvg streams into a running
-float32 sum; the other rules need every update at once and keep them.  FedProx's
+Fusion rules turn a set of model vectors into one (SAFL eq. 3, FedGS internal and
+external sync), registered by name in :data:`FUSION_RULES`; what the cloud then does with
+the fused model is ``server_optimizers.py``'s.  A :class:`Fold` builds a rule's result one
+update at a time, so a station or cloud need not keep every reply: FedAvg streams into a
+running float32 sum; the other rules need every update at once and keep them.  FedProx's
 proximal term is device-side: :func:`edge_client.trainers.proximal_step`.
 """
 

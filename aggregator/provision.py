@@ -24,19 +24,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 from edge_client import topics
 from edge_client.codec import DEFAULT_CHUNK_SIZE
-from edge_client.config import BrokerConfig, check_id, toml_text
+from edge_client.config import BrokerConfig, check_id, read_toml, toml_text
 from edge_client.errors import ConfigError, SaflError
 from edge_client.mqtt import MqttTransport
 from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES
@@ -72,12 +66,7 @@ class FleetFile:
 
 def load_fleet_file(path: str | Path) -> FleetFile:
     """Parse and check a fleet file; every problem names the key or the id."""
-    try:
-        doc = tomllib.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError("fleet", f"cannot read {path}: {exc.strerror}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("fleet", f"{path} is not valid TOML: {exc}") from exc
+    doc = read_toml(path, "fleet")
     fleet = doc.get("fleet", {})
     for key in ("name", "cloud_host"):
         if not isinstance(fleet.get(key), str) or not fleet[key]:

@@ -24,4 +24,11 @@ __all__ = [
     "upload_probability",
 ]
 
-__version__ = "0.1.0"
+
+def __getattr__(name: str) -> str:
+    # The installed distribution's version (pyproject.toml is the one place it is written),
+    # read when asked rather than at every import.
+    if name == "__version__":
+        from .cli import version
+        return version()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -326,7 +326,3 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     print(format_table(rows))
     return cfg, per_seed, out
 
-
-def default_jobs() -> int:
-    return max(1, min(2, os.cpu_count() or 1))
-

@@ -18,8 +18,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
+from edge_client.config import read_toml
 from edge_client.errors import ConfigError
 
 from .experiment import ExperimentConfig, _run_one, _RunCache, load_experiment
@@ -31,8 +30,7 @@ __all__ = ["run_sweep", "load_grid"]
 
 def load_grid(path: Path) -> list[dict[str, Any]]:
     """Every combination of the ``[sweep]`` table's values, as ``[experiment]`` overrides."""
-    with open(path, "rb") as fh:
-        table = tomllib.load(fh).get("sweep", {})
+    table = read_toml(path, "sweep").get("sweep", {})
     known = {f.name for f in dataclasses.fields(ExperimentConfig)}
     for key, values in table.items():
         if key not in known:

@@ -1,1 +1,2 @@
-"""The model zoo.  Importing this package loads no torch; ``models.zoo`` does."""
+"""ONNX training artifacts (``models.export``) for the zoo's models, which live with the
+trainers (``edge_client/trainers/zoo.py``).  Importing this package loads no torch."""

@@ -83,3 +83,23 @@ def test_a_missing_required_key_is_named():
     from edge_client.config import DeviceConfig, from_mapping
     with pytest.raises(ConfigError, match="'station': is required by DeviceConfig"):
         from_mapping(DeviceConfig, {"device_id": "d0"})
+
+
+def test_python_310_is_served_by_one_toml_reader_and_the_version_is_the_installed_one():
+    """Python 3.10 (JetPack 6) has no tomllib: only loading.py may import it, behind the
+    tomli fallback; and the package's version is pyproject's, not a second copy."""
+    import ast
+    import importlib.metadata
+    from pathlib import Path
+
+    import edge_client
+
+    root = Path(__file__).parent.parent
+    for package in ("edge_client", "aggregator", "lab", "models", "safl"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) else [])
+                if "tomllib" in names:
+                    assert path.name == "loading.py", f"{path} imports tomllib"
+    assert edge_client.__version__ == importlib.metadata.version("safl-edge")

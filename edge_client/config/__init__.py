@@ -9,11 +9,12 @@ range checks live in each config's ``__post_init__`` (``loading.py`` has the hel
 from .broker import BrokerConfig
 from .device import DeviceConfig, TrainingSettings
 from .inference import InferenceConfig
-from .loading import check_id, check_range, from_mapping, load_config, toml_text
+from .loading import check_id, check_range, from_mapping, load_config, read_toml, toml_text
 from .model import ModelConfig
 from .service import ServiceConfig
 from .sources import SOURCE_KINDS, VIDEO_SUFFIXES, PreprocessSettings, SourceConfig
 
-__all__ = ["load_config", "from_mapping", "check_range", "check_id", "toml_text", "DeviceConfig",
-           "TrainingSettings", "SourceConfig", "PreprocessSettings", "SOURCE_KINDS",
-           "VIDEO_SUFFIXES", "BrokerConfig", "ModelConfig", "ServiceConfig", "InferenceConfig"]
+__all__ = ["load_config", "read_toml", "from_mapping", "check_range", "check_id", "toml_text",
+           "DeviceConfig", "TrainingSettings", "SourceConfig", "PreprocessSettings",
+           "SOURCE_KINDS", "VIDEO_SUFFIXES", "BrokerConfig", "ModelConfig", "ServiceConfig",
+           "InferenceConfig"]

@@ -24,7 +24,7 @@ else:  # pragma: no cover - Python 3.10 (JetPack 6)
 from ..errors import ConfigError
 from ..messages import ID_PATTERN, is_id
 
-__all__ = ["load_config", "from_mapping", "check_range", "check_id", "toml_text"]
+__all__ = ["load_config", "read_toml", "from_mapping", "check_range", "check_id", "toml_text"]
 
 C = TypeVar("C")
 
@@ -88,20 +88,25 @@ def from_mapping(cls: type[C], values: Mapping[str, Any]) -> C:
     return cls(**{k: _coerce(k, v, hints[k]) for k, v in values.items()})
 
 
+def read_toml(path: str | Path, key: str) -> dict[str, Any]:
+    """A TOML file as a dict; an unreadable or invalid file is a :class:`ConfigError` naming
+    ``key``.  The one reader of TOML (``tomllib``, or ``tomli`` on Python 3.10: JetPack 6)."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(key, f"{path} is not valid TOML: {exc}") from exc
+
+
 def load_config(cls: type[C], role: str, path: str | Path | None = None,
                 overrides: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None) -> C:
     """Load the ``[role]`` table of a TOML file, then environment, then overrides."""
     values: dict[str, Any] = {}
     if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                doc = tomllib.load(fh)
-        except OSError as exc:
-            raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config", f"{path} is not valid TOML: {exc}") from exc
-        table = doc.get(role, {})
+        table = read_toml(path, "config").get(role, {})
         if not isinstance(table, dict):
             raise ConfigError(role, f"must be a table in {path}")
         values.update(table)
