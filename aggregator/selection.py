@@ -4,17 +4,22 @@ GBP-CS (FedGS, "gradient-based binary permutation client selection") solves
 ``min_x (1/2F) ||A x - y||^2`` s.t. ``1'x = S``, ``x`` binary, where ``A``
 holds the candidates' next-batch label histograms as columns and ``y`` the
 label counts that would make the super node's distribution match ``P_real``
-(SPEC §4).  Every selector shares one signature and is registered by name in
-:data:`SELECTORS`; each returns the sorted indices it picked, never one in
-``fixed``.
+(SPEC §4).  Each selector function takes what it uses and nothing else (a stochastic one
+requires its generator; none falls back to an unseeded one), and is registered by name in
+:data:`SELECTORS` with what binds it to the station's settings; :func:`build_selector`
+returns a :class:`Selector`, the one signature the station calls.  Each returns the sorted
+indices it picked, never one in ``fixed``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -22,6 +27,9 @@ from edge_client.errors import SelectionError, ShapeError
 
 __all__ = [
     "SELECTORS",
+    "Selector",
+    "SelectorSettings",
+    "build_selector",
     "gbp_cs",
     "random_selection",
     "greedy_selection",
@@ -99,8 +107,7 @@ def _greedy_fill(At: np.ndarray, y: np.ndarray, n_select: int,
 
 
 def gbp_cs(hists: np.ndarray, target: np.ndarray, n_select: int, *,
-           fixed: Sequence[int] = (), max_iter: int = 100,
-           rng: np.random.Generator | None = None) -> np.ndarray:
+           fixed: Sequence[int] = (), max_iter: int = 100) -> np.ndarray:
     """GBP-CS (Li et al., FedGS, 2022): a relaxed start, then gradient-guided swaps.
 
     Swaps run from two starts, the paper's pseudo-inverse rounding and a greedy fill, and the
@@ -110,7 +117,7 @@ def gbp_cs(hists: np.ndarray, target: np.ndarray, n_select: int, *,
     leaves out, for every pair at once from the selected columns' Gram products; a swap then
     updates ``g`` and those products by one Gram column (rank one), so a pass costs
     ``O(K' S)`` plus one ``O(K' F)`` product, not ``O(K' S F)``.  Stops when no swap lowers
-    the cost, or after ``max_iter`` swaps.  ``rng`` is unused: GBP-CS is deterministic.
+    the cost, or after ``max_iter`` swaps.  Deterministic: it draws nothing.
     """
     candidates, A, y = selection_problem(hists, target, n_select, fixed)
     done = _trivial(candidates, n_select)
@@ -155,16 +162,14 @@ def _best_swaps(At: np.ndarray, y: np.ndarray, norms: np.ndarray, x: np.ndarray,
 
 
 def random_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,
-                     fixed: Sequence[int] = (), rng: np.random.Generator | None = None,
-                     **_: object) -> np.ndarray:
+                     rng: np.random.Generator, fixed: Sequence[int] = ()) -> np.ndarray:
     """Uniformly random super node (FedAvg's client sampling)."""
     candidates, _, _ = selection_problem(hists, target, n_select, fixed)
-    rng = rng if rng is not None else np.random.default_rng()
     return np.sort(rng.choice(candidates, size=n_select, replace=False))
 
 
 def greedy_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,
-                     fixed: Sequence[int] = (), **_: object) -> np.ndarray:
+                     fixed: Sequence[int] = ()) -> np.ndarray:
     """Add, one at a time, the candidate that most lowers ``||A x - y||``."""
     candidates, A, y = selection_problem(hists, target, n_select, fixed)
     done = _trivial(candidates, n_select)
@@ -175,7 +180,7 @@ def greedy_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,
 
 
 def brute_force_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,
-                          fixed: Sequence[int] = (), **_: object) -> np.ndarray:
+                          fixed: Sequence[int] = ()) -> np.ndarray:
     """Exact minimiser of ``||A x - y||`` by enumeration (small instances only)."""
     candidates, A, y = selection_problem(hists, target, n_select, fixed)
     done = _trivial(candidates, n_select)
@@ -197,8 +202,8 @@ def brute_force_selection(hists: np.ndarray, target: np.ndarray, n_select: int, 
 
 
 def annealing_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,
-                        fixed: Sequence[int] = (), rng: np.random.Generator | None = None,
-                        steps: int = 2000, start_temp: float = 1.0, **_: object) -> np.ndarray:
+                        rng: np.random.Generator, fixed: Sequence[int] = (),
+                        steps: int = 2000, start_temp: float = 1.0) -> np.ndarray:
     """Simulated annealing over swaps (Kirkpatrick et al., Science 1983), a stochastic baseline.
 
     From a random super node, propose swapping one picked and one unpicked candidate;
@@ -209,7 +214,6 @@ def annealing_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,
     done = _trivial(candidates, n_select)
     if done is not None:
         return done
-    rng = rng if rng is not None else np.random.default_rng()
     x = np.zeros(A.shape[1], dtype=bool)
     x[rng.choice(A.shape[1], n_select, replace=False)] = True
     r = A[:, x].sum(axis=1) - y
@@ -228,15 +232,38 @@ def annealing_selection(hists: np.ndarray, target: np.ndarray, n_select: int, *,
     return np.sort(candidates[best_x])
 
 
-Selector = Callable[..., np.ndarray]
+class Selector(Protocol):
+    """What the station calls: pick ``n_select`` of the devices whose next-batch histograms
+    are the rows of ``hists`` (``fixed`` ones already in), against ``target`` (``P_real``)."""
 
-SELECTORS: dict[str, Selector] = {
-    "gbp_cs": gbp_cs,
-    "random": random_selection,
-    "greedy": greedy_selection,
-    "brute_force": brute_force_selection,
-    "annealing": annealing_selection,
+    def __call__(self, hists: np.ndarray, target: np.ndarray, n_select: int, *,
+                 fixed: Sequence[int] = ()) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class SelectorSettings:
+    """What a station gives its selector: its own generator (the stochastic selectors draw
+    from it, so a run repeats) and GBP-CS's swap budget (``[station] gbp_max_iter``)."""
+
+    rng: np.random.Generator
+    max_iter: int = 100
+
+
+# Each entry binds its selector to the settings it uses, and only those.
+SELECTORS: dict[str, Callable[[SelectorSettings], Selector]] = {
+    "gbp_cs": lambda s: functools.partial(gbp_cs, max_iter=s.max_iter),
+    "random": lambda s: functools.partial(random_selection, rng=s.rng),
+    "greedy": lambda s: greedy_selection,
+    "brute_force": lambda s: brute_force_selection,
+    "annealing": lambda s: functools.partial(annealing_selection, rng=s.rng),
 }
+
+
+def build_selector(name: str, settings: SelectorSettings) -> Selector:
+    """The registered selector ``name`` bound to ``settings``."""
+    if name not in SELECTORS:
+        raise SelectionError(f"unknown selector {name!r}; known: {sorted(SELECTORS)}")
+    return SELECTORS[name](settings)
 
 
 @contextlib.contextmanager

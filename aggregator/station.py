@@ -30,7 +30,7 @@ from edge_client.topics import station_topics
 
 from .config import StationConfig
 from .fusion import Fold, fold_for
-from .selection import SELECTORS
+from .selection import SelectorSettings, build_selector
 from .trust import (
     NormGuard,
     ReplayGuard,
@@ -98,6 +98,8 @@ class Station(RoleBase):
         self.num_params = num_params
         self.num_classes = num_classes
         self.rng = rng
+        self._select = build_selector(config.selector,
+                                      SelectorSettings(rng=rng, max_iter=config.gbp_max_iter))
         self.state = _S.JOINING
         self.stats: dict[str, m.DeviceStats] = {}
         self.offline: set[str] = set()
@@ -446,9 +448,8 @@ class Station(RoleBase):
         hists = np.array([self.stats[d].next_batch_counts for d in ready], dtype=np.float64)
         n_random = min(cfg.rand_per_group, size)
         fixed = list(self.rng.choice(len(ready), size=n_random, replace=False)) if n_random else []
-        picked = SELECTORS[cfg.selector](hists.reshape(len(ready), self.num_classes), self.p_real,
-                                         size - n_random, fixed=fixed, rng=self.rng,
-                                         max_iter=cfg.gbp_max_iter) if ready else []
+        picked = self._select(hists.reshape(len(ready), self.num_classes), self.p_real,
+                              size - n_random, fixed=fixed) if ready else []
         self._collect(tuple(sorted(ready[i] for i in [*fixed, *picked])))
         self.share.record(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)

@@ -26,7 +26,13 @@ import time
 import numpy as np
 from baseline import ROOT, checkout, probe
 
-from aggregator.selection import SELECTORS, divergence, gbp_cs, random_selection
+from aggregator.selection import (
+    SelectorSettings,
+    build_selector,
+    divergence,
+    gbp_cs,
+    random_selection,
+)
 from edge_client.buffer import StreamBuffer
 
 F, BATCH = 62, 32
@@ -35,7 +41,16 @@ BASELINE = "9ed31b9"  # main before GBP-CS scaled (issue 14)
 _SCALING = r'''
 import contextlib, json, statistics, sys, time
 import numpy as np
-from aggregator.selection import SELECTORS, blas_threads, divergence
+from aggregator.selection import blas_threads, divergence
+try:  # this checkout: a selector is built with the station's settings
+    from aggregator.selection import SelectorSettings, build_selector
+    def pick(name, *args, fixed):
+        settings = SelectorSettings(rng=np.random.default_rng(0))
+        return build_selector(name, settings)(*args, fixed=fixed)
+except ImportError:  # the baseline: one signature with a catch-all
+    from aggregator.selection import SELECTORS
+    def pick(name, *args, fixed):
+        return SELECTORS[name](*args, fixed=fixed, rng=np.random.default_rng(0))
 names, trials = sys.argv[1].split(","), int(sys.argv[2])
 alpha, seed = float(sys.argv[3]), int(sys.argv[4])
 F, BATCH, n_fixed, n_select = 62, 32, 2, 8
@@ -48,14 +63,13 @@ for k in (100, 1000, 10000):
         hists = np.array([rng.multinomial(BATCH, p) for p in probs])
         target = rng.dirichlet(np.full(F, 5.0))
         fixed = list(rng.choice(k, n_fixed, replace=False))
-        picked = SELECTORS["greedy"](hists, target, n_select, fixed=fixed)
+        picked = pick("greedy", hists, target, n_select, fixed=fixed)
         greedy = divergence(hists, [*picked, *fixed], target)
         for name in rows:
             selector, _, how = name.partition(" ")
             with contextlib.nullcontext() if how == "unpinned" else blas_threads(1):
                 t0 = time.perf_counter()
-                chosen = SELECTORS[selector](hists, target, n_select, fixed=fixed,
-                                             rng=np.random.default_rng(0))
+                chosen = pick(selector, hists, target, n_select, fixed=fixed)
                 rows[name][0].append(time.perf_counter() - t0)
             rows[name][1].append(divergence(hists, [*chosen, *fixed], target) / greedy)
     out[k] = {n: [statistics.median(t), float(np.mean(d)), float(np.max(d))]
@@ -80,9 +94,9 @@ def _measure(names: list[str], k: int, n_fixed: int, n_select: int, trials: int,
         hists, target = _instance(rng, k, alpha)
         fixed = list(rng.choice(k, n_fixed, replace=False))
         for name in names:
-            select = SELECTORS[name]
+            select = build_selector(name, SelectorSettings(rng=rng))
             t0 = time.perf_counter()
-            chosen = select(hists, target, n_select, fixed=fixed, rng=rng)
+            chosen = select(hists, target, n_select, fixed=fixed)
             times[name].append(time.perf_counter() - t0)
             divs[name].append(divergence(hists, [*chosen, *fixed], target))
     return {n: (float(np.median(times[n])), float(np.mean(divs[n]))) for n in names}

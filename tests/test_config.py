@@ -103,3 +103,25 @@ def test_python_310_is_served_by_one_toml_reader_and_the_version_is_the_installe
                 if "tomllib" in names:
                     assert path.name == "loading.py", f"{path} imports tomllib"
     assert edge_client.__version__ == importlib.metadata.version("safl-edge")
+
+
+def test_no_unseeded_generator_anywhere():
+    """Every draw comes from a generator someone seeded: a run repeats, and no module keeps
+    global random state (no ``random`` module, no ``np.random.default_rng()`` without a seed,
+    no legacy ``np.random.<draw>``)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    for package in ("edge_client", "aggregator", "lab", "models", "safl"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    assert "random" not in {a.name for a in node.names}, path
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    func = ast.unparse(node.func)
+                    if func.endswith("default_rng"):
+                        assert node.args, f"{path}:{node.lineno} draws from an unseeded generator"
+                    elif ast.unparse(node.func.value) in ("np.random", "numpy.random"):
+                        assert node.func.attr in ("Generator", "PCG64", "SeedSequence"), \
+                            f"{path}:{node.lineno} uses numpy's global random state ({func})"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -72,7 +73,9 @@ class VideoSource:
         self.preprocess, self.labeler, self.sample_fps = preprocess, labeler, sample_fps
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self.loop, self.timeout = loop, timeout
-        self.rng = rng or np.random.default_rng()
+        # Reconnect jitter: the caller's generator, else one of this camera's own (seeded by
+        # its address, so two cameras back off apart and a run repeats).
+        self.rng = rng if rng is not None else np.random.default_rng(zlib.crc32(self.uri.encode()))
         self.clock, self.sleep = clock, sleep
         # One set of metrics per source: the labeler counts into the same Counter.
         self.wall = time.time  # capture times: labels from the line name wall-clock times
