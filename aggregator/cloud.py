@@ -20,25 +20,19 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import ShapeError
-from edge_client.role import RoleBase, RoleState
-from edge_client.topics import cloud_topics
+from edge_client.role import RoleBase
+from edge_client.states import CloudState
+from edge_client.topics import CLOUD_ID, cloud_topics
 
 from .config import CloudConfig
 from .fusion import Fold, fold_for
 from .server_optimizers import build_server_optimizer
 from .station import device_accuracy_summary
 
-__all__ = ["Cloud", "CloudState", "CLOUD_ID"]
+__all__ = ["Cloud", "CloudState"]
 
 MAX_DEVICE_ACCURACIES = m.MAX_MEMBERS  # per station: no roster is larger
 
-CLOUD_ID = "cloud"
-
-
-class CloudState(RoleState):
-    JOINING = "joining"  # waiting for every station's label counts
-    COLLECTING = "collecting"  # the stations' updates of the current round
-    DONE = "done"  # the final global model went out
 
 
 _C = CloudState
@@ -192,7 +186,7 @@ class Cloud(RoleBase):
         return msg
 
     def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
-        if msg.role != "station" or msg.sender not in self.config.stations:
+        if msg.role != m.Participant.STATION or msg.sender not in self.config.stations:
             return []
         if msg.online:
             self.offline.discard(msg.sender)

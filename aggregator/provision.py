@@ -32,6 +32,7 @@ from edge_client import topics
 from edge_client.codec import DEFAULT_CHUNK_SIZE
 from edge_client.config import BrokerConfig, check_id, read_toml, toml_text
 from edge_client.errors import ConfigError, SaflError
+from edge_client.messages import Participant
 from edge_client.mqtt import MqttTransport
 from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES
 
@@ -40,6 +41,7 @@ from .pki import issue, make_ca, serial_of, write_crl, write_private
 __all__ = ["FleetFile", "load_fleet_file", "provision", "kick", "MAX_PACKET"]
 
 MONITOR = "monitor"  # read-only user for `safl status`
+_DEV, _STATION, _CLOUD = Participant.DEVICE, Participant.STATION, Participant.CLOUD
 
 
 def line_id(station: str) -> str:
@@ -160,9 +162,9 @@ def _grant(access: str, below: str, leaves: tuple[str, ...]) -> list[str]:
 
 def _monitor_rules(fleet: str) -> list[str]:
     """Presence, status summaries and the model manifest: never updates or models."""
-    return [*_grant("read", topics.prefix(fleet, "station", "+"), ("status", "summary")),
-            *_grant("read", topics.prefix(fleet, "dev", "+"), ("status",)),
-            *_grant("read", topics.prefix(fleet, "cloud"), ("status", "summary", "model/manifest"))]
+    return [*_grant("read", topics.prefix(fleet, _STATION, "+"), ("status", "summary")),
+            *_grant("read", topics.prefix(fleet, _DEV, "+"), ("status",)),
+            *_grant("read", topics.prefix(fleet, _CLOUD), ("status", "summary", "model/manifest"))]
 
 
 class _State:
@@ -243,12 +245,12 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
               fleet.cloud_host, hosts=(fleet.cloud_host,), server=True)
     cloud_pb = prefix / "cloud" / "broker"
     (cloud_broker / "mosquitto.conf").write_text(_broker_conf(cloud_pb, fleet.cloud_port, prefix))
-    rules = {"cloud": [*_grant("write", topics.prefix(name, "cloud"), CLOUD_LEAVES),
-                       *_grant("read", topics.prefix(name, "station", "+"), STATION_UP)],
+    rules = {"cloud": [*_grant("write", topics.prefix(name, _CLOUD), CLOUD_LEAVES),
+                       *_grant("read", topics.prefix(name, _STATION, "+"), STATION_UP)],
              MONITOR: _monitor_rules(name)}
     for s in stations:
-        rules[s.id] = [*_grant("write", topics.prefix(name, "station", s.id), STATION_UP),
-                       *_grant("read", topics.prefix(name, "cloud"), CLOUD_LEAVES)]
+        rules[s.id] = [*_grant("write", topics.prefix(name, _STATION, s.id), STATION_UP),
+                       *_grant("read", topics.prefix(name, _CLOUD), CLOUD_LEAVES)]
     (cloud_broker / "acl").write_text(_acl(rules))
     cloud_url = f"mqtts://{fleet.cloud_host}:{fleet.cloud_port}"
     (out / "cloud" / "cloud.toml").write_text(toml_text({
@@ -272,20 +274,20 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
             f"bridge_certfile {cred / 'client.pem'}", f"bridge_keyfile {cred / 'client.key'}",
             f"remote_clientid {s.id}", "cleansession false",
             "bridge_protocol_version mqttv311", "try_private true",
-            *(f"topic {topics.prefix(name, 'station', s.id)}/{leaf} out 1" for leaf in STATION_UP),
-            *(f"topic {topics.prefix(name, 'cloud')}/{leaf} in 1" for leaf in CLOUD_LEAVES),
+            *(f"topic {topics.prefix(name, _STATION, s.id)}/{leaf} out 1" for leaf in STATION_UP),
+            *(f"topic {topics.prefix(name, _CLOUD)}/{leaf} in 1" for leaf in CLOUD_LEAVES),
         ]
         (folder / "mosquitto.conf").write_text(_broker_conf(pb, s.port, prefix, bridge))
         devices = [d for d in s.devices if d not in revoked]
-        rules = {s.id: [*_grant("write", topics.prefix(name, "station", s.id), STATION_LEAVES),
-                        *_grant("read", topics.prefix(name, "dev", "+"), ("stats", "status")),
+        rules = {s.id: [*_grant("write", topics.prefix(name, _STATION, s.id), STATION_LEAVES),
+                        *_grant("read", topics.prefix(name, _DEV, "+"), ("stats", "status")),
                         *(f"topic read {topics.prefix(name, 'dev', d)}/update" for d in devices),
-                        *_grant("read", topics.prefix(name, "cloud"), CLOUD_LEAVES)],
+                        *_grant("read", topics.prefix(name, _CLOUD), CLOUD_LEAVES)],
                  MONITOR: _monitor_rules(name),
                  line_id(s.id): [f"topic write {topics.line_prefix(s.id)}/#"]}
         for did in devices:
-            rules[did] = [*_grant("write", topics.prefix(name, "dev", did), DEVICE_LEAVES),
-                          *_grant("read", topics.prefix(name, "station", s.id),
+            rules[did] = [*_grant("write", topics.prefix(name, _DEV, did), DEVICE_LEAVES),
+                          *_grant("read", topics.prefix(name, _STATION, s.id),
                                   ("model", "select", "status")),
                           f"topic read {topics.line_prefix(s.id)}/#"]
         (folder / "acl").write_text(_acl(rules))

@@ -34,13 +34,13 @@ from edge_client.mqtt import MqttTransport
 from edge_client.runner import RoleRunner, StopFlag, serve
 from edge_client.service import model_trainer, role_transport, with_metrics
 from edge_client.sources.replay import load_arrays
-from edge_client.topics import manifest_topic, summary_topic
+from edge_client.topics import CLOUD_ID, manifest_topic, summary_topic
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .cloud import CLOUD_ID, Cloud
+from .cloud import Cloud, CloudState
 from .config import CloudConfig, StationConfig
 from .selection import blas_threads
-from .station import Station
+from .station import Station, StationState
 
 __all__ = ["StationService", "CloudService"]
 
@@ -123,7 +123,7 @@ class StationService:
         cfg = self.station
         role = Station(cfg, num_params=trainer.num_params, num_classes=self.model.num_classes,
                        rng=np.random.default_rng(cfg.seed))
-        transport = role_transport(self.broker, fleet=cfg.fleet, role="station",
+        transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.STATION,
                                    participant=cfg.station_id, trainer=trainer)
 
         first_model: list[float] = []
@@ -154,10 +154,10 @@ class StationService:
         runner = RoleRunner(role, transport)
         runner.observers.extend([*checkpoint, note_start])
         with blas_threads(1):  # selection's linear algebra is small: threads only spin
-            serve(runner, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-                  metrics=metrics,
-                  **_summaries(transport, summary_topic(cfg.fleet, "station", cfg.station_id),
-                               summary))
+            topic = summary_topic(cfg.fleet, m.Participant.STATION, cfg.station_id)
+            serve(runner, transport, stop=stop or StopFlag(),
+                  done=lambda: role.state == StationState.DONE, metrics=metrics,
+                  **_summaries(transport, topic, summary))
         log.info("station %s finished: %s", cfg.station_id, summary())
         return role
 
@@ -175,7 +175,7 @@ class CloudService:
         trainer = model_trainer(self.model, lr=0.01)
         cfg = self.cloud
         role = Cloud(cfg, initial_weights=trainer.get_flat(), num_classes=self.model.num_classes)
-        transport = role_transport(self.broker, fleet=cfg.fleet, role="cloud",
+        transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.CLOUD,
                                    participant=CLOUD_ID, trainer=trainer,
                                    client_id=f"{cfg.fleet}-cloud")
         rows: list[dict[str, Any]] = []
@@ -221,9 +221,10 @@ class CloudService:
             labels={"fleet": cfg.fleet})
         runner = RoleRunner(role, transport)
         runner.observers.extend([*checkpoint, evaluate, manifest])
-        serve(runner, transport, stop=stop or StopFlag(), done=lambda: role.state == "done",
-              linger=1.0, metrics=metrics,
-              **_summaries(transport, summary_topic(cfg.fleet, "cloud", CLOUD_ID), summary))
+        topic = summary_topic(cfg.fleet, m.Participant.CLOUD, CLOUD_ID)
+        serve(runner, transport, stop=stop or StopFlag(),
+              done=lambda: role.state == CloudState.DONE, linger=1.0, metrics=metrics,
+              **_summaries(transport, topic, summary))
         if self.out:
             out = Path(self.out)
             out.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,10 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import ShapeError
-from edge_client.role import RoleBase, RoleState
-from edge_client.topics import station_topics
+from edge_client.messages import NamedEnum
+from edge_client.role import RoleBase
+from edge_client.states import StationState
+from edge_client.topics import CLOUD_ID, station_topics
 
 from .config import StationConfig
 from .fusion import Fold, fold_for
@@ -40,7 +42,7 @@ from .trust import (
     seat_candidates,
 )
 
-__all__ = ["StationState", "Station", "accuracy_summary", "device_accuracy_summary"]
+__all__ = ["StationState", "Station", "Reply", "accuracy_summary", "device_accuracy_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +64,16 @@ def device_accuracy_summary(local, prequential) -> dict[str, float]:
     return {**accuracy_summary(local), **accuracy_summary(prequential, "prequential")}
 
 
-class StationState(RoleState):
-    JOINING = "joining"  # waiting for its devices' first stats
-    WAITING = "waiting"  # for the global model
-    COLLECTING = "collecting"  # the replies of a super node
-    # Fewer devices ready than the quorum: it waits, up to ``iteration_timeout`` an
-    # iteration, instead of closing iterations without training.
-    STARVED = "starved"
-    RESUMING = "resuming"  # restarted from a checkpoint taken mid-round
-    DONE = "done"
-
-
 _S = StationState
+
+
+class Reply(NamedEnum):
+    """How a super-node member answered this iteration (each kind is an answer: none is
+    waited for past it)."""
+
+    UPDATE = "update"  # a model, folded into w^m
+    SKIP = "skip"  # the upload gate held it back, or nothing to train on
+    REFUSED = "refused"  # its update could not be honest, or its frame was refused
 
 
 class Station(RoleBase):
@@ -111,7 +111,7 @@ class Station(RoleBase):
         self.deadline = 0.0
         self._next_hello = 0.0
         # Who answered this iteration, and how; the updates themselves go into the fold.
-        self._replies: dict[str, str] = {}  # "update", "skip" or "refused"
+        self._replies: dict[str, Reply] = {}
         self._fold: Fold = fold_for(config.fusion)
         self._consumed = 0
         self._consumed_before = 0  # samples of the rounds already uploaded
@@ -262,13 +262,14 @@ class Station(RoleBase):
 
     def _on_refusal(self, msg: m.Refusal, now: float) -> list[m.Message]:
         """The transport refused a member's frame: its answer for this iteration."""
-        if msg.role != "dev" or msg.leaf != "update" or self.state != _S.COLLECTING \
-                or msg.sender not in self.members or msg.sender in self._replies:
+        if msg.role != m.Participant.DEVICE or msg.leaf != "update" \
+                or self.state != _S.COLLECTING or msg.sender not in self.members \
+                or msg.sender in self._replies:
             return []
         return self._refused_reply(msg.sender, now)
 
     def _refused_reply(self, device: str, now: float) -> list[m.Message]:
-        self._replies[device] = "refused"
+        self._replies[device] = Reply.REFUSED
         self.counters["refused_replies"] += 1
         if self.config.refused_sit_out:
             self._sitting_out[device] = self.iteration + self.config.refused_sit_out
@@ -323,9 +324,9 @@ class Station(RoleBase):
         return dataclasses.replace(msg, seen_counts=counts)
 
     def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
-        if msg.role == "cloud" and msg.online:
+        if msg.role == m.Participant.CLOUD and msg.online:
             return self._reannounce()
-        if msg.role != "dev" or msg.sender not in self.config.devices:
+        if msg.role != m.Participant.DEVICE or msg.sender not in self.config.devices:
             return []
         if msg.online:
             # Back after a Last Will (a broker restart fires them all): selectable again.
@@ -367,10 +368,10 @@ class Station(RoleBase):
         if isinstance(msg, m.DeviceUpdate):
             # Folded now and not kept: the station holds one running sum, not every reply.
             self._fold.add(msg.weights, msg.num_samples, key=msg.sender)
-            self._replies[msg.sender] = "update"
+            self._replies[msg.sender] = Reply.UPDATE
             self.counters["received_updates"] += 1
         else:
-            self._replies[msg.sender] = "skip"
+            self._replies[msg.sender] = Reply.SKIP
             self.counters["received_skips"] += 1
         if self._awaited() == 0:
             return self._close_iteration(now)
@@ -396,7 +397,7 @@ class Station(RoleBase):
         return None
 
     def _on_global(self, msg: m.GlobalModel, now: float) -> list[m.Message]:
-        if msg.sender != "cloud":
+        if msg.sender != CLOUD_ID:
             return self._reject("unknown_sender", f"global model from {msg.sender!r}")
         if msg.weights.size != self.num_params or msg.p_real.size != self.num_classes:
             return self._reject("wrong_length", "global model or P_real of the wrong size")

@@ -14,14 +14,16 @@ from edge_client import messages as m
 from edge_client.config import BrokerConfig
 from edge_client.documents import CloudSummary, Document, ModelManifest, StationSummary
 from edge_client.mqtt import MqttTransport
-from edge_client.topics import document_filters, presence_filters
+from edge_client.states import StationState
+from edge_client.topics import CLOUD_ID, document_filters, presence_filters
 
 __all__ = ["FleetStatus", "fleet_status", "format_status"]
 
 
 @dataclass
 class FleetStatus:
-    presence: dict[tuple[str, str], bool] = field(default_factory=dict)  # (role, id): online
+    # (role, id) -> online
+    presence: dict[tuple[m.Participant, str], bool] = field(default_factory=dict)
     stations: dict[str, StationSummary] = field(default_factory=dict)
     cloud: CloudSummary | None = None
     manifest: ModelManifest | None = None
@@ -80,21 +82,22 @@ def format_status(found: FleetStatus, fleet: str) -> str:
     """Stations, devices online, round, iteration, last accuracy and upload counts."""
     lines = [f"fleet {fleet}"]
     cloud = found.cloud
-    online = found.presence.get(("cloud", "cloud"))
+    online = found.presence.get((m.Participant.CLOUD, CLOUD_ID))
     acc = cloud.accuracy if cloud else None
     lines.append(f"cloud: {'online' if online else 'offline' if online is False else 'unknown'}"
                  f", state {cloud.state if cloud else '?'}, round "
                  f"{cloud.round if cloud else '?'}, iteration {cloud.iteration if cloud else '?'}"
                  f", last accuracy {'-' if acc is None else f'{acc:.4f}'}"
                  + (_devices_accuracy(cloud) if cloud else ""))
-    devices = {s: o for (r, s), o in found.presence.items() if r == "dev"}
+    devices = {s: o for (r, s), o in found.presence.items() if r == m.Participant.DEVICE}
     lines.append(f"devices online: {sum(devices.values())} of {len(devices)} seen")
     lines.append(f"{'station':<10} {'presence':<9} {'state':<11} {'round':>5} {'iter':>5} "
                  f"{'online':>7} {'uploads':>8} {'skips':>6} {'rejected':>9}  device accuracy")
-    stations = sorted({s for (r, s) in found.presence if r == "station"} | set(found.stations))
+    stations = sorted({s for (r, s) in found.presence if r == m.Participant.STATION}
+                      | set(found.stations))
     for sid in stations:
         doc = found.stations.get(sid)
-        presence = found.presence.get(("station", sid))
+        presence = found.presence.get((m.Participant.STATION, sid))
         if doc is None:
             lines.append(f"{sid:<10} {('online' if presence else 'offline'):<9} {'?':<11} "
                          f"{'?':>5} {'?':>5} {'?':>7} {0:>8} {0:>6} {0:>9}")
@@ -108,9 +111,9 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                      f"{doc.counters.get('received_skips', 0):>6} {rejected:>9}"
                      f"{_devices_accuracy(doc)}")
     for doc in (found.stations[sid] for sid in stations if sid in found.stations):
-        if doc.state == "starved":
+        if doc.state == StationState.STARVED:
             lines.append(f"{doc.station} waits for devices: {doc.online} online, "
                          f"quorum {doc.quorum}")
-        if doc.state == "joining" and doc.missing:
+        if doc.state == StationState.JOINING and doc.missing:
             lines.append(f"{doc.station} waits for its roster: missing {', '.join(doc.missing)}")
     return "\n".join(lines)

@@ -241,7 +241,7 @@ class Device(RoleBase):
     def _on_station_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
         """The station (re)appeared: it may have restarted from an older checkpoint, so the
         next model it sends is accepted whatever its iteration, and it gets our stats."""
-        if not msg.online or msg.role != "station":
+        if not msg.online or msg.role != m.Participant.STATION:
             return []
         self._accept_any_iteration = self._model is not None
         if self._awaiting is not None:  # a restarted station selects anew

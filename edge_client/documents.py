@@ -18,9 +18,11 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from .errors import MessageError
+from .states import CloudState, StationState
 
 __all__ = ["ModelManifest", "StationSummary", "CloudSummary", "Prediction", "Document",
            "DOCUMENT_VERSION",
@@ -46,7 +48,7 @@ class StationSummary:
     """A base station's state, roster and counters."""
 
     station: str
-    state: str
+    state: StationState
     round: int
     iteration: int
     devices: int  # on the roster
@@ -67,7 +69,7 @@ class StationSummary:
 class CloudSummary:
     """The cloud's state, its stations and the last accuracy it measured."""
 
-    state: str
+    state: CloudState
     round: int
     iteration: int
     stations: tuple[str, ...]
@@ -118,6 +120,12 @@ def _check(name: str, value: Any, hint: Any) -> Any:
                 isinstance(k, str) and type(v) is int for k, v in value.items()):
             raise MessageError("document", f"{name!r} must map names to integers")
         return dict(value)
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise MessageError("document", f"{name!r} = {str(value)[:40]!r} is not one of "
+                               f"{[e.value for e in hint]}") from None
     if hint is float and type(value) in (int, float) and math.isfinite(value):
         return float(value)
     if type(value) is not hint:  # bool is not an int here, nor an int a string

@@ -14,6 +14,7 @@ import math
 import re
 import typing
 from dataclasses import dataclass
+from enum import Enum
 from typing import ClassVar
 
 import numpy as np
@@ -33,6 +34,8 @@ __all__ = [
     "GlobalModel",
     "Presence",
     "Refusal",
+    "NamedEnum",
+    "Participant",
     "payload_nbytes",
     "ID_PATTERN",
     "MAX_INT",
@@ -45,6 +48,24 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 # Integers must survive a JSON round trip through any decoder (IEEE doubles are exact below).
 MAX_INT = 2**53
 MAX_MEMBERS = 4096  # a super node larger than any roster we support
+
+
+class NamedEnum(str, Enum):
+    """An enum whose members print, format, compare and serialise as their value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Participant(NamedEnum):
+    """Who a participant is: the topic level its topics live under (``topics.py``)."""
+
+    DEVICE = "dev"
+    STATION = "station"
+    CLOUD = "cloud"
 
 
 def is_id(value: object) -> bool:
@@ -77,6 +98,12 @@ def _check_scalar(cls: type, name: str, hint: object, value: object) -> object:
             return value
         raise MessageError("bad_id", f"{cls.__name__}.{name} = {str(value)[:80]!r} does not "
                            f"match {ID_PATTERN.pattern}")
+    elif isinstance(hint, type) and issubclass(hint, Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise MessageError("bad_field", f"{cls.__name__}.{name} = {str(value)[:80]!r} is "
+                               f"not one of {[e.value for e in hint]}") from None
     elif typing.get_origin(hint) is tuple:
         if isinstance(value, (tuple, list)) and len(value) <= MAX_MEMBERS \
                 and all(is_id(v) for v in value):
@@ -245,13 +272,8 @@ class GlobalModel(Message):
 class Presence(Message):
     """Retained online/offline status of a participant; its Last Will says offline."""
 
-    role: str  # "cloud", "station" or "dev": the topic level it lives under
+    role: Participant
     online: bool
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.role not in ("cloud", "station", "dev"):
-            raise MessageError("header", f"presence role {self.role!r} unknown")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,7 +286,7 @@ class Refusal(Message):
     """
 
     reason: str
-    role: str  # "dev" or "station": the topic level the refused frame came in under
+    role: Participant  # the topic level the refused frame came in under
     leaf: str  # the last topic level: "update", "stats", ...
 
 

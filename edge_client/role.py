@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping
-from enum import Enum
 from typing import ClassVar, Protocol
 
 from . import messages as m
 from .admission import LogLimiter
 from .errors import SaflError
+from .messages import NamedEnum
 
 __all__ = ["Role", "RoleBase", "RoleState", "TransitionError"]
 
@@ -30,14 +30,8 @@ class Role(Protocol):
     def tick(self, now: float) -> list[m.Message]: ...
 
 
-class RoleState(str, Enum):
+class RoleState(NamedEnum):
     """A role's state: an enum member that prints, formats and serialises as its name."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 class TransitionError(SaflError):

@@ -61,7 +61,7 @@ def model_trainer(model: ModelConfig, lr: float):
                          artifacts=model.artifacts or None, device=model.device)
 
 
-def role_transport(broker: BrokerConfig, *, fleet: str, role: str, participant: str,
+def role_transport(broker: BrokerConfig, *, fleet: str, role: m.Participant, participant: str,
                    trainer, client_id: str | None = None) -> MqttTransport:
     """The MQTT transport of one participant, with its presence and the model's layout."""
     presence = m.Presence(fleet=fleet, sender=participant, round=0, iteration=0, role=role,
@@ -105,7 +105,7 @@ class DeviceService:
         trainer = model_trainer(mc, cfg.lr)
         device = Device(cfg, trainer, num_classes=mc.num_classes, sample_shape=mc.input_shape,
                         rng=np.random.default_rng(cfg.seed), inference=self.inference)
-        transport = role_transport(self.broker, fleet=cfg.fleet, role="dev",
+        transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,
                                    participant=cfg.device_id, trainer=trainer)
         runner = RoleRunner(device, transport)
         if self.service.state_dir:

@@ -7,8 +7,10 @@ can confine it; the in-process bus uses the same names.
 from __future__ import annotations
 
 from . import messages as m
+from .messages import Participant
 
 __all__ = [
+    "CLOUD_ID",
     "topic_for",
     "matches",
     "device_topics",
@@ -38,43 +40,49 @@ STATION_LEAVES = ("model", "select", "update", "stats", "status", "summary")
 CLOUD_LEAVES = ("model", "model/manifest", "status", "summary")
 
 
+# The cloud's participant id: one cloud per fleet, so its topics need no id level.
+CLOUD_ID = "cloud"
+_DEV, _STATION, _CLOUD = Participant.DEVICE, Participant.STATION, Participant.CLOUD
+
+
 def _root(fleet: str) -> str:
     return f"safl/{fleet}"
 
 
-def prefix(fleet: str, role: str, participant: str = "") -> str:
-    """``safl/<fleet>/cloud``, or ``safl/<fleet>/<role>/<participant>`` for ``dev`` and
-    ``station`` (``participant`` may be the ``+`` wildcard)."""
-    return f"{_root(fleet)}/cloud" if role == "cloud" else f"{_root(fleet)}/{role}/{participant}"
+def prefix(fleet: str, role: Participant | str, participant: str = "") -> str:
+    """``safl/<fleet>/cloud``, or ``safl/<fleet>/<role>/<participant>`` for a device or a
+    station (``participant`` may be the ``+`` wildcard)."""
+    if role == _CLOUD:
+        return f"{_root(fleet)}/{_CLOUD}"
+    return f"{_root(fleet)}/{role}/{participant}"
 
 
 def topic_for(message: m.Message) -> str:
     """Topic a message is published on."""
-    root = _root(message.fleet)
     if isinstance(message, m.DeviceStats):
-        return f"{root}/dev/{message.sender}/stats"
+        return f"{prefix(message.fleet, _DEV, message.sender)}/stats"
     if isinstance(message, (m.DeviceUpdate, m.SkipNotice)):
-        return f"{root}/dev/{message.sender}/update"
+        return f"{prefix(message.fleet, _DEV, message.sender)}/update"
     if isinstance(message, m.StationModel):
         return station_model_topic(message.fleet, message.sender)
     if isinstance(message, m.Selection):
-        return f"{root}/station/{message.sender}/select"
+        return f"{prefix(message.fleet, _STATION, message.sender)}/select"
     if isinstance(message, m.StationStats):
-        return f"{root}/station/{message.sender}/stats"
+        return f"{prefix(message.fleet, _STATION, message.sender)}/stats"
     if isinstance(message, m.StationUpdate):
-        return f"{root}/station/{message.sender}/update"
+        return f"{prefix(message.fleet, _STATION, message.sender)}/update"
     if isinstance(message, m.GlobalModel):
         return global_model_topic(message.fleet)
     if isinstance(message, m.Presence):
         return status_topic(message.fleet, message.role, message.sender)
     if isinstance(message, m.Refusal):  # delivered locally where the refused frame came in
-        return f"{root}/{message.role}/{message.sender}/{message.leaf}"
+        return f"{prefix(message.fleet, message.role, message.sender)}/{message.leaf}"
     raise TypeError(f"no topic for {type(message).__name__}")
 
 
 def predictions_topic(fleet: str, device: str) -> str:
     """Where a device publishes what its model says about each frame (JSON, QoS 0)."""
-    return f"{_root(fleet)}/dev/{device}/predictions"
+    return f"{prefix(fleet, _DEV, device)}/predictions"
 
 
 def line_prefix(station: str) -> str:
@@ -85,22 +93,20 @@ def line_prefix(station: str) -> str:
 
 def station_model_topic(fleet: str, station: str) -> str:
     """Where ``station`` publishes ``w^m`` (``+`` for every station)."""
-    return f"{_root(fleet)}/station/{station}/model"
+    return f"{prefix(fleet, _STATION, station)}/model"
 
 
 def global_model_topic(fleet: str) -> str:
     """Where the cloud publishes the global model."""
-    return f"{_root(fleet)}/cloud/model"
+    return f"{prefix(fleet, _CLOUD)}/model"
 
 
-def status_topic(fleet: str, role: str, participant: str) -> str:
-    """Retained presence of a participant (``role`` is cloud, station or dev)."""
-    if role == "cloud":
-        return f"{_root(fleet)}/cloud/status"
-    return f"{_root(fleet)}/{role}/{participant}/status"
+def status_topic(fleet: str, role: Participant | str, participant: str) -> str:
+    """Retained presence of a participant (``role`` may be the ``+`` wildcard)."""
+    return f"{prefix(fleet, role, participant)}/status"
 
 
-def summary_topic(fleet: str, role: str, participant: str) -> str:
+def summary_topic(fleet: str, role: Participant | str, participant: str) -> str:
     """Retained JSON summary a station or the cloud publishes for ``safl status``."""
     return status_topic(fleet, role, participant).removesuffix("/status") + "/summary"
 
@@ -112,12 +118,12 @@ def manifest_topic(fleet: str) -> str:
 
 def presence_filters(fleet: str) -> list[str]:
     """Every participant's retained presence (what ``safl status`` reads, with the next)."""
-    return [status_topic(fleet, "+", "+"), status_topic(fleet, "cloud", "cloud")]
+    return [status_topic(fleet, "+", "+"), status_topic(fleet, _CLOUD, CLOUD_ID)]
 
 
 def document_filters(fleet: str) -> list[str]:
     """Every summary and the model manifest: the fleet's state, and no weights."""
-    return [summary_topic(fleet, "+", "+"), summary_topic(fleet, "cloud", "cloud"),
+    return [summary_topic(fleet, "+", "+"), summary_topic(fleet, _CLOUD, CLOUD_ID),
             manifest_topic(fleet)]
 
 
@@ -129,8 +135,8 @@ def is_document_topic(topic: str) -> bool:
 def device_topics(fleet: str, station: str) -> list[str]:
     """What a device of ``station`` subscribes to (its presence too: a station that comes
     back online is asking for stats)."""
-    return [station_model_topic(fleet, station), f"{_root(fleet)}/station/{station}/select",
-            status_topic(fleet, "station", station)]
+    return [station_model_topic(fleet, station), f"{prefix(fleet, _STATION, station)}/select",
+            status_topic(fleet, _STATION, station)]
 
 
 def station_topics(fleet: str, devices: list[str] | tuple[str, ...]) -> list[str]:
@@ -140,15 +146,16 @@ def station_topics(fleet: str, devices: list[str] | tuple[str, ...]) -> list[str
     factory's models to every station); stats and presence from all, so an unknown
     device is seen and counted.
     """
-    root = _root(fleet)
-    return [f"{root}/dev/+/stats", f"{root}/dev/+/status", global_model_topic(fleet),
-            status_topic(fleet, "cloud", "cloud"), *(f"{root}/dev/{d}/update" for d in devices)]
+    devs = prefix(fleet, _DEV, "+")
+    return [f"{devs}/stats", f"{devs}/status", global_model_topic(fleet),
+            status_topic(fleet, _CLOUD, CLOUD_ID),
+            *(f"{prefix(fleet, _DEV, d)}/update" for d in devices)]
 
 
 def cloud_topics(fleet: str) -> list[str]:
     """What the cloud subscribes to."""
-    root = _root(fleet)
-    return [f"{root}/station/+/stats", f"{root}/station/+/update", f"{root}/station/+/status"]
+    stations = prefix(fleet, _STATION, "+")
+    return [f"{stations}/stats", f"{stations}/update", f"{stations}/status"]
 
 
 def matches(topic_filter: str, topic: str) -> bool:
@@ -162,7 +169,7 @@ def matches(topic_filter: str, topic: str) -> bool:
     return len(fparts) == len(tparts)
 
 
-def participant_of(topic: str, fleet: str) -> tuple[str, str, str] | None:
+def participant_of(topic: str, fleet: str) -> tuple[Participant, str, str] | None:
     """``(role, id, leaf)`` of a participant's own topic in ``fleet``, else None.
 
     The broker's ACL lets only that participant write there, so the topic names the
@@ -170,6 +177,6 @@ def participant_of(topic: str, fleet: str) -> tuple[str, str, str] | None:
     """
     parts = topic.split("/")
     if len(parts) == 5 and parts[0] == "safl" and parts[1] == fleet \
-            and parts[2] in ("dev", "station") and m.is_id(parts[3]):
-        return parts[2], parts[3], parts[4]
+            and parts[2] in (_DEV, _STATION) and m.is_id(parts[3]):
+        return Participant(parts[2]), parts[3], parts[4]
     return None

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregator.cloud import Cloud
+from aggregator.cloud import Cloud, CloudState
 from aggregator.config import CloudConfig, StationConfig
 from aggregator.station import Station, device_accuracy_summary
 from edge_client import messages as m
@@ -259,8 +259,8 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         return bool(spec.samples and rows and rows[-1]["samples"] >= spec.samples)
 
     serve([*runners, *(r for _, _, r in devices)], bus, stop=StopFlag(install=False),
-          done=lambda: cloud.state == "done" or budget_spent() or bus.idle, linger=0.0)
-    if cloud.state != "done" and not budget_spent():
+          done=lambda: cloud.state == CloudState.DONE or budget_spent() or bus.idle, linger=0.0)
+    if cloud.state != CloudState.DONE and not budget_spent():
         raise SaflError(f"federation stalled in round {cloud.round} (cloud {cloud.state}); "
                         f"station states {[r.role.state for r in runners[1:]]}")
     counters: dict[str, int] = {}

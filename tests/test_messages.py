@@ -102,3 +102,25 @@ def test_documents_round_trip_and_refuse_what_they_do_not_describe():
     for payload in bad:
         with pytest.raises(MessageError, match="document"):
             decode_document(payload)
+
+
+def test_roles_and_states_are_enums_on_the_wire_and_in_documents():
+    from edge_client.codec import decode, encode
+    from edge_client.documents import CloudSummary, decode_document, encode_document
+    from edge_client.states import CloudState
+
+    presence = m.Presence(fleet="f", sender="s1", round=0, iteration=0, role="station",
+                          online=True)
+    assert presence.role is m.Participant.STATION
+    back = decode(encode(presence), max_size=1 << 16).message
+    assert back.role is m.Participant.STATION and f"{back.role}" == "station"
+    with pytest.raises(MessageError) as err:
+        m.Presence(fleet="f", sender="s1", round=0, iteration=0, role="boss", online=True)
+    assert err.value.reason == "bad_field"
+    doc = decode_document(encode_document(CloudSummary(state=CloudState.DONE, round=3,
+                                                       iteration=9, stations=("s1",))))
+    assert doc.state is CloudState.DONE
+    forged = json.loads(encode_document(doc))
+    forged["state"] = "sleeping"
+    with pytest.raises(MessageError, match="state"):
+        decode_document(json.dumps(forged).encode())

@@ -1,0 +1,30 @@
+"""The roles' states: what a station and the cloud report in their summaries, compare in
+their services and show in ``safl status``.
+
+They live here, beside the protocol every role shares, so the JSON documents
+(``documents.py``) and an operator's tools type them; the transitions between them are
+each role's own table (``device.py``, ``aggregator/station.py``, ``aggregator/cloud.py``).
+"""
+
+from __future__ import annotations
+
+from .role import RoleState
+
+__all__ = ["StationState", "CloudState"]
+
+
+class StationState(RoleState):
+    JOINING = "joining"  # waiting for its devices' first stats
+    WAITING = "waiting"  # for the global model
+    COLLECTING = "collecting"  # the replies of a super node
+    # Fewer devices ready than the quorum: it waits, up to ``iteration_timeout`` an
+    # iteration, instead of closing iterations without training.
+    STARVED = "starved"
+    RESUMING = "resuming"  # restarted from a checkpoint taken mid-round
+    DONE = "done"
+
+
+class CloudState(RoleState):
+    JOINING = "joining"  # waiting for every station's label counts
+    COLLECTING = "collecting"  # the stations' updates of the current round
+    DONE = "done"  # the final global model went out
