@@ -18,10 +18,10 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from .errors import MessageError
+from .messages import NamedEnum
 from .states import CloudState, StationState
 
 __all__ = ["ModelManifest", "StationSummary", "CloudSummary", "Prediction", "Document",
@@ -120,12 +120,8 @@ def _check(name: str, value: Any, hint: Any) -> Any:
                 isinstance(k, str) and type(v) is int for k, v in value.items()):
             raise MessageError("document", f"{name!r} must map names to integers")
         return dict(value)
-    if isinstance(hint, type) and issubclass(hint, Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            raise MessageError("document", f"{name!r} = {str(value)[:40]!r} is not one of "
-                               f"{[e.value for e in hint]}") from None
+    if isinstance(hint, type) and issubclass(hint, NamedEnum):
+        return hint.parse(value, "document", repr(name))
     if hint is float and type(value) in (int, float) and math.isfinite(value):
         return float(value)
     if type(value) is not hint:  # bool is not an int here, nor an int a string

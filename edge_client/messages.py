@@ -59,6 +59,16 @@ class NamedEnum(str, Enum):
     def __format__(self, spec: str) -> str:
         return format(str(self.value), spec)
 
+    @classmethod
+    def parse(cls, value: object, reason: str, what: str) -> NamedEnum:
+        """The member whose value is ``value``, else a :class:`MessageError` with ``reason``
+        naming ``what`` and the values it may take."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise MessageError(reason, f"{what} = {str(value)[:80]!r} is not one of "
+                               f"{[e.value for e in cls]}") from None
+
 
 class Participant(NamedEnum):
     """Who a participant is: the topic level its topics live under (``topics.py``)."""
@@ -98,12 +108,8 @@ def _check_scalar(cls: type, name: str, hint: object, value: object) -> object:
             return value
         raise MessageError("bad_id", f"{cls.__name__}.{name} = {str(value)[:80]!r} does not "
                            f"match {ID_PATTERN.pattern}")
-    elif isinstance(hint, type) and issubclass(hint, Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            raise MessageError("bad_field", f"{cls.__name__}.{name} = {str(value)[:80]!r} is "
-                               f"not one of {[e.value for e in hint]}") from None
+    elif isinstance(hint, type) and issubclass(hint, NamedEnum):
+        return hint.parse(value, "bad_field", f"{cls.__name__}.{name}")
     elif typing.get_origin(hint) is tuple:
         if isinstance(value, (tuple, list)) and len(value) <= MAX_MEMBERS \
                 and all(is_id(v) for v in value):
