@@ -29,6 +29,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -42,6 +43,13 @@ WIRE_VERSION = 2
 MAGIC, CHUNK_MAGIC = b"SAFL", b"SAFC"
 DEFAULT_CHUNK_SIZE = 256 * 1024
 _FIXED = struct.Struct("<4sBBBBIQ")  # every version's prefix up to its checksum
+
+
+class _Check(Protocol):
+    """A checksum folded in piece by piece (hashlib's interface)."""
+
+    def update(self, data, /) -> None: ...
+    def digest(self) -> bytes: ...
 
 
 class _Crc32:
@@ -69,7 +77,7 @@ class _Version:
     prefix; receivers still read it.
     """
 
-    check: Callable[[], object]
+    check: Callable[[], _Check]
     name: str
     digest_size: int
     trailer: bool
@@ -349,6 +357,24 @@ def is_chunk(data: bytes) -> bool:
     return data[:4] == CHUNK_MAGIC
 
 
+@dataclass
+class _Partial:
+    """A chunked frame being put back together."""
+
+    count: int  # chunks the frame was cut into
+    total: int  # bytes of the whole frame
+    started: float  # when its first chunk arrived (for the timeout)
+    chunks: dict[int, memoryview] = dataclasses.field(default_factory=dict)
+    bytes: int = 0  # buffered so far
+    # The running checksum over the chunks received in order from the first (``hashed`` of
+    # them, ``offset`` bytes), over the byte ranges ``span`` the frame's version checks.
+    hash: _Check | None = None
+    span: tuple[tuple[int, int], ...] = ()
+    hashed: int = 0
+    offset: int = 0
+    unhashable: bool = False  # the first chunk names no version: decode checks it whole
+
+
 class Reassembler:
     """Puts chunks back together: once per message, within a timeout and a memory cap.
 
@@ -362,7 +388,7 @@ class Reassembler:
 
     def __init__(self, *, max_size: int, memory_cap: int, timeout: float) -> None:
         self.max_size, self.memory_cap, self.timeout = max_size, memory_cap, timeout
-        self._parts: OrderedDict[tuple[str, bytes], dict] = OrderedDict()
+        self._parts: OrderedDict[tuple[str, bytes], _Partial] = OrderedDict()
         self._done: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self.buffered = 0
         self.counters: dict[str, int] = {}
@@ -373,13 +399,13 @@ class Reassembler:
 
     def expire(self, now: float) -> None:
         """Drop partial messages older than the timeout."""
-        for key in [k for k, v in self._parts.items() if now - v["started"] > self.timeout]:
+        for key in [k for k, v in self._parts.items() if now - v.started > self.timeout]:
             self._drop(key)
             self._count("chunk_timeout")
 
     def _drop(self, key: tuple[str, bytes]) -> None:
         entry = self._parts.pop(key)
-        self.buffered -= entry["bytes"]
+        self.buffered -= entry.bytes
 
     def add(self, source: str, data: bytes, now: float) -> bytes | None:
         if len(data) < _CHUNK.size:
@@ -399,12 +425,10 @@ class Reassembler:
         self.expire(now)
         entry = self._parts.get(key)
         if entry is None:
-            entry = self._parts[key] = {"count": count, "total": total, "chunks": {},
-                                        "bytes": 0, "started": now,
-                                        "hash": None, "span": (), "hashed": 0, "offset": 0}
-        if entry["count"] != count or entry["total"] != total:
+            entry = self._parts[key] = _Partial(count=count, total=total, started=now)
+        if entry.count != count or entry.total != total:
             raise MessageError("bad_chunk", "chunks of one message disagree on its size")
-        if index in entry["chunks"]:
+        if index in entry.chunks:
             self._count("duplicate_chunks")
             return None
         piece = memoryview(data)[_CHUNK.size:]  # joined once, below
@@ -415,39 +439,40 @@ class Reassembler:
         if self.buffered + len(piece) > self.memory_cap:
             self._drop(key)
             raise MessageError("oversize", "chunked message exceeds the reassembly memory cap")
-        entry["chunks"][index] = piece
-        entry["bytes"] += len(piece)
+        entry.chunks[index] = piece
+        entry.bytes += len(piece)
         self.buffered += len(piece)
         self._hash_in_order(entry)
-        if len(entry["chunks"]) < count:
+        if len(entry.chunks) < count:
             return None
         self._drop(key)
         self._done[key] = None
         while len(self._done) > 4096:
             self._done.popitem(last=False)
-        frame = b"".join(entry["chunks"][i] for i in range(count))
+        frame = b"".join(entry.chunks[i] for i in range(count))
         if len(frame) != total:
             raise MessageError("wrong_length", f"chunks add up to {len(frame)}, expected {total}")
-        self.last_digest = entry["hash"].digest() if entry["hashed"] == count else None
+        self.last_digest = (entry.hash.digest() if entry.hash is not None
+                            and entry.hashed == count else None)
         return frame
 
     @staticmethod
-    def _hash_in_order(entry: dict) -> None:
+    def _hash_in_order(entry: _Partial) -> None:
         """Fold in the chunks that continue the checked prefix of the frame (the span
         :func:`decode` checks: all of the frame but its checksum)."""
-        while entry["hashed"] >= 0 and entry["hashed"] in entry["chunks"]:
-            piece = entry["chunks"][entry["hashed"]]
-            if entry["hashed"] == 0:
+        while not entry.unhashable and entry.hashed in entry.chunks:
+            piece = entry.chunks[entry.hashed]
+            if entry.hashed == 0:
                 try:  # the first chunk says which check the frame carries
                     version = _version_of(piece)
                 except MessageError:
-                    entry["hashed"] = -1  # decode checks the whole frame (or refuses it)
+                    entry.unhashable = True  # decode checks the whole frame (or refuses it)
                     return
-                entry["hash"], entry["span"] = version.check(), version.span(entry["total"])
-            start = entry["offset"]
-            for lo, hi in entry["span"]:
+                entry.hash, entry.span = version.check(), version.span(entry.total)
+            start = entry.offset
+            for lo, hi in entry.span:
                 lo, hi = max(lo, start), min(hi, start + len(piece))
                 if lo < hi:
-                    entry["hash"].update(piece[lo - start:hi - start])
-            entry["offset"] += len(piece)
-            entry["hashed"] += 1
+                    entry.hash.update(piece[lo - start:hi - start])
+            entry.offset += len(piece)
+            entry.hashed += 1
