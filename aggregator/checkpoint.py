@@ -8,18 +8,22 @@ instant leaves either the previous checkpoint or the new one, never a torn file.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from edge_client.errors import SaflError
 from edge_client.files import write_atomic
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "CHECKPOINT_FORMAT"]
+__all__ = ["CheckpointError", "RoleCheckpoint", "save_checkpoint", "load_checkpoint",
+           "group", "grouped", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
 _META = "__meta__"
@@ -31,9 +35,49 @@ class CheckpointError(SaflError):
     exit_code = 8
 
 
-def save_checkpoint(path: str | Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> int:
+R = TypeVar("R", bound="RoleCheckpoint")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleCheckpoint:
+    """The scalar part of a role's checkpoint, the JSON document beside its arrays; each
+    role extends it with what it needs to continue bit for bit."""
+
+    role: str  # whose checkpoint it is: a role refuses another's
+    state: str
+    round: int
+    iteration: int
+    counters: dict[str, int]
+
+    @classmethod
+    def from_doc(cls: type[R], doc: Mapping[str, Any]) -> R:
+        """From a loaded document: keys it does not know are ignored, keys an older
+        checkpoint lacks take their defaults, a missing required key is a
+        :class:`CheckpointError`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in doc.items() if k in names})
+        except TypeError as exc:
+            raise CheckpointError(f"the checkpoint's document does not fit {cls.__name__}: "
+                                  f"{exc}") from None
+
+
+def group(arrays: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The arrays saved under ``prefix`` (:func:`grouped`), keyed by what follows it."""
+    head = f"{prefix}_"
+    return {k.removeprefix(head): v for k, v in arrays.items() if k.startswith(head)}
+
+
+def grouped(prefix: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``arrays`` named to be saved beside others under ``prefix`` (``opt_m``, ``seen_d0``)."""
+    return {f"{prefix}_{k}": v for k, v in arrays.items()}
+
+
+def save_checkpoint(path: str | Path, arrays: dict[str, np.ndarray],
+                    meta: RoleCheckpoint | Mapping[str, Any]) -> int:
     """Write ``arrays`` and ``meta`` atomically to ``path``; returns the bytes written."""
-    doc = json.dumps({"format": CHECKPOINT_FORMAT, **meta}).encode()
+    fields = dataclasses.asdict(meta) if isinstance(meta, RoleCheckpoint) else dict(meta)
+    doc = json.dumps({"format": CHECKPOINT_FORMAT, **fields}).encode()
     buf = io.BytesIO()
     np.savez(buf, **arrays, **{_META: np.frombuffer(doc, dtype=np.uint8)})
     return write_atomic(path, buf.getbuffer())

@@ -15,6 +15,7 @@ station's presence comes back, the cloud repeats the current global model to it.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,12 +25,13 @@ from edge_client.role import RoleBase
 from edge_client.states import CloudState
 from edge_client.topics import CLOUD_ID, cloud_topics
 
+from .checkpoint import RoleCheckpoint, group, grouped
 from .config import CloudConfig
 from .fusion import Fold, fold_for
 from .server_optimizers import build_server_optimizer
 from .station import device_accuracy_summary
 
-__all__ = ["Cloud", "CloudState"]
+__all__ = ["Cloud", "CloudState", "CloudCheckpoint"]
 
 MAX_DEVICE_ACCURACIES = m.MAX_MEMBERS  # per station: no roster is larger
 
@@ -38,9 +40,19 @@ MAX_DEVICE_ACCURACIES = m.MAX_MEMBERS  # per station: no roster is larger
 _C = CloudState
 
 
+@dataclass(frozen=True, kw_only=True)
+class CloudCheckpoint(RoleCheckpoint):
+    """The cloud's scalars as a round is broadcast (its arrays: the global model, the
+    server optimiser's moments, each station's counts)."""
+
+    role: str = "cloud"
+    consumed: dict[str, int]  # samples each station claimed over the run
+
+
 class Cloud(RoleBase):
     """The cloud aggregator; ``initial_weights`` is the round-0 global model."""
 
+    CHECKPOINT = CloudCheckpoint  # its checkpoint document, for the service that resumes it
     TRANSITIONS = {_C.JOINING: frozenset({_C.COLLECTING, _C.DONE}),
                    _C.COLLECTING: frozenset({_C.COLLECTING, _C.DONE}),
                    _C.DONE: frozenset()}
@@ -86,27 +98,25 @@ class Cloud(RoleBase):
         self.deadline = now + self.config.round_timeout
         return [self._global_model()]
 
-    def snapshot(self) -> tuple[dict[str, np.ndarray], dict]:
+    def snapshot(self) -> tuple[dict[str, np.ndarray], CloudCheckpoint]:
         """Arrays and scalars that :meth:`restore` needs to continue bit for bit."""
-        arrays = {"weights": self.weights,
-                  **{f"opt_{k}": v for k, v in self.optimizer.state().items()},
-                  **{f"counts_{s}": c for s, c in self._counts.items()}}
-        meta = {"role": "cloud", "state": self.state, "round": self.round,
-                "iteration": self.iteration, "consumed": self._consumed,
-                "counters": dict(self.counters)}
+        arrays = {"weights": self.weights, **grouped("opt", self.optimizer.state()),
+                  **grouped("counts", self._counts)}
+        meta = CloudCheckpoint(state=self.state, round=self.round, iteration=self.iteration,
+                               consumed=dict(self._consumed), counters=dict(self.counters))
         return arrays, meta
 
-    def restore(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    def restore(self, arrays: dict[str, np.ndarray], meta: CloudCheckpoint) -> None:
         """Continue from a :meth:`snapshot` taken when a round was broadcast."""
-        if meta.get("role") != "cloud" or arrays["weights"].shape != self.weights.shape:
+        if meta.role != "cloud" or arrays["weights"].shape != self.weights.shape:
             raise ShapeError("the checkpoint is not this cloud's (role or model size differ)")
         self.weights = np.array(arrays["weights"], dtype=np.float32)
-        self.optimizer.load_state({k[4:]: v for k, v in arrays.items() if k.startswith("opt_")})
-        self._counts = {k[7:]: np.array(v) for k, v in arrays.items()
-                        if k.startswith("counts_") and k[7:] in self.config.stations}
-        self.state, self.round, self.iteration = _C(meta["state"]), meta["round"], meta["iteration"]
-        self._consumed = {k: int(v) for k, v in meta["consumed"].items()}
-        self.counters.update(meta["counters"])
+        self.optimizer.load_state(group(arrays, "opt"))
+        self._counts = {s: np.array(v) for s, v in group(arrays, "counts").items()
+                        if s in self.config.stations}
+        self.state, self.round, self.iteration = _C(meta.state), meta.round, meta.iteration
+        self._consumed = {k: int(v) for k, v in meta.consumed.items()}
+        self.counters.update(meta.counters)
         self._updates, self._fold = {}, self._new_fold()
 
     def tick(self, now: float) -> list[m.Message]:

@@ -69,7 +69,7 @@ def _checkpointing(role: Cloud | Station, state_dir: str, name: str, due) -> lis
     started = time.perf_counter()
     found = load_checkpoint(path)
     if found is not None:
-        role.restore(*found)
+        role.restore(found[0], role.CHECKPOINT.from_doc(found[1]))
         digest = hashlib.sha256(found[0]["weights"].tobytes()).hexdigest() \
             if "weights" in found[0] else "-"
         log.warning("%s resumed from %s: round %d, iteration %d, state %s, model sha256 %s "

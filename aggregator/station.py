@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +32,7 @@ from edge_client.role import RoleBase
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, station_topics
 
+from .checkpoint import RoleCheckpoint, group, grouped
 from .config import StationConfig
 from .fusion import Fold, fold_for
 from .selection import SelectorSettings, build_selector
@@ -42,7 +45,8 @@ from .trust import (
     seat_candidates,
 )
 
-__all__ = ["StationState", "Station", "Reply", "accuracy_summary", "device_accuracy_summary"]
+__all__ = ["StationState", "Station", "StationCheckpoint", "Reply", "accuracy_summary",
+           "device_accuracy_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +80,29 @@ class Reply(NamedEnum):
     REFUSED = "refused"  # its update could not be honest, or its frame was refused
 
 
+@dataclass(frozen=True, kw_only=True)
+class StationCheckpoint(RoleCheckpoint):
+    """A station's scalars at a round boundary (its arrays: the model, ``P_real``, each
+    device's counts and replay sketches)."""
+
+    role: str = "station"
+    id: str
+    consumed: int  # samples fused this round
+    consumed_before: int = 0  # of the rounds already uploaded
+    upload_samples: int | None  # of the upload the cloud has not answered yet
+    seen_at: dict[str, int]
+    sitting_out: dict[str, int] = dataclasses.field(default_factory=dict)
+    norms: list[float]  # the norm guard's history
+    recent: list[list[str]]  # recent super nodes, for the seat cap
+    rng: dict[str, Any]  # the generator's state
+
+
 class Station(RoleBase):
     """Base station ``m`` (one factory), in one of the :class:`StationState` states."""
 
     # A global model may arrive in any state but ``done`` (the cloud repeats it to a
     # station that comes back); an iteration ends into the next one, or the upload.
+    CHECKPOINT = StationCheckpoint  # its checkpoint document, for the service that resumes it
     TRANSITIONS = {
         _S.JOINING: frozenset({_S.WAITING, _S.COLLECTING, _S.STARVED, _S.DONE}),
         _S.WAITING: frozenset({_S.COLLECTING, _S.STARVED, _S.DONE}),
@@ -145,57 +167,55 @@ class Station(RoleBase):
             return self._begin_iteration(now)
         return []
 
-    def snapshot(self) -> tuple[dict[str, np.ndarray], dict]:
+    def snapshot(self) -> tuple[dict[str, np.ndarray], StationCheckpoint]:
         """Arrays and scalars that :meth:`restore` needs; taken at round boundaries."""
         arrays: dict[str, np.ndarray] = {}
         if self.weights is not None:
             arrays["weights"] = self.weights
         if self.p_real is not None:
             arrays["p_real"] = self.p_real
-        for d, st in self.stats.items():
-            arrays[f"seen_{d}"], arrays[f"next_{d}"] = st.seen_counts, st.next_batch_counts
-        for d, sketches in self.replay.state().items():
-            arrays[f"replay_{d}"] = sketches
-        meta = {"role": "station", "id": self.id, "state": self.state, "round": self.round,
-                "iteration": self.iteration, "consumed": self._consumed,
-                "consumed_before": self._consumed_before,
-                "upload_samples": None if self._upload is None else self._upload.num_samples,
-                "seen_at": self._seen_at, "sitting_out": self._sitting_out,
-                "norms": self.guard.state(),
-                "recent": self.share.state(), "rng": self.rng.bit_generator.state,
-                "counters": dict(self.counters)}
+        arrays.update(grouped("seen", {d: st.seen_counts for d, st in self.stats.items()}))
+        arrays.update(grouped("next", {d: st.next_batch_counts for d, st in self.stats.items()}))
+        arrays.update(grouped("replay", self.replay.state()))
+        meta = StationCheckpoint(
+            id=self.id, state=self.state, round=self.round, iteration=self.iteration,
+            consumed=self._consumed, consumed_before=self._consumed_before,
+            upload_samples=None if self._upload is None else self._upload.num_samples,
+            seen_at=dict(self._seen_at), sitting_out=dict(self._sitting_out),
+            norms=self.guard.state(), recent=self.share.state(),
+            rng=self.rng.bit_generator.state, counters=dict(self.counters))
         return arrays, meta
 
-    def restore(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    def restore(self, arrays: dict[str, np.ndarray], meta: StationCheckpoint) -> None:
         """Continue from a :meth:`snapshot`; call :meth:`start` next."""
-        if meta.get("role") != "station" or meta.get("id") != self.id:
+        if meta.role != "station" or meta.id != self.id:
             raise ShapeError("the checkpoint is not this station's")
         if "weights" in arrays and arrays["weights"].size != self.num_params:
             raise ShapeError("the checkpoint's model has another size")
         cfg = self.config
         self.weights = np.array(arrays["weights"]) if "weights" in arrays else None
         self.p_real = np.array(arrays["p_real"]) if "p_real" in arrays else None
+        seen, nxt = group(arrays, "seen"), group(arrays, "next")
         for d in cfg.devices:
-            if f"seen_{d}" in arrays:
+            if d in seen:
                 self.stats[d] = m.DeviceStats(fleet=cfg.fleet, sender=d, round=0, iteration=0,
-                                              station=self.id, seen_counts=arrays[f"seen_{d}"],
-                                              next_batch_counts=arrays[f"next_{d}"])
-        self.state, self.round, self.iteration = _S(meta["state"]), meta["round"], meta["iteration"]
-        self._consumed = int(meta["consumed"])
-        self._consumed_before = int(meta.get("consumed_before", 0))
-        self._seen_at = {d: int(i) for d, i in meta["seen_at"].items() if d in cfg.devices}
-        self._sitting_out = {d: int(i) for d, i in meta.get("sitting_out", {}).items()
-                             if d in cfg.devices}
-        self.guard.restore(meta["norms"])
-        self.replay.restore({d: arrays[f"replay_{d}"] for d in cfg.devices
-                             if f"replay_{d}" in arrays})
-        self.share.restore(meta["recent"])
-        self.rng.bit_generator.state = meta["rng"]
-        self.counters.update(meta["counters"])
-        if self.state == _S.WAITING and meta["upload_samples"] is not None:
+                                              station=self.id, seen_counts=seen[d],
+                                              next_batch_counts=nxt[d])
+        self.state, self.round, self.iteration = _S(meta.state), meta.round, meta.iteration
+        self._consumed = int(meta.consumed)
+        self._consumed_before = int(meta.consumed_before)
+        self._seen_at = {d: int(i) for d, i in meta.seen_at.items() if d in cfg.devices}
+        self._sitting_out = {d: int(i) for d, i in meta.sitting_out.items() if d in cfg.devices}
+        self.guard.restore(meta.norms)
+        self.replay.restore({d: v for d, v in group(arrays, "replay").items()
+                             if d in cfg.devices})
+        self.share.restore(meta.recent)
+        self.rng.bit_generator.state = meta.rng
+        self.counters.update(meta.counters)
+        if self.state == _S.WAITING and meta.upload_samples is not None:
             self._upload = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
                                            iteration=self.iteration, weights=self.weights,
-                                           num_samples=meta["upload_samples"],
+                                           num_samples=meta.upload_samples,
                                            seen_counts=self._seen_counts())
 
     def local_accuracies(self) -> list[float]:

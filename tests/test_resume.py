@@ -9,7 +9,7 @@ import pytest
 from aggregator.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from aggregator.cloud import Cloud
 from aggregator.config import CloudConfig, StationConfig
-from aggregator.station import Station
+from aggregator.station import Station, StationCheckpoint
 from edge_client import messages as m
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
@@ -88,7 +88,7 @@ def _station():
     return Station(cfg, num_params=4, num_classes=2, rng=np.random.default_rng(0))
 
 
-def test_a_restored_station_repeats_its_unanswered_upload_and_reannounces():
+def test_a_restored_station_repeats_its_unanswered_upload_and_reannounces(tmp_path):
     st = _station()
     for d in ("d0", "d1"):
         st.handle(m.DeviceStats(fleet="t", sender=d, round=0, iteration=0, station="s",
@@ -102,6 +102,15 @@ def test_a_restored_station_repeats_its_unanswered_upload_and_reannounces():
     upload = out[0]
     assert isinstance(upload, m.StationUpdate) and st.state == "waiting"
     arrays, meta = st.snapshot()
+    # Through the file, as a restarted service reads it; a checkpoint written before a field
+    # was added still loads (the field takes its default), one without a required field not.
+    save_checkpoint(tmp_path / "s.ckpt.npz", arrays, meta)
+    arrays, doc = load_checkpoint(tmp_path / "s.ckpt.npz")
+    older = {k: v for k, v in doc.items() if k not in ("sitting_out", "consumed_before")}
+    assert StationCheckpoint.from_doc(older).sitting_out == {}
+    with pytest.raises(CheckpointError, match="seen_at"):
+        StationCheckpoint.from_doc({k: v for k, v in doc.items() if k != "seen_at"})
+    meta = StationCheckpoint.from_doc(doc)
 
     resumed = _station()
     resumed.restore(arrays, meta)
