@@ -31,7 +31,7 @@ SAMPLES_PER_ROUND = 4 * 5 * 10 * 32
 _OLD = """
 import dataclasses, sys, time, torch
 torch.set_num_threads(1)
-from lab.experiment import load_experiment, _run_one
+from aggregator.experiment import load_experiment, _run_one
 cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), rounds={rounds},
                           strategies=("fedgs",))
 r = _run_one((cfg, "fedgs", 0, "none", False))
@@ -40,10 +40,10 @@ print(r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
 
 _NEW = """
 import dataclasses, sys, time
-from lab.experiment import load_experiment, _run_one
+from lab.experiment import RunTask, load_experiment, run_task
 cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), samples=0,
                           rounds={rounds}, strategies=("fedgs",))
-r = _run_one((cfg, "fedgs", 0, "none", False, {threads}))
+r = run_task(RunTask(cfg, "fedgs", 0, threads={threads}))
 print(r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
 """
 

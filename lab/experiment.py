@@ -40,7 +40,8 @@ from .simulation import FleetSpec, RunResult, run_federation
 from .strategies import RECIPES, RecipeSettings, build_strategy
 from .summary import merge_seeds, result_rows
 
-__all__ = ["ExperimentConfig", "run_experiment", "load_experiment", "FULL_SCALE"]
+__all__ = ["ExperimentConfig", "RunTask", "run_task", "run_experiment", "load_experiment",
+           "FULL_SCALE"]
 
 log = logging.getLogger(__name__)
 
@@ -170,15 +171,35 @@ def _dataset(name: str) -> Dataset:
     return load_dataset(name)  # once per process, not once per strategy
 
 
-def _run_one(args: tuple[ExperimentConfig, str, int, str, bool, int]) -> RunResult:
-    cfg, name, seed, attack, show, threads = args
+@dataclass(frozen=True)
+class RunTask:
+    """One run of an experiment: a strategy of ``cfg`` on one seed under one attack, with
+    the cores it may use (``threads``) and whether it draws a progress bar."""
+
+    cfg: ExperimentConfig
+    strategy: str
+    seed: int
+    attack: str = "none"
+    threads: int = 1
+    show_progress: bool = False
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.strategy, self.seed
+
+
+def run_task(task: RunTask) -> RunResult:
+    """Train ``task`` (in a worker process, or here)."""
+    cfg = task.cfg
     if cfg.backend == "torch":
-        import torch  # the aggregator may load torch; the device package never must
-        torch.set_num_threads(threads)  # parallel jobs each get their share of the cores
+        import torch  # the lab may load torch; the device package never must
+        torch.set_num_threads(task.threads)  # parallel jobs each get their share of the cores
     data = _dataset(cfg.dataset)
-    with blas_threads(threads):  # the run's share of the cores, for numpy's BLAS too
-        return run_federation(data, _strategy(cfg, name), _fleet(cfg, data, seed, attack),
-                              Progress(f"{name}/{seed}", cfg.rounds) if show else None)
+    with blas_threads(task.threads):  # the run's share of the cores, for numpy's BLAS too
+        progress = Progress(f"{task.strategy}/{task.seed}", cfg.rounds) \
+            if task.show_progress else None
+        return run_federation(data, _strategy(cfg, task.strategy),
+                              _fleet(cfg, data, task.seed, task.attack), progress)
 
 
 # Settings that shape no single run: the list of runs, the report, and the recipe knobs
@@ -282,36 +303,36 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
           f"{cfg.model} on {cfg.dataset}, {jobs} job(s)", file=sys.stderr)
     cache = _RunCache(out, cfg, fresh)
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    tasks = [(cfg, name, cfg.seed + k, attack, jobs == 1, threads)
+    tasks = [RunTask(cfg, name, cfg.seed + k, attack, threads, show_progress=jobs == 1)
              for name in cfg.strategies for k in range(cfg.seeds)]
-    done = {(t[1], t[2]): cache.get(t[1], t[2], attack) for t in tasks}
-    todo = [t for t in tasks if done[(t[1], t[2])] is None]
+    done = {t.key: cache.get(t.strategy, t.seed, attack) for t in tasks}
+    todo = [t for t in tasks if done[t.key] is None]
     if len(todo) < len(tasks):
         print(f"reusing {len(tasks) - len(todo)} finished run(s) from {cache.folder}",
               file=sys.stderr)
     if finished_only:  # a report of what is done; the tables give each strategy's seeds
         if todo:
-            print("not run yet (left out): " + ", ".join(f"{t[1]} seed {t[2]}" for t in todo),
-                  file=sys.stderr)
-        todo, tasks = [], [t for t in tasks if done[(t[1], t[2])] is not None]
+            print("not run yet (left out): " + ", ".join(f"{t.strategy} seed {t.seed}"
+                                                         for t in todo), file=sys.stderr)
+        todo, tasks = [], [t for t in tasks if done[t.key] is not None]
         if not tasks:
             raise ConfigError("strategies", f"no finished runs in {cache.folder}")
 
-    def finished(task: tuple, r: RunResult) -> None:
-        cache.put(r, task[2], attack)
-        done[(task[1], task[2])] = r
-        print(f"{r.strategy:<14} seed {task[2]} final {r.final_accuracy:.4f} "
+    def finished(task: RunTask, r: RunResult) -> None:
+        cache.put(r, task.seed, attack)
+        done[task.key] = r
+        print(f"{r.strategy:<14} seed {task.seed} final {r.final_accuracy:.4f} "
               f"({r.wall_s:.0f} s)", file=sys.stderr)
 
     if jobs == 1:
         for t in todo:
-            finished(t, _run_one(t))
+            finished(t, run_task(t))
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(_run_one, t): t for t in todo}
+            futures = {pool.submit(run_task, t): t for t in todo}
             for future in as_completed(futures):  # cached as each finishes
                 finished(futures[future], future.result())
-    per_seed = [done[(t[1], t[2])] for t in tasks]
+    per_seed = [done[t.key] for t in tasks]
     results = merge_seeds(per_seed)
     rows = result_rows(per_seed, cfg.target_accuracy)
     with open(out / "results.csv", "w", newline="") as fh:

@@ -21,7 +21,7 @@ from typing import Any
 from edge_client.config import read_toml
 from edge_client.errors import ConfigError
 
-from .experiment import ExperimentConfig, _run_one, _RunCache, load_experiment
+from .experiment import ExperimentConfig, RunTask, _RunCache, load_experiment, run_task
 from .report import format_table
 from .summary import mean_sd, run_summary
 
@@ -61,11 +61,11 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1) -> list[dic
                 key = (_label(point), name, seed)
                 results[key] = cache.get(name, seed, "none")
                 if results[key] is None:
-                    tasks.append((key, (cfg, name, seed, "none", False, threads)))
+                    tasks.append((key, RunTask(cfg, name, seed, threads=threads)))
     print(f"sweep {base.name}: {len(points)} settings, {len(results)} runs, "
           f"{len(results) - len(tasks)} reused, {jobs} job(s)", file=sys.stderr)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(_run_one, args): key for key, args in tasks}
+        futures = {pool.submit(run_task, task): key for key, task in tasks}
         for future in as_completed(futures):
             key = futures[future]
             results[key] = r = future.result()
