@@ -21,7 +21,7 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import ShapeError
-from edge_client.role import RoleBase
+from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import CloudState
 from edge_client.topics import CLOUD_ID, cloud_topics
 
@@ -31,13 +31,24 @@ from .fusion import Fold, fold_for
 from .server_optimizers import build_server_optimizer
 from .station import device_accuracy_summary
 
-__all__ = ["Cloud", "CloudState", "CloudCheckpoint"]
+__all__ = ["Cloud", "CloudState", "CloudEvent", "CloudCheckpoint"]
 
 MAX_DEVICE_ACCURACIES = m.MAX_MEMBERS  # per station: no roster is larger
 
 
 
 _C = CloudState
+
+
+class CloudEvent(RoleEvent):
+    """What moves the cloud (its ``TRANSITIONS``)."""
+
+    STATIONS_JOINED = "stations_joined"  # every station's counts: round 0 goes out
+    ROUND_CLOSED = "round_closed"  # external synchronisation; the next round goes out
+    LAST_ROUND_CLOSED = "last_round_closed"  # the final global model goes out
+
+
+_E = CloudEvent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,9 +64,10 @@ class Cloud(RoleBase):
     """The cloud aggregator; ``initial_weights`` is the round-0 global model."""
 
     CHECKPOINT = CloudCheckpoint  # its checkpoint document, for the service that resumes it
-    TRANSITIONS = {_C.JOINING: frozenset({_C.COLLECTING, _C.DONE}),
-                   _C.COLLECTING: frozenset({_C.COLLECTING, _C.DONE}),
-                   _C.DONE: frozenset()}
+    INITIAL = _C.JOINING
+    TRANSITIONS = {(_C.JOINING, _E.STATIONS_JOINED): _C.COLLECTING,
+                   (_C.COLLECTING, _E.ROUND_CLOSED): _C.COLLECTING,
+                   (_C.COLLECTING, _E.LAST_ROUND_CLOSED): _C.DONE}
 
     def __init__(self, config: CloudConfig, *, initial_weights: np.ndarray,
                  num_classes: int) -> None:
@@ -64,7 +76,7 @@ class Cloud(RoleBase):
         self.num_classes = num_classes
         self.weights = np.array(initial_weights, dtype=np.float32)
         self.optimizer = build_server_optimizer(config)
-        self.state = _C.JOINING
+        self.state = self.INITIAL
         self.round = 0
         self.iteration = 0
         self.deadline = float("inf")
@@ -145,7 +157,7 @@ class Cloud(RoleBase):
         if isinstance(message, m.StationStats):
             self._counts[message.sender] = np.array(message.seen_counts)
             if self.state == _C.JOINING and len(self._counts) == len(self.config.stations):
-                return self._broadcast(now)
+                return self._broadcast(self.next_state(_E.STATIONS_JOINED), now)
             return []
         if self.state != _C.COLLECTING or message.round != self.round:
             return self._reject("stale_iteration", f"update for round {message.round}, "
@@ -219,16 +231,18 @@ class Cloud(RoleBase):
         return fold_for(self.config.fusion, equal_if_unweighted=True)
 
     def _close_round(self, now: float) -> list[m.Message]:
+        last = self.round + 1 >= self.config.rounds
+        new = self.next_state(_E.LAST_ROUND_CLOSED if last else _E.ROUND_CLOSED)
         if self._updates:
             self.weights = self.optimizer.step(self.weights, self._fold.result())
             self.iteration = max(self._updates.values())
         self._updates, self._fold = {}, self._new_fold()
         self.round += 1
-        return self._broadcast(now)
+        return self._broadcast(new, now)
 
-    def _broadcast(self, now: float) -> list[m.Message]:
-        final = self.round >= self.config.rounds
-        self.move(_C.DONE if final else _C.COLLECTING, f"round {self.round} begins")
+    def _broadcast(self, new: CloudState, now: float) -> list[m.Message]:
+        """Round ``self.round`` begins (``new``: collecting, or done after the last)."""
+        self.state = new
         self.deadline = now + self.config.round_timeout
         return [self._global_model()]
 

@@ -28,7 +28,7 @@ import numpy as np
 from edge_client import messages as m
 from edge_client.errors import ShapeError
 from edge_client.messages import NamedEnum
-from edge_client.role import RoleBase
+from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, station_topics
 
@@ -45,8 +45,8 @@ from .trust import (
     seat_candidates,
 )
 
-__all__ = ["StationState", "Station", "StationCheckpoint", "Reply", "accuracy_summary",
-           "device_accuracy_summary"]
+__all__ = ["StationState", "StationEvent", "Station", "StationCheckpoint", "Reply",
+           "accuracy_summary", "device_accuracy_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,20 @@ def device_accuracy_summary(local, prequential) -> dict[str, float]:
 
 
 _S = StationState
+
+
+class StationEvent(RoleEvent):
+    """What moves a station (its ``TRANSITIONS``)."""
+
+    DEVICES_REPORTED = "devices_reported"  # the roster's stats are in: tell the cloud
+    SUPER_NODE_SELECTED = "super_node_selected"  # an iteration begins with a super node
+    TOO_FEW_READY = "too_few_ready"  # an iteration begins with fewer ready than the quorum
+    SYNC_DUE = "sync_due"  # T iterations done: upload w^m, wait for the global model
+    FINAL_MODEL = "final_model"  # the cloud's last global model
+    RESTARTED = "restarted"  # resumed from a checkpoint taken mid-round
+
+
+_E = StationEvent
 
 
 class Reply(NamedEnum):
@@ -100,17 +114,22 @@ class StationCheckpoint(RoleCheckpoint):
 class Station(RoleBase):
     """Base station ``m`` (one factory), in one of the :class:`StationState` states."""
 
-    # A global model may arrive in any state but ``done`` (the cloud repeats it to a
-    # station that comes back); an iteration ends into the next one, or the upload.
     CHECKPOINT = StationCheckpoint  # its checkpoint document, for the service that resumes it
+    INITIAL = _S.JOINING
+    # A global model may arrive in any state but ``done`` (the cloud repeats it to a
+    # station that comes back) and begins an iteration; an iteration ends into the next
+    # one, or into the upload at the end of the synchronisation period.
     TRANSITIONS = {
-        _S.JOINING: frozenset({_S.WAITING, _S.COLLECTING, _S.STARVED, _S.DONE}),
-        _S.WAITING: frozenset({_S.COLLECTING, _S.STARVED, _S.DONE}),
-        _S.COLLECTING: frozenset({_S.COLLECTING, _S.STARVED, _S.WAITING, _S.RESUMING,
-                                  _S.DONE}),
-        _S.STARVED: frozenset({_S.COLLECTING, _S.STARVED, _S.WAITING, _S.RESUMING, _S.DONE}),
-        _S.RESUMING: frozenset({_S.COLLECTING, _S.STARVED}),
-        _S.DONE: frozenset(),
+        (_S.JOINING, _E.DEVICES_REPORTED): _S.WAITING,
+        **{(state, event): new
+           for state in (_S.JOINING, _S.WAITING, _S.COLLECTING, _S.STARVED)
+           for event, new in ((_E.SUPER_NODE_SELECTED, _S.COLLECTING),
+                              (_E.TOO_FEW_READY, _S.STARVED), (_E.FINAL_MODEL, _S.DONE))},
+        **{(state, event): new
+           for state in (_S.COLLECTING, _S.STARVED)
+           for event, new in ((_E.SYNC_DUE, _S.WAITING), (_E.RESTARTED, _S.RESUMING))},
+        (_S.RESUMING, _E.SUPER_NODE_SELECTED): _S.COLLECTING,
+        (_S.RESUMING, _E.TOO_FEW_READY): _S.STARVED,
     }
 
     def __init__(self, config: StationConfig, *, num_params: int, num_classes: int,
@@ -122,7 +141,7 @@ class Station(RoleBase):
         self.rng = rng
         self._select = build_selector(config.selector,
                                       SelectorSettings(rng=rng, max_iter=config.gbp_max_iter))
-        self.state = _S.JOINING
+        self.state = self.INITIAL
         self.stats: dict[str, m.DeviceStats] = {}
         self.offline: set[str] = set()
         self.weights: np.ndarray | None = None
@@ -163,9 +182,15 @@ class Station(RoleBase):
         if self.state == _S.WAITING and self.weights is not None:
             return self._reannounce()
         if self.state in (_S.COLLECTING, _S.STARVED):
-            self.move(_S.RESUMING, "a restart mid-round")
-            return self._begin_iteration(now)
+            return self._resume(now)
         return []
+
+    def _resume(self, now: float) -> list[m.Message]:
+        """Restarted mid-round: begin the iteration it was in anew (its replies are lost)."""
+        resuming = self.next_state(_E.RESTARTED)
+        self.next_state(_E.RESTARTED, self._iteration_event())  # the whole way, before a change
+        self.state = resuming
+        return self._begin_iteration(now)
 
     def snapshot(self) -> tuple[dict[str, np.ndarray], StationCheckpoint]:
         """Arrays and scalars that :meth:`restore` needs; taken at round boundaries."""
@@ -250,7 +275,6 @@ class Station(RoleBase):
             self.counters["iterations_without_data"] += 1
             log.warning("station %s: iteration %d closes untrained, %d devices online < quorum "
                         "%d", self.id, self.iteration, self.online_devices, self.config.min_quorum)
-            self._collect(())
             return self._close_iteration(now)
         if self.state == _S.COLLECTING and now >= self.deadline:
             missing = len(self.members) - len(self._replies)
@@ -312,19 +336,29 @@ class Station(RoleBase):
                 self.counters[f"clipped.{key}_accuracy"] += 1
                 msg = dataclasses.replace(msg, **{f"{key}_accuracy": 0.0, f"{key}_samples": 0})
         joined = msg.sender not in self.stats or msg.sender in self.offline
-        self.stats[msg.sender] = msg
-        self._seen_at[msg.sender] = self.iteration
-        self.offline.discard(msg.sender)
-        if self.state == _S.JOINING and len(self.stats) >= self.config.min_devices:
-            self.move(_S.WAITING, "enough devices reported")
-            self._next_hello = now + self.config.hello_interval
-            return [self._station_stats()]
+        reported = len(self.stats) + (msg.sender not in self.stats)
+        if self.state == _S.JOINING and reported >= self.config.min_devices:
+            return self._devices_reported(msg, now)
+        self._accept_stats(msg)
         out: list[m.Message] = []
         if joined and self.weights is not None:
             # A late joiner gets the current model; it is selectable from now on.
             self.counters["late_joins"] += 1
             out.append(self._model_message())
         return out + self._unstarve(now)
+
+    def _accept_stats(self, msg: m.DeviceStats) -> None:
+        self.stats[msg.sender] = msg
+        self._seen_at[msg.sender] = self.iteration
+        self.offline.discard(msg.sender)
+
+    def _devices_reported(self, msg: m.DeviceStats, now: float) -> list[m.Message]:
+        """The stats that complete the roster (``min_devices``): tell the cloud our counts."""
+        new = self.next_state(_E.DEVICES_REPORTED)
+        self._accept_stats(msg)
+        self.state = new
+        self._next_hello = now + self.config.hello_interval
+        return [self._station_stats()]
 
     def _plausible_seen(self, msg: m.DeviceStats) -> m.DeviceStats:
         """Seen counts bounded in growth and share (a claim of 10^15 samples must not decide
@@ -426,14 +460,14 @@ class Station(RoleBase):
                 self.counters["duplicates"] += 1  # repeated after a restart: applied already
                 return []
             return self._reject("stale_iteration", f"global round {msg.round} already applied")
-        if self.state == _S.DONE:
-            return self._reject("stale_iteration", "the federation has ended")
+        # Refused in ``done``, by the table: the federation has ended.
+        new = self.next_state(_E.FINAL_MODEL if msg.final else self._iteration_event())
         self._upload = None
         self.weights = np.array(msg.weights)
         self.p_real = np.array(msg.p_real)
         self.round, self.iteration = msg.round, msg.iteration
         if msg.final:
-            self.move(_S.DONE, "the final global model")
+            self.state = new
             return [self._model_message(final=True)]
         return self._begin_iteration(now)
 
@@ -447,17 +481,23 @@ class Station(RoleBase):
             return self._begin_iteration(now)
         return []
 
+    def _iteration_event(self) -> StationEvent:
+        """What beginning an iteration now is: a super node, or too few devices ready."""
+        quorum = len(self._ready()) >= self.config.min_quorum
+        return _E.SUPER_NODE_SELECTED if quorum else _E.TOO_FEW_READY
+
     def _begin_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config
         ready = self._ready()
-        if len(ready) < cfg.min_quorum:
+        new = self.next_state(self._iteration_event())
+        if new == _S.STARVED:
             # Wait for devices, each iteration up to its timeout, rather than close it untrained.
             newly = self.state != _S.STARVED
             if newly:
                 log.warning("station %s: %d devices ready, quorum %d: waiting up to %.0f s an "
                             "iteration", self.id, len(ready), cfg.min_quorum,
                             cfg.iteration_timeout)
-            self.move(_S.STARVED, "too few devices ready for an iteration")
+            self.state = new
             self.deadline = now + cfg.iteration_timeout
             self._collect(())
             return [self._model_message()] if newly else []  # wakes paced devices
@@ -475,7 +515,7 @@ class Station(RoleBase):
         self.share.record(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
         self.deadline = now + cfg.iteration_timeout
-        self.move(_S.COLLECTING, "a super node selected")
+        self.state = new
         out: list[m.Message] = [self._model_message(),
                                 m.Selection(fleet=cfg.fleet, sender=self.id, round=self.round,
                                             iteration=self.iteration, members=self.members,
@@ -491,6 +531,8 @@ class Station(RoleBase):
 
     def _close_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config
+        sync_due = (self.iteration + 1) % cfg.sync_period == 0
+        new = self.next_state(_E.SYNC_DUE if sync_due else self._iteration_event())
         fold, self._fold = self._fold, fold_for(cfg.fusion)
         if len(fold) >= cfg.min_quorum:
             self.weights = fold.result()
@@ -498,9 +540,9 @@ class Station(RoleBase):
         else:
             self.counters["iterations_below_quorum"] += 1
         self.iteration += 1
-        if self.iteration % cfg.sync_period:
+        if not sync_due:
             return self._begin_iteration(now)
-        self.move(_S.WAITING, "the synchronisation period ended")
+        self.state = new
         self._upload = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
                                        iteration=self.iteration, weights=self.weights,
                                        num_samples=self._consumed,

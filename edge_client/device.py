@@ -18,18 +18,34 @@ from . import messages as m
 from .buffer import StreamBuffer
 from .config import DeviceConfig, InferenceConfig
 from .inference import NOT_PREDICTED, Prequential, one_in, predict
-from .role import RoleBase
+from .role import RoleBase, RoleEvent
 from .safl import annealed_merge, performance_gap, upload_probability
+from .states import DeviceState
 from .topics import device_topics
 from .trainers import Trainer, proximal_step
 
-__all__ = ["Device"]
+__all__ = ["Device", "DeviceEvent"]
 
 log = logging.getLogger(__name__)
 
 
+class DeviceEvent(RoleEvent):
+    """What moves a device (its ``TRANSITIONS``)."""
+
+    MODEL = "model"  # the station's model of an iteration
+    FINAL_MODEL = "final_model"  # the federation's last one
+    SELECTED = "selected"  # in the super node of its model's iteration: train and reply
+    SELECTED_AHEAD = "selected_ahead"  # in a super node whose model has not come: wait
+    STATION_BACK = "station_back"  # the station (re)appeared: it gets our stats
+
+
+_E = DeviceEvent
+_D = DeviceState
+
+
 class Device(RoleBase):
-    """One edge device.
+    """One edge device: ``waiting`` for its station's first model, ``ready`` with one, and
+    ``done`` after the final model (:class:`DeviceState`, moved by :class:`DeviceEvent`).
 
     Parameters
     ----------
@@ -46,6 +62,21 @@ class Device(RoleBase):
         Serve the deployable model on the stream (:meth:`infer`) and score it
         prequentially; None (the simulator's default) keeps no deployable model at all.
     """
+
+    INITIAL = _D.WAITING
+    # Nothing moves a device that is done; a selection waits for its model in any other
+    # state, but is trained on only with it.
+    TRANSITIONS = {
+        (_D.WAITING, _E.MODEL): _D.READY,
+        (_D.WAITING, _E.FINAL_MODEL): _D.DONE,
+        (_D.WAITING, _E.SELECTED_AHEAD): _D.WAITING,
+        (_D.WAITING, _E.STATION_BACK): _D.WAITING,
+        (_D.READY, _E.MODEL): _D.READY,
+        (_D.READY, _E.FINAL_MODEL): _D.DONE,
+        (_D.READY, _E.SELECTED): _D.READY,
+        (_D.READY, _E.SELECTED_AHEAD): _D.READY,
+        (_D.READY, _E.STATION_BACK): _D.READY,
+    }
 
     def __init__(self, config: DeviceConfig, trainer: Trainer, *, num_classes: int,
                  sample_shape: tuple[int, ...], rng: np.random.Generator,
@@ -67,7 +98,7 @@ class Device(RoleBase):
         self.buffer = StreamBuffer(config.buffer_capacity, num_classes, sample_shape,
                                    holdout_every=config.holdout_every,
                                    holdout_capacity=config.holdout_capacity)
-        self.finished = False  # the station sent the final model
+        self.state = self.INITIAL
         self.last_train_s = 0.0
         self._next_hello = 0.0
         self._model: m.StationModel | None = None
@@ -83,6 +114,11 @@ class Device(RoleBase):
     @property
     def id(self) -> str:
         return self.config.device_id
+
+    @property
+    def finished(self) -> bool:
+        """The station sent the final model."""
+        return self.state == DeviceState.DONE
 
     def metrics(self) -> dict[str, float]:
         """Gauges beside ``counters``: model position, training step time, buffer state."""
@@ -113,7 +149,7 @@ class Device(RoleBase):
 
     def tick(self, now: float) -> list[m.Message]:
         """Until a station model arrives, repeat the stats: the station may start later."""
-        if self._model is None and now >= self._next_hello:
+        if self.state == _D.WAITING and now >= self._next_hello:
             self._next_hello = now + self.config.hello_interval
             self.counters["hellos"] += 1
             return [self._stats(0, 0)]
@@ -158,28 +194,44 @@ class Device(RoleBase):
         if isinstance(message, m.Presence):
             return self._on_station_presence(message, now)
         if isinstance(message, m.StationModel):
-            if message.weights.size != self.trainer.num_params:
-                return self._reject("wrong_length", f"{message.weights.size} weights, model has "
-                                    f"{self.trainer.num_params}")
-            if self._model is not None and message.iteration < self._model.iteration \
-                    and not self._accept_any_iteration:
-                return self._reject("stale_iteration", f"model of iteration {message.iteration}")
-            if self._accept_any_iteration and message.iteration < self._model.iteration:
-                self.counters["station_rewinds"] += 1  # it resumed from an older checkpoint
-            self._accept_any_iteration = False
-            if self._model is None or message.round != self._model.round:
-                log.info("device %s: round %d (iteration %d), %d uploads and %d skips so far",
-                         self.id, message.round, message.iteration, self.counters["uploads"],
-                         self.counters["skipped.gate"])
-            self._model = message
-            self.finished = message.final
-            if self._local is None or message.iteration - self._local_iteration \
-                    > self.config.merge_max_age:
-                self._deploy(message, message.weights)  # nothing fresh to merge
-            return self._model_arrived(message)
+            return self._on_model(message)
         if isinstance(message, m.Selection):
             return self._on_selection(message)
         return self._reject("unexpected_type", type(message).__name__)
+
+    def _on_model(self, message: m.StationModel) -> list[m.Message]:
+        """Keep the station's model (``zbar_t``), and answer a selection parked for it."""
+        if message.weights.size != self.trainer.num_params:
+            return self._reject("wrong_length", f"{message.weights.size} weights, model has "
+                                f"{self.trainer.num_params}")
+        if self._model is not None and message.iteration < self._model.iteration \
+                and not self._accept_any_iteration:
+            return self._reject("stale_iteration", f"model of iteration {message.iteration}")
+        parked = self._awaiting
+        completes = parked is not None and parked.iteration == message.iteration
+        if message.final:
+            new = self.next_state(_E.FINAL_MODEL)
+        else:
+            new = self.next_state(_E.MODEL, *([_E.SELECTED] if completes else []))
+        if self._accept_any_iteration and message.iteration < self._model.iteration:
+            self.counters["station_rewinds"] += 1  # it resumed from an older checkpoint
+        self._accept_any_iteration = False
+        if self._model is None or message.round != self._model.round:
+            log.info("device %s: round %d (iteration %d), %d uploads and %d skips so far",
+                     self.id, message.round, message.iteration, self.counters["uploads"],
+                     self.counters["skipped.gate"])
+        self._model = message
+        self.state = new
+        if self._local is None or message.iteration - self._local_iteration \
+                > self.config.merge_max_age:
+            self._deploy(message, message.weights)  # nothing fresh to merge
+        if parked is None or message.iteration < parked.iteration:
+            return []
+        if not completes or message.final:
+            self._drop_awaiting(f"the model of {message.iteration} came instead")
+            return []
+        self._awaiting = None
+        return self._train_and_reply(message)
 
     def _on_selection(self, message: m.Selection) -> list[m.Message]:
         """Train now if this iteration's model is here; else wait for it.
@@ -192,10 +244,12 @@ class Device(RoleBase):
         if self.id not in message.members:
             return []
         if self._model is not None and self._model.iteration == message.iteration:
+            self.state = self.next_state(_E.SELECTED)
             return self._train_and_reply(self._model)
         if self._model is not None and message.iteration < self._model.iteration:
             return self._reject("no_model", f"selected for {message.iteration}, the model "
                                 f"is of iteration {self._model.iteration}")
+        self.state = self.next_state(_E.SELECTED_AHEAD)
         if self._awaiting is not None:
             self._drop_awaiting(f"superseded by the selection for {message.iteration}")
         self._awaiting = message
@@ -206,17 +260,6 @@ class Device(RoleBase):
         self._reject("no_model", f"selected for {self._awaiting.iteration}, its model never "
                      f"came ({why})")
         self._awaiting = None
-
-    def _model_arrived(self, model: m.StationModel) -> list[m.Message]:
-        """Answer the parked selection this model completes (and drop one it passed)."""
-        waiting = self._awaiting
-        if waiting is None or model.iteration < waiting.iteration:
-            return []
-        if model.iteration > waiting.iteration:
-            self._drop_awaiting(f"the model of {model.iteration} came instead")
-            return []
-        self._awaiting = None
-        return self._train_and_reply(model)
 
     def _next_counts(self) -> np.ndarray:
         """The next batch's histogram as the station sees it: empty (not ready) below
@@ -243,6 +286,7 @@ class Device(RoleBase):
         next model it sends is accepted whatever its iteration, and it gets our stats."""
         if not msg.online or msg.role != m.Participant.STATION:
             return []
+        self.state = self.next_state(_E.STATION_BACK)
         self._accept_any_iteration = self._model is not None
         if self._awaiting is not None:  # a restarted station selects anew
             self._drop_awaiting("the station restarted")

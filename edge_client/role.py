@@ -3,9 +3,12 @@ explicit states.
 
 A role never raises on bad input: it counts it under ``rejected.<reason>``, logs
 it at most once a minute per sender and reason, and leaves its accepted state
-untouched.  A role with states names them in a :class:`RoleState` enum and moves between
-them only through :meth:`RoleBase.move` and its transition table, so a move the table
-lacks is refused (``rejected.bad_transition``) with the role, the state and the event.
+untouched.  A role names its states in a :class:`RoleState` enum and the events that move it
+in a :class:`RoleEvent` enum, and its ``TRANSITIONS`` table maps (state, event) to the next
+state, as h11 does.  A role looks the event up (:meth:`RoleBase.next_state`) before it
+changes anything: an event the table lacks is refused (``rejected.bad_transition``, naming
+the role, the state and the event) and leaves the role exactly as it was.
+:func:`state_diagram` draws a table (``docs/states.md``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from .admission import LogLimiter
 from .errors import SaflError
 from .messages import NamedEnum
 
-__all__ = ["Role", "RoleBase", "RoleState", "TransitionError"]
+__all__ = ["Role", "RoleBase", "RoleState", "RoleEvent", "TransitionError", "state_diagram"]
 
 
 class Role(Protocol):
@@ -34,8 +37,12 @@ class RoleState(NamedEnum):
     """A role's state: an enum member that prints, formats and serialises as its name."""
 
 
+class RoleEvent(NamedEnum):
+    """What happened to a role, as its transition table knows it."""
+
+
 class TransitionError(SaflError):
-    """A role was asked to move between two states its transition table does not join."""
+    """An event the role's transition table has no move for, in the role's state."""
 
     reason = "bad_transition"
 
@@ -43,11 +50,13 @@ class TransitionError(SaflError):
 class RoleBase:
     """Counters, logging and the error boundary of ``handle``; subclasses write ``_handle``.
 
-    A role with states sets ``TRANSITIONS`` (state -> the states it may move to) and
-    ``state``, and changes ``state`` only with :meth:`move`.
+    A role with states sets ``INITIAL``, ``TRANSITIONS`` ((state, event) -> next state) and
+    ``state``; it asks :meth:`next_state` before an event changes anything, and sets
+    ``state`` to the answer once the event's work is done.
     """
 
-    TRANSITIONS: ClassVar[Mapping[RoleState, frozenset[RoleState]]] = {}
+    INITIAL: ClassVar[RoleState]
+    TRANSITIONS: ClassVar[Mapping[tuple[RoleState, RoleEvent], RoleState]] = {}
     state: RoleState
 
     def __init__(self) -> None:
@@ -76,12 +85,19 @@ class RoleBase:
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         raise NotImplementedError
 
-    def move(self, new: RoleState, event: str) -> None:
-        """Go to ``new`` because of ``event``, if the transition table allows it."""
-        if new not in self.TRANSITIONS.get(self.state, frozenset()):
-            raise TransitionError(f"{type(self).__name__.lower()} {self.id} in state "
-                                  f"{self.state.value} cannot go to {new.value} on {event}")
-        self.state = new
+    def next_state(self, *events: RoleEvent) -> RoleState:
+        """The state ``events``, one after another, take the role to from its own; a
+        :class:`TransitionError` naming the role, the state and the event where the table
+        has no such move.  It changes nothing, so a role asks before an event's work (the
+        whole way, where one event leads into another) and is unchanged if refused."""
+        state = self.state
+        for event in events:
+            new = self.TRANSITIONS.get((state, event))
+            if new is None:
+                raise TransitionError(f"{type(self).__name__.lower()} {self.id} in state "
+                                      f"{state.value} has no move on {event.value}")
+            state = new
+        return state
 
     def _reject(self, reason: str, detail: str) -> list[m.Message]:
         self.counters[f"rejected.{reason}"] += 1
@@ -90,3 +106,11 @@ class RoleBase:
                 "%s %s dropped a message from %s (%s): %s", type(self).__name__.lower(),
                 self.id, self._sender or "?", reason, detail)
         return []
+
+
+def state_diagram(role: type[RoleBase]) -> str:
+    """``role``'s transition table as a Mermaid state diagram (``docs/states.md``)."""
+    lines = ["stateDiagram-v2", f"    [*] --> {role.INITIAL.value}"]
+    for (state, event), new in role.TRANSITIONS.items():
+        lines.append(f"    {state.value} --> {new.value}: {event.value}")
+    return "\n".join(lines)

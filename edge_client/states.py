@@ -1,5 +1,5 @@
-"""The roles' states: what a station and the cloud report in their summaries, compare in
-their services and show in ``safl status``.
+"""The roles' states: what a device, a station and the cloud are doing, which the
+summaries report, the services compare and ``safl status`` shows.
 
 They live here, beside the protocol every role shares, so the JSON documents
 (``documents.py``) and an operator's tools type them; the transitions between them are
@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from .role import RoleState
 
-__all__ = ["StationState", "CloudState"]
+__all__ = ["DeviceState", "StationState", "CloudState"]
+
+
+class DeviceState(RoleState):
+    WAITING = "waiting"  # for its station's first model (it repeats its stats)
+    READY = "ready"  # holds the station's model; trains when selected
+    DONE = "done"  # the final model came
 
 
 class StationState(RoleState):

@@ -564,10 +564,10 @@ def test_the_station_moves_through_its_states_as_its_table_says():
         (_global(1, 7.0, final=True), 14.0, {
             "state": S.DONE, "round": 1, "iteration": 2, "weights": [7.0] * 4,
             "members": ("d0", "d1"), "deadline": 13.0, "counters": missed}),
-        (_global(2, 9.0), 15.0, {  # nothing moves a station that is done
+        (_global(2, 9.0), 15.0, {  # nothing moves a station that is done: the table refuses
             "state": S.DONE, "round": 1, "iteration": 2, "weights": [7.0] * 4,
             "members": ("d0", "d1"), "deadline": 13.0,
-            "counters": {**missed, "rejected.stale_iteration": 1}}),
+            "counters": {**missed, "rejected.bad_transition": 1}}),
     ]
     _walk(st, base, steps)
 
@@ -607,12 +607,16 @@ def test_the_cloud_moves_through_its_states_as_its_table_says():
 
 
 def test_a_move_the_table_lacks_is_refused_naming_role_state_and_event():
+    from aggregator.station import StationEvent as E
     from aggregator.station import StationState as S
     from edge_client.role import TransitionError
     st = _station(n=1)
-    with pytest.raises(TransitionError, match="station s in state joining cannot go to "
-                       "resuming on a test"):
-        st.move(S.RESUMING, "a test")
+    with pytest.raises(TransitionError, match="station s in state joining has no move on "
+                       "restarted"):
+        st.next_state(E.RESTARTED)
+    with pytest.raises(TransitionError, match="in state waiting has no move on sync_due"):
+        st.next_state(E.DEVICES_REPORTED, E.SYNC_DUE)  # a chain is checked the whole way
+    assert st.next_state(E.DEVICES_REPORTED, E.SUPER_NODE_SELECTED) == S.COLLECTING
     assert st.state == S.JOINING
 
 
