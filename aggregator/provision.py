@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge_client import topics
@@ -187,82 +187,122 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
     """Generate (or extend) a fleet's credentials and configs; returns what was created."""
     fleet = load_fleet_file(fleet_path)
     out = Path(out).resolve()
-    prefix = Path(prefix) if prefix else out
     if force and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    state = _State(out / "state.json")
-    created: dict[str, list] = {"ca": [], "credentials": [], "revoked": []}
-    name = fleet.name
+    run = _Provisioner(fleet, out, Path(prefix) if prefix else out, _State(out / "state.json"))
     if not (out / "ca" / "ca.pem").exists():
         make_ca(out / "ca", fleet.name)
-        created["ca"].append(str(out / "ca"))
-    known = {d for s in fleet.stations for d in s.devices} | {s.id for s in fleet.stations}
-    for user in revoke:
-        if user not in known and user not in state.doc["issued"]:
-            raise ConfigError("revoke", f"{user!r} is not in the fleet")
-        for cert in (out / "devices" / user / "client.pem",
-                     out / "stations" / user / "client.pem"):
-            if cert.exists() and serial_of(cert) not in state.doc["revoked_serials"]:
-                state.doc["revoked_serials"].append(serial_of(cert))
-        if user not in state.doc["revoked"]:
-            state.doc["revoked"].append(user)
-            created["revoked"].append(user)
-        shutil.rmtree(out / "devices" / user, ignore_errors=True)
-    revoked = set(state.doc["revoked"])
-    write_crl(out / "ca", state.doc["revoked_serials"])
+        run.created["ca"].append(str(out / "ca"))
+    revoked = run.revoke(revoke)
+    stations = [s for s in fleet.stations if s.id not in revoked]
+    run.issue_credentials(stations, revoked)
+    cloud_url = run.cloud_broker(stations)
+    for s in stations:
+        run.station_broker(s, [d for d in s.devices if d not in revoked])
+    for name, url in (("cloud", cloud_url), *((s.id, f"mqtts://{s.host}:{s.port}")
+                                              for s in stations)):
+        (out / "monitor" / f"status-{name}.toml").write_text(toml_text(
+            {"broker": run.broker_section(MONITOR, url)}))
+    run.state.save()
+    for folder in [out, *(p for p in out.rglob("*") if p.is_dir())]:
+        folder.chmod(0o700)  # the provisioned tree holds every private key of the fleet
+    return run.created
 
-    def credential(folder: Path, user: str) -> Path:
+
+@dataclass
+class _Provisioner:
+    """One run of :func:`provision`: the fleet, where its tree goes (``out``) and where the
+    configs say it lies (``prefix``), what re-runs remember, and what this run created."""
+
+    fleet: FleetFile
+    out: Path
+    prefix: Path
+    state: _State
+    created: dict[str, list] = field(
+        default_factory=lambda: {"ca": [], "credentials": [], "revoked": []})
+    credential_dirs: dict[str, Path] = field(default_factory=dict)
+
+    def revoke(self, users: tuple[str, ...]) -> set[str]:
+        """Revoke ``users`` (their certificates join the CRL); every id revoked so far."""
+        out, doc = self.out, self.state.doc
+        known = ({d for s in self.fleet.stations for d in s.devices}
+                 | {s.id for s in self.fleet.stations})
+        for user in users:
+            if user not in known and user not in doc["issued"]:
+                raise ConfigError("revoke", f"{user!r} is not in the fleet")
+            for cert in (out / "devices" / user / "client.pem",
+                         out / "stations" / user / "client.pem"):
+                if cert.exists() and serial_of(cert) not in doc["revoked_serials"]:
+                    doc["revoked_serials"].append(serial_of(cert))
+            if user not in doc["revoked"]:
+                doc["revoked"].append(user)
+                self.created["revoked"].append(user)
+            shutil.rmtree(out / "devices" / user, ignore_errors=True)
+        write_crl(out / "ca", doc["revoked_serials"])
+        return set(doc["revoked"])
+
+    def credential(self, folder: Path, user: str) -> Path:
+        """``user``'s certificate and key in ``folder`` (issued once)."""
         if not (folder / "client.pem").exists():
-            issue(out / "ca", folder / "client.pem", folder / "client.key", user)
-            created["credentials"].append(user)
-        if user not in state.doc["issued"]:
-            state.doc["issued"].append(user)
+            issue(self.out / "ca", folder / "client.pem", folder / "client.key", user)
+            self.created["credentials"].append(user)
+        if user not in self.state.doc["issued"]:
+            self.state.doc["issued"].append(user)
+        self.credential_dirs[user] = folder
         return folder
 
-    def broker_section(user: str, url: str) -> dict:
-        folder = prefix / _rel(out, credential_dirs[user])
-        return {"url": url, "ca": str(prefix / "ca" / "ca.pem"),
+    def issue_credentials(self, stations: list[StationEntry], revoked: set[str]) -> None:
+        out = self.out
+        self.credential(out / "cloud" / "client", "cloud")
+        self.credential(out / "monitor", MONITOR)
+        for s in stations:
+            self.credential(out / "stations" / s.id, s.id)
+            self.credential(out / "stations" / s.id / "line", line_id(s.id))
+            for did in s.devices:
+                if did not in revoked:
+                    self.credential(out / "devices" / did, did)
+
+    def broker_section(self, user: str, url: str) -> dict:
+        """The ``[broker]`` table of ``user``'s config: its certificate is its login."""
+        folder = self.prefix / _rel(self.out, self.credential_dirs[user])
+        return {"url": url, "ca": str(self.prefix / "ca" / "ca.pem"),
                 "cert": str(folder / "client.pem"), "key": str(folder / "client.key"),
                 "chunk_size": CHUNK_SIZE}
 
-    credential_dirs = {"cloud": credential(out / "cloud" / "client", "cloud"),
-                       MONITOR: credential(out / "monitor", MONITOR)}
-    stations = [s for s in fleet.stations if s.id not in revoked]
-    for s in stations:
-        credential_dirs[s.id] = credential(out / "stations" / s.id, s.id)
-        credential_dirs[line_id(s.id)] = credential(out / "stations" / s.id / "line",
-                                                    line_id(s.id))
-        for did in s.devices:
-            if did not in revoked:
-                credential_dirs[did] = credential(out / "devices" / did, did)
-
-    # The cloud broker: the cloud, each station's bridge, and the monitor.
-    cloud_broker = out / "cloud" / "broker"
-    (cloud_broker / "data").mkdir(parents=True, exist_ok=True)
-    if not (cloud_broker / "server.pem").exists():
-        issue(out / "ca", cloud_broker / "server.pem", cloud_broker / "server.key",
-              fleet.cloud_host, hosts=(fleet.cloud_host,), server=True)
-    cloud_pb = prefix / "cloud" / "broker"
-    (cloud_broker / "mosquitto.conf").write_text(_broker_conf(cloud_pb, fleet.cloud_port, prefix))
-    rules = {"cloud": [*_grant("write", topics.prefix(name, _CLOUD), CLOUD_LEAVES),
-                       *_grant("read", topics.prefix(name, _STATION, "+"), STATION_UP)],
-             MONITOR: _monitor_rules(name)}
-    for s in stations:
-        rules[s.id] = [*_grant("write", topics.prefix(name, _STATION, s.id), STATION_UP),
-                       *_grant("read", topics.prefix(name, _CLOUD), CLOUD_LEAVES)]
-    (cloud_broker / "acl").write_text(_acl(rules))
-    cloud_url = f"mqtts://{fleet.cloud_host}:{fleet.cloud_port}"
-    (out / "cloud" / "cloud.toml").write_text(toml_text({
-        "cloud": {"fleet": fleet.name, "stations": [s.id for s in stations], "rounds": 100},
-        "model": {"name": "mlp"}, "broker": broker_section("cloud", cloud_url)}))
-
-    for s in stations:
-        folder = out / "stations" / s.id / "broker"
+    def _server(self, folder: Path, host: str) -> None:
         (folder / "data").mkdir(parents=True, exist_ok=True)
         if not (folder / "server.pem").exists():
-            issue(out / "ca", folder / "server.pem", folder / "server.key", s.host,
-                  hosts=(s.host,), server=True)
+            issue(self.out / "ca", folder / "server.pem", folder / "server.key", host,
+                  hosts=(host,), server=True)
+
+    def cloud_broker(self, stations: list[StationEntry]) -> str:
+        """The cloud broker (the cloud, each station's bridge, the monitor) and the cloud's
+        config; returns the broker's address."""
+        fleet, name = self.fleet, self.fleet.name
+        folder = self.out / "cloud" / "broker"
+        self._server(folder, fleet.cloud_host)
+        (folder / "mosquitto.conf").write_text(_broker_conf(
+            self.prefix / "cloud" / "broker", fleet.cloud_port, self.prefix))
+        rules = {"cloud": [*_grant("write", topics.prefix(name, _CLOUD), CLOUD_LEAVES),
+                           *_grant("read", topics.prefix(name, _STATION, "+"), STATION_UP)],
+                 MONITOR: _monitor_rules(name)}
+        for s in stations:
+            rules[s.id] = [*_grant("write", topics.prefix(name, _STATION, s.id), STATION_UP),
+                           *_grant("read", topics.prefix(name, _CLOUD), CLOUD_LEAVES)]
+        (folder / "acl").write_text(_acl(rules))
+        url = f"mqtts://{fleet.cloud_host}:{fleet.cloud_port}"
+        (self.out / "cloud" / "cloud.toml").write_text(toml_text({
+            "cloud": {"fleet": name, "stations": [s.id for s in stations], "rounds": 100},
+            "model": {"name": "mlp"}, "broker": self.broker_section("cloud", url)}))
+        return url
+
+    def station_broker(self, s: StationEntry, devices: list[str]) -> None:
+        """A factory's broker (bridged to the cloud's), and the configs of its station, its
+        devices and its line."""
+        fleet, name, prefix = self.fleet, self.fleet.name, self.prefix
+        folder = self.out / "stations" / s.id / "broker"
+        self._server(folder, s.host)
         pb, cred = prefix / "stations" / s.id / "broker", prefix / "stations" / s.id
         bridge = [
             "", "# Only the station's reports go up and the cloud's model comes down: device",
@@ -278,10 +318,9 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
             *(f"topic {topics.prefix(name, _CLOUD)}/{leaf} in 1" for leaf in CLOUD_LEAVES),
         ]
         (folder / "mosquitto.conf").write_text(_broker_conf(pb, s.port, prefix, bridge))
-        devices = [d for d in s.devices if d not in revoked]
         rules = {s.id: [*_grant("write", topics.prefix(name, _STATION, s.id), STATION_LEAVES),
                         *_grant("read", topics.prefix(name, _DEV, "+"), ("stats", "status")),
-                        *(f"topic read {topics.prefix(name, 'dev', d)}/update" for d in devices),
+                        *(f"topic read {topics.prefix(name, _DEV, d)}/update" for d in devices),
                         *_grant("read", topics.prefix(name, _CLOUD), CLOUD_LEAVES)],
                  MONITOR: _monitor_rules(name),
                  line_id(s.id): [f"topic write {topics.line_prefix(s.id)}/#"]}
@@ -292,26 +331,18 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
                           f"topic read {topics.line_prefix(s.id)}/#"]
         (folder / "acl").write_text(_acl(rules))
         url = f"mqtts://{s.host}:{s.port}"
-        (out / "stations" / s.id / "station.toml").write_text(toml_text({
-            "station": {"fleet": fleet.name, "station_id": s.id, "devices": devices,
+        (self.out / "stations" / s.id / "station.toml").write_text(toml_text({
+            "station": {"fleet": name, "station_id": s.id, "devices": devices,
                         "super_node_size": max(1, min(4, len(devices)))},
-            "model": {"name": "mlp"}, "broker": broker_section(s.id, url)}))
+            "model": {"name": "mlp"}, "broker": self.broker_section(s.id, url)}))
         for did in devices:
-            (credential_dirs[did] / "device.toml").write_text(toml_text({
-                "device": {"fleet": fleet.name, "device_id": did, "station": s.id},
+            (self.credential_dirs[did] / "device.toml").write_text(toml_text({
+                "device": {"fleet": name, "device_id": did, "station": s.id},
                 "model": {"name": "mlp"},
                 "source": {"kind": "camera", "uri": "0", "label": 0},
-                "broker": broker_section(did, url)}))
-        (out / "stations" / s.id / "line" / "line.toml").write_text(toml_text(
-            {"broker": broker_section(line_id(s.id), url)}))
-    for name, url in (("cloud", cloud_url), *((s.id, f"mqtts://{s.host}:{s.port}")
-                                              for s in stations)):
-        (out / "monitor" / f"status-{name}.toml").write_text(toml_text(
-            {"broker": broker_section(MONITOR, url)}))
-    state.save()
-    for folder in [out, *(p for p in out.rglob("*") if p.is_dir())]:
-        folder.chmod(0o700)  # the provisioned tree holds every private key of the fleet
-    return created
+                "broker": self.broker_section(did, url)}))
+        (self.out / "stations" / s.id / "line" / "line.toml").write_text(toml_text(
+            {"broker": self.broker_section(line_id(s.id), url)}))
 
 
 # A kick's certificate lives ten minutes and its key only in a temporary folder; its serial
