@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -166,16 +167,7 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     started = time.perf_counter()
     plan = plan_fleet(strategy, spec)
     bus = LocalBus()
-    fleet = plan.fleet
-
-    def trainer(backend: str):
-        return build_trainer(spec.model, backend=backend, input_shape=data.sample_shape,
-                             num_classes=data.num_classes, lr=spec.lr, seed=spec.seed,
-                             artifacts=spec.artifacts, expected_layout_hash=federation_layout)
-
-    federation_layout = None
-    evaluator = trainer(spec.backends[0])
-    federation_layout = layout_hash(evaluator.layout)
+    evaluator, trainer = _trainers(data, spec)
     cloud = Cloud(from_mapping(CloudConfig, plan.cloud), initial_weights=evaluator.get_flat(),
                   num_classes=data.num_classes)
     runners = [RoleRunner(cloud, bus, _SIM_CLOCK)]
@@ -184,10 +176,60 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         station = Station(cfg, num_params=evaluator.num_params, num_classes=data.num_classes,
                           rng=np.random.default_rng(cfg.seed))
         runners.append(RoleRunner(station, bus, _SIM_CLOCK))
+    devices, admissions = _devices(data, spec, plan, bus, trainer, evaluator)
+    rows: list[dict[str, Any]] = []
+    stations = [r.role for r in runners[1:]]
+    bus.subscribe(global_model_topic(plan.fleet),
+                  _recorder(data, strategy, spec, bus, evaluator, stations,
+                            [sim.device for sim in devices], rows, started, progress))
+    for sim in devices:
+        # Each new iteration, the sensors of that factory have produced fresh samples.
+        pace_replay(sim.runner, sim.source, plan.stream_rates[sim.partition])
 
-    devices: list[tuple[Device, ReplaySource, RoleRunner]] = []
+    def budget_spent() -> bool:
+        return bool(spec.samples and rows and rows[-1]["samples"] >= spec.samples)
+
+    serve([*runners, *(sim.runner for sim in devices)], bus, stop=StopFlag(install=False),
+          done=lambda: cloud.state == CloudState.DONE or budget_spent() or bus.idle, linger=0.0)
+    if cloud.state != CloudState.DONE and not budget_spent():
+        raise SaflError(f"federation stalled in round {cloud.round} (cloud {cloud.state}); "
+                        f"station states {[st.state for st in stations]}")
+    counters: Counter[str] = Counter()
+    for role in [cloud, *stations, *(sim.device for sim in devices), *admissions]:
+        counters.update(role.counters)
+    return RunResult(strategy.name, rows, dict(counters), time.perf_counter() - started,
+                     p_real=[float(p) for p in cloud.p_real])
+
+
+class _SimDevice(NamedTuple):
+    """A simulated device: the role, its replayed stream (partition ``partition``), its runner."""
+
+    device: Device
+    source: ReplaySource
+    runner: RoleRunner
+    partition: int
+
+
+def _trainers(data: Dataset, spec: FleetSpec) -> tuple[Any, Callable[[str], Any]]:
+    """The cloud's evaluator, and a maker of trainers on each backend that checks they lay
+    the model out as the evaluator does (a mixed fleet is one fleet)."""
+    def make(backend: str, layout: str | None) -> Any:
+        return build_trainer(spec.model, backend=backend, input_shape=data.sample_shape,
+                             num_classes=data.num_classes, lr=spec.lr, seed=spec.seed,
+                             artifacts=spec.artifacts, expected_layout_hash=layout)
+
+    evaluator = make(spec.backends[0], None)
+    layout = layout_hash(evaluator.layout)
+    return evaluator, lambda backend: make(backend, layout)
+
+
+def _devices(data: Dataset, spec: FleetSpec, plan: FleetPlan, bus: LocalBus,
+             trainer: Callable[[str], Any], evaluator: Any
+             ) -> tuple[list[_SimDevice], list[Admission]]:
+    """Every device of the plan with its replayed stream and runner (the compromised ones
+    sending what their attack makes), and the admissions their forged frames go through."""
+    devices: list[_SimDevice] = []
     admissions: list[Admission] = []
-    number: dict[str, int] = {}  # device id -> partition
     shared: dict[str, Any] = {}
     for values in plan.devices:
         cfg = from_mapping(DeviceConfig, public_settings(values))
@@ -207,22 +249,27 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         runner = RoleRunner(dev, bus, _SIM_CLOCK)
         if k in spec.attackers and spec.attack != "none":
             # What the station's transport does with a forged frame (counted with the roles).
-            admission = Admission(fleet=fleet, layout_hash=federation_layout,
+            admission = Admission(fleet=plan.fleet, layout_hash=layout_hash(evaluator.layout),
                                   num_params=evaluator.num_params, max_message=1 << 30,
                                   reassembly_memory=1 << 30, chunk_timeout=60.0)
             install(runner, spec.attack, admission, bus)
             admissions.append(admission)
-        devices.append((dev, source, runner))
-        number[dev.id] = k
+        devices.append(_SimDevice(dev, source, runner, k))
+    return devices, admissions
 
-    rows: list[dict[str, Any]] = []
+
+def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, bus: LocalBus, evaluator: Any,
+              stations: list[Station], devices: list[Device], rows: list[dict[str, Any]],
+              started: float, progress: Callable[[int, float], None] | None
+              ) -> Callable[[str, m.Message], None]:
+    """What watches the global model: it stops the bus once the sample budget is spent, and
+    every ``eval_every`` rounds (and at the end) scores the model and appends a row."""
     x_eval, y_eval = data.x_test[:spec.eval_samples], data.y_test[:spec.eval_samples]
-    stations = [r.role for r in runners[1:]]
 
     def record(topic: str, message: m.Message) -> None:
         if progress:
             progress(message.round, rows[-1]["accuracy"] if rows else float("nan"))
-        trained = sum(d.counters["samples_trained"] for d, _, _ in devices)
+        trained = sum(d.counters["samples_trained"] for d in devices)
         spent = 0 < spec.samples <= trained
         if spent:
             bus.stop()
@@ -249,24 +296,4 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
             "bytes_station_down": bus.payload_bytes["GlobalModel"],
             "wall_s": time.perf_counter() - started,
         })
-
-    bus.subscribe(global_model_topic(fleet), record)
-    for dev, source, runner in devices:
-        # Each new iteration, the sensors of that factory have produced fresh samples.
-        pace_replay(runner, source, plan.stream_rates[number[dev.id]])
-
-    def budget_spent() -> bool:
-        return bool(spec.samples and rows and rows[-1]["samples"] >= spec.samples)
-
-    serve([*runners, *(r for _, _, r in devices)], bus, stop=StopFlag(install=False),
-          done=lambda: cloud.state == CloudState.DONE or budget_spent() or bus.idle, linger=0.0)
-    if cloud.state != CloudState.DONE and not budget_spent():
-        raise SaflError(f"federation stalled in round {cloud.round} (cloud {cloud.state}); "
-                        f"station states {[r.role.state for r in runners[1:]]}")
-    counters: dict[str, int] = {}
-    for role in [cloud, *(r.role for r in runners[1:]), *(d for d, _, _ in devices),
-                 *admissions]:
-        for key, value in role.counters.items():
-            counters[key] = counters.get(key, 0) + value
-    return RunResult(strategy.name, rows, counters, time.perf_counter() - started,
-                     p_real=[float(p) for p in cloud.p_real])
+    return record
