@@ -165,6 +165,14 @@ def _parser() -> argparse.ArgumentParser:
                                      "federated learning for edge fleets")
     add_common_arguments(parser, "safl")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_demo, _add_roles, _add_status, _add_lab, _add_provision, _add_broker,
+                _add_models):
+        add(sub)
+    return parser
+
+
+def _add_demo(sub) -> None:
+    """``safl demo``: the three recipes on one fleet."""
     demo = sub.add_parser("demo", help="SAFL+FedGS vs FedGS vs FedAvg on a real fleet")
     demo.add_argument("--rounds", type=int, default=None,
                       help="external syncs (default 20 over MQTT, 100 with --bus local)")
@@ -182,6 +190,9 @@ def _parser() -> argparse.ArgumentParser:
                       "the commands) to DIR and start nothing")
     demo.set_defaults(run=_demo)
 
+
+def _add_roles(sub) -> None:
+    """``safl device``, ``safl station``, ``safl cloud``: the services."""
     for name, run, text in (("device", run_device, "run a device (SAFL on its sensor stream)"),
                             ("station", _station, "run a base station (FedGS super nodes)"),
                             ("cloud", _cloud, "run the cloud aggregator")):
@@ -197,6 +208,10 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--rounds", type=int, default=None)
             p.add_argument("--eval", default=None, help=".npz test set (x, y) to score rounds")
             p.add_argument("--out", type=Path, default=None, help="where metrics.csv goes")
+
+
+def _add_status(sub) -> None:
+    """``safl status``: what the fleet's retained documents say."""
     status = sub.add_parser("status", help="print the fleet: stations, devices online, round")
     status.add_argument("--broker", default=None, help="mqtt://host:port")
     status.add_argument("--config", type=Path, default=None, help="a TOML file with [broker]")
@@ -204,6 +219,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--wait", type=float, default=1.5, help="seconds to collect retained state")
     status.set_defaults(run=_status)
 
+
+def _add_lab(sub) -> None:
+    """``safl experiment`` and ``safl sweep``: the lab's runs."""
     exp = sub.add_parser("experiment", help="strategies side by side on one fleet (in process)")
     exp.add_argument("configs", type=Path, nargs="+", help="experiment TOML files "
                      "(experiments/*.toml)")
@@ -226,6 +244,9 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel")
     sweep.set_defaults(run=_sweep)
 
+
+def _add_provision(sub) -> None:
+    """``safl provision``: a fleet's credentials and configs."""
     prov = sub.add_parser("provision", help="CA, credentials, broker configs and role configs "
                           "for a fleet file")
     prov.add_argument("fleet", type=Path, help="the fleet TOML file")
@@ -240,11 +261,17 @@ def _parser() -> argparse.ArgumentParser:
     prov.add_argument("--force", action="store_true", help="start over: a new CA and credentials")
     prov.set_defaults(run=_provision)
 
+
+def _add_broker(sub) -> None:
+    """``safl broker``: the embedded broker."""
     broker = sub.add_parser("broker", help="the embedded amqtt broker on loopback (development)")
     broker.add_argument("--host", default="127.0.0.1")
     broker.add_argument("--port", type=int, default=1883)
     broker.set_defaults(run=_broker)
 
+
+def _add_models(sub) -> None:
+    """``safl models``: export and list the zoo's models."""
     models = sub.add_parser("models", help="the model zoo").add_subparsers(dest="models_command",
                                                                           required=True)
     export = models.add_parser("export", help="write ONNX Runtime training artifacts, an "
@@ -264,7 +291,6 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(run=_export)
     listing = models.add_parser("list", help="the zoo's models and their default input shapes")
     listing.set_defaults(run=_models_list)
-    return parser
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
