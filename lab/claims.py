@@ -59,83 +59,115 @@ def _fmt(effect: float, spread: float, unit: str = " points") -> str:
 
 def assess_claims(results: Sequence[RunResult], target: float) -> list[Claim]:
     """Check the papers' claims, and this project's bar for SAFL+FedGS, on per-seed runs."""
-    runs = by_strategy(list(results))
-    summ = {k: [run_summary(r, target) for r in v] for k, v in runs.items()}
+    ev = _Evidence(by_strategy(list(results)), target)
+    return [*_fedgs_claims(ev), *_safl_claims(ev), *_gate_claims(ev), *_safl_fedgs_claims(ev)]
 
-    def acc(name: str) -> list[float]:
-        return [100 * s["accuracy"] for s in summ[name]]
 
-    def reach(name: str) -> list[float]:
+class _Evidence:
+    """Each strategy's runs and their summaries, and the two figures the claims compare."""
+
+    def __init__(self, runs: dict[str, list[RunResult]], target: float) -> None:
+        self.runs, self.target = runs, target
+        self.summ = {k: [run_summary(r, target) for r in v] for k, v in runs.items()}
+        self.baselines = [b for b in BASELINES if b in self.summ]
+
+    def has(self, *names: str) -> bool:
+        return all(n in self.summ for n in names)
+
+    def acc(self, name: str) -> list[float]:
+        """Final accuracy per seed, in points."""
+        return [100 * s["accuracy"] for s in self.summ[name]]
+
+    def reach(self, name: str) -> list[float]:
+        """Samples to a sustained target per seed (one evaluation more where never reached)."""
         out = []
-        for s, r in zip(summ[name], runs[name], strict=False):
+        for s, r in zip(self.summ[name], self.runs[name], strict=False):
             step = r.rows[-1]["samples"] - r.rows[-2]["samples"] if len(r.rows) > 1 else 1
             out.append(s["samples_to_target"] or s["samples"] + step)
         return out
 
+
+def _fedgs_claims(ev: _Evidence) -> list[Claim]:
     claims = []
-    base = [b for b in BASELINES if b in summ]
-    if "fedgs" in summ and base:
-        per = {b: _paired(acc("fedgs"), acc(b)) for b in base}
+    base = ev.baselines
+    if ev.has("fedgs") and base:
+        per = {b: _paired(ev.acc("fedgs"), ev.acc(b)) for b in base}
         d = float(np.mean([e for e, _ in per.values()]))
         spread = float(np.mean([s for _, s in per.values()]))
         claims.append(Claim(
             "FedGS: +3.5 points accuracy over the baselines on average", verdict(d, spread, 3.5),
             f"mean {_fmt(d, spread)} over {len(base)} baselines ("
             + ", ".join(f"{b} {_fmt(*e, unit='')}" for b, e in per.items()) + ")"))
-        cuts = {b: _paired([1.0] * len(runs[b]), _ratio(reach("fedgs"), reach(b))) for b in base}
+        cuts = {b: _paired([1.0] * len(ev.runs[b]), _ratio(ev.reach("fedgs"), ev.reach(b)))
+                for b in base}
         d = float(np.mean([e for e, _ in cuts.values()]))
         spread = float(np.mean([s for _, s in cuts.values()]))
         claims.append(Claim(
-            f"FedGS: 59% fewer samples to a sustained {target:.0%}", verdict(d, spread, 0.59),
+            f"FedGS: 59% fewer samples to a sustained {ev.target:.0%}",
+            verdict(d, spread, 0.59),
             f"mean cut {d:.0%}" + ("" if not math.isfinite(spread) else f" +- {spread:.0%}")
             + " (" + ", ".join(f"{b} {e:.0%}" for b, (e, _) in cuts.items()) + ")"))
-    if "fedgs" in summ and "fedgs_random" in summ:
-        d, spread = _paired(acc("fedgs"), acc("fedgs_random"))
+    if ev.has("fedgs", "fedgs_random"):
+        d, spread = _paired(ev.acc("fedgs"), ev.acc("fedgs_random"))
         claims.append(Claim("GBP-CS beats random super nodes (FedGS ablation)",
                             verdict(d, spread, 0.0), _fmt(d, spread)))
-    if "safl" in summ and "fedavg" in summ:
-        ratio = _ratio(reach("fedavg"), reach("safl"))
-        d, spread = _paired(ratio, [0.0] * len(ratio))
-        claims.append(Claim(
-            f"SAFL: about 2x faster than FedAvg (samples to a sustained {target:.0%})",
-            verdict(d - 1, spread, 0.8), f"{d:.2f}x" + (
-                "" if not math.isfinite(spread) else f" +- {spread:.2f}")))
-        gain = _ratio(acc("safl"), acc("fedavg")) - 1
-        d, spread = _paired(gain, [0.0] * len(gain))
-        claims.append(Claim("SAFL: >50% accuracy improvement over FedAvg on non-i.i.d. data",
-                            verdict(d, spread, 0.5), f"{d:+.1%}" + (
-                                "" if not math.isfinite(spread) else f" +- {spread:.1%}")))
-    if "safl" in summ and "safl_gated" in summ:
-        n = min(len(runs["safl"]), len(runs["safl_gated"]))
-        up = [r.rows[-1]["uploads"] for r in runs["safl"][:n]]
-        gated = [r.rows[-1]["uploads"] for r in runs["safl_gated"][:n]]
-        cut = 1 - float(np.sum(gated)) / max(1.0, float(np.sum(up)))
-        d, spread = _paired(acc("safl_gated"), acc("safl"))
-        # Similar accuracy: not reliably more than a point below, however small the spread.
-        similar = "inconclusive" if not math.isfinite(spread) else (
-            "not reproduced" if d + spread < -1.0 else "reproduced")
-        claims.append(Claim("SAFL upload gating: fewer uploads at similar accuracy (within "
-                            "1 point)", similar if cut > 0 else "not reproduced",
-                            f"{cut:.0%} fewer uploads, accuracy {_fmt(d, spread)}"))
-    if "safl_fedgs" in summ and "fedgs" in summ:
-        d, spread = _paired(acc("safl_fedgs"), acc("fedgs"))
-        keeps = "inconclusive" if not math.isfinite(spread) else (
-            "reproduced" if d >= -spread else "not reproduced")
-        claims.append(Claim("SAFL+FedGS keeps FedGS's global accuracy (within the seed spread)",
-                            keeps, _fmt(d, spread)))
-        local = _paired([100 * s["local_q1"] for s in summ["safl_fedgs"]],
-                        [100 * s["local_q1"] for s in summ["fedgs"]])
-        claims.append(Claim("SAFL+FedGS beats FedGS on device-local accuracy in the first "
-                            "quarter", verdict(*local, 0.0), _fmt(*local)))
-        if base:
-            per = {b: _paired(acc("safl_fedgs"), acc(b)) for b in base}
-            worst = min(per, key=lambda b: per[b][0] - (per[b][1] if math.isfinite(
-                per[b][1]) else 0))
-            votes = [verdict(e, s, 0.0) for e, s in per.values()]
-            overall = "reproduced" if all(v == "reproduced" for v in votes) else (
-                "not reproduced" if "not reproduced" in votes else "inconclusive")
-            claims.append(Claim("SAFL+FedGS beats every baseline by more than the seed spread",
-                                overall, f"closest: {worst} {_fmt(*per[worst])}"))
+    return claims
+
+
+def _safl_claims(ev: _Evidence) -> list[Claim]:
+    if not ev.has("safl", "fedavg"):
+        return []
+    ratio = _ratio(ev.reach("fedavg"), ev.reach("safl"))
+    d, spread = _paired(ratio, [0.0] * len(ratio))
+    faster = Claim(
+        f"SAFL: about 2x faster than FedAvg (samples to a sustained {ev.target:.0%})",
+        verdict(d - 1, spread, 0.8), f"{d:.2f}x" + (
+            "" if not math.isfinite(spread) else f" +- {spread:.2f}"))
+    gain = _ratio(ev.acc("safl"), ev.acc("fedavg")) - 1
+    d, spread = _paired(gain, [0.0] * len(gain))
+    better = Claim("SAFL: >50% accuracy improvement over FedAvg on non-i.i.d. data",
+                   verdict(d, spread, 0.5), f"{d:+.1%}" + (
+                       "" if not math.isfinite(spread) else f" +- {spread:.1%}"))
+    return [faster, better]
+
+
+def _gate_claims(ev: _Evidence) -> list[Claim]:
+    if not ev.has("safl", "safl_gated"):
+        return []
+    n = min(len(ev.runs["safl"]), len(ev.runs["safl_gated"]))
+    up = [r.rows[-1]["uploads"] for r in ev.runs["safl"][:n]]
+    gated = [r.rows[-1]["uploads"] for r in ev.runs["safl_gated"][:n]]
+    cut = 1 - float(np.sum(gated)) / max(1.0, float(np.sum(up)))
+    d, spread = _paired(ev.acc("safl_gated"), ev.acc("safl"))
+    # Similar accuracy: not reliably more than a point below, however small the spread.
+    similar = "inconclusive" if not math.isfinite(spread) else (
+        "not reproduced" if d + spread < -1.0 else "reproduced")
+    return [Claim("SAFL upload gating: fewer uploads at similar accuracy (within 1 point)",
+                  similar if cut > 0 else "not reproduced",
+                  f"{cut:.0%} fewer uploads, accuracy {_fmt(d, spread)}")]
+
+
+def _safl_fedgs_claims(ev: _Evidence) -> list[Claim]:
+    if not ev.has("safl_fedgs", "fedgs"):
+        return []
+    d, spread = _paired(ev.acc("safl_fedgs"), ev.acc("fedgs"))
+    keeps = "inconclusive" if not math.isfinite(spread) else (
+        "reproduced" if d >= -spread else "not reproduced")
+    claims = [Claim("SAFL+FedGS keeps FedGS's global accuracy (within the seed spread)",
+                    keeps, _fmt(d, spread))]
+    local = _paired([100 * s["local_q1"] for s in ev.summ["safl_fedgs"]],
+                    [100 * s["local_q1"] for s in ev.summ["fedgs"]])
+    claims.append(Claim("SAFL+FedGS beats FedGS on device-local accuracy in the first "
+                        "quarter", verdict(*local, 0.0), _fmt(*local)))
+    if ev.baselines:
+        per = {b: _paired(ev.acc("safl_fedgs"), ev.acc(b)) for b in ev.baselines}
+        worst = min(per, key=lambda b: per[b][0] - (per[b][1] if math.isfinite(
+            per[b][1]) else 0))
+        votes = [verdict(e, s, 0.0) for e, s in per.values()]
+        overall = "reproduced" if all(v == "reproduced" for v in votes) else (
+            "not reproduced" if "not reproduced" in votes else "inconclusive")
+        claims.append(Claim("SAFL+FedGS beats every baseline by more than the seed spread",
+                            overall, f"closest: {worst} {_fmt(*per[worst])}"))
     return claims
 
 
