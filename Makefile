@@ -38,9 +38,14 @@ wheel: $(VENV)/.test-deps
 	.wheel-venv/bin/safl --version
 	.wheel-venv/bin/safl-device --version
 	.wheel-venv/bin/python -c "import edge_client.device, aggregator.station; print('wheel ok')"
+	$(PY) -c "import sys, zipfile; names = zipfile.ZipFile(sys.argv[1]).namelist(); \
+	missing = [p for p in ('edge_client', 'aggregator', 'lab', 'models', 'safl') \
+	if p + '/py.typed' not in names]; sys.exit(f'py.typed missing in {missing}' if missing \
+	else 0)" dist/*.whl
 
 lint: $(VENV)/.test-deps
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy  # strict on edge_client, the default elsewhere (pyproject.toml)
 
 bench: $(VENV)/.test-deps
 	$(PY) bench/selection.py

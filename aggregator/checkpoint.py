@@ -79,7 +79,8 @@ def save_checkpoint(path: str | Path, arrays: dict[str, np.ndarray],
     fields = dataclasses.asdict(meta) if isinstance(meta, RoleCheckpoint) else dict(meta)
     doc = json.dumps({"format": CHECKPOINT_FORMAT, **fields}).encode()
     buf = io.BytesIO()
-    np.savez(buf, **arrays, **{_META: np.frombuffer(doc, dtype=np.uint8)})
+    savez: Any = np.savez  # its stub takes a name "allow_pickle" for the keyword of that name
+    savez(buf, **arrays, **{_META: np.frombuffer(doc, dtype=np.uint8)})
     return write_atomic(path, buf.getbuffer())
 
 

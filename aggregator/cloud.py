@@ -60,10 +60,9 @@ class CloudCheckpoint(RoleCheckpoint):
     consumed: dict[str, int]  # samples each station claimed over the run
 
 
-class Cloud(RoleBase):
+class Cloud(RoleBase[CloudState]):
     """The cloud aggregator; ``initial_weights`` is the round-0 global model."""
 
-    CHECKPOINT = CloudCheckpoint  # its checkpoint document, for the service that resumes it
     INITIAL = _C.JOINING
     TRANSITIONS = {(_C.JOINING, _E.STATIONS_JOINED): _C.COLLECTING,
                    (_C.COLLECTING, _E.ROUND_CLOSED): _C.COLLECTING,

@@ -164,7 +164,8 @@ def _stack(models: Sequence[np.ndarray], weights: Sequence[float]) -> tuple[np.n
     return stack, w
 
 
-def _weighted_sum(models: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+def _weighted_sum(models: Sequence[np.ndarray] | np.ndarray,
+                  weights: Sequence[float] | np.ndarray) -> np.ndarray:
     if len(weights) != len(models):
         raise ShapeError(f"{len(models)} models but {len(weights)} weights")
     fold = WeightedSum()
@@ -173,7 +174,8 @@ def _weighted_sum(models: Sequence[np.ndarray], weights: Sequence[float]) -> np.
     return fold.result()
 
 
-def fedavg(models: Sequence[np.ndarray], num_samples: Sequence[float]) -> np.ndarray:
+def fedavg(models: Sequence[np.ndarray] | np.ndarray,
+           num_samples: Sequence[float] | np.ndarray) -> np.ndarray:
     """Sample-weighted average ``sum_k (n_k / n) z_k`` (McMahan et al., 2017), streamed."""
     return _weighted_sum(models, num_samples)
 

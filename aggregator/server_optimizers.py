@@ -53,7 +53,7 @@ class ServerOptimizer:
 
     def state(self) -> dict[str, np.ndarray]:
         """The moments, for a checkpoint (empty before the first step)."""
-        return {} if self._m is None else {"m": self._m, "v": self._v}
+        return {} if self._m is None or self._v is None else {"m": self._m, "v": self._v}
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         if state:
@@ -64,21 +64,23 @@ class ServerOptimizer:
         """Return the next global model; ``current`` and ``fused`` are left untouched."""
         return np.asarray(fused, dtype=np.float32).copy()
 
-    def _delta(self, current: np.ndarray, fused: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _delta(self, current: np.ndarray, fused: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``current`` and ``Delta`` in float64, and the moments ``m`` and ``v`` so far."""
         current = np.asarray(current, dtype=np.float64)
         delta = np.asarray(fused, dtype=np.float64) - current
-        if self._m is None:
+        if self._m is None or self._v is None:
             self._m = np.zeros_like(delta)
             # Reddi et al. initialise v to tau^2 so the first steps are bounded.
             self._v = np.full_like(delta, self.settings.tau**2)
-        return current, delta
+        return current, delta, self._m, self._v
 
 
 class FedAvgM(ServerOptimizer):
     def step(self, current: np.ndarray, fused: np.ndarray) -> np.ndarray:
-        current, delta = self._delta(current, fused)
-        self._m = self.settings.beta1 * self._m + delta
-        return (current + self.settings.server_lr * self._m).astype(np.float32)
+        current, delta, m, _ = self._delta(current, fused)
+        self._m = m = self.settings.beta1 * m + delta
+        return (current + self.settings.server_lr * m).astype(np.float32)
 
 
 class _Adaptive(ServerOptimizer):
@@ -87,10 +89,10 @@ class _Adaptive(ServerOptimizer):
 
     def step(self, current: np.ndarray, fused: np.ndarray) -> np.ndarray:
         s = self.settings
-        current, delta = self._delta(current, fused)
-        self._m = s.beta1 * self._m + (1 - s.beta1) * delta
-        self._v = self._second_moment(self._v, delta**2)
-        return (current + s.server_lr * self._m / (np.sqrt(self._v) + s.tau)).astype(np.float32)
+        current, delta, m, v = self._delta(current, fused)
+        self._m = m = s.beta1 * m + (1 - s.beta1) * delta
+        self._v = v = self._second_moment(v, delta**2)
+        return (current + s.server_lr * m / (np.sqrt(v) + s.tau)).astype(np.float32)
 
 
 class FedAdagrad(_Adaptive):

@@ -37,10 +37,10 @@ from edge_client.sources.replay import load_arrays
 from edge_client.topics import CLOUD_ID, manifest_topic, summary_topic
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .cloud import Cloud, CloudState
+from .cloud import Cloud, CloudCheckpoint, CloudState
 from .config import CloudConfig, StationConfig
 from .selection import blas_threads
-from .station import Station, StationState
+from .station import Station, StationCheckpoint, StationState
 
 __all__ = ["StationService", "CloudService"]
 
@@ -69,7 +69,11 @@ def _checkpointing(role: Cloud | Station, state_dir: str, name: str, due) -> lis
     started = time.perf_counter()
     found = load_checkpoint(path)
     if found is not None:
-        role.restore(found[0], role.CHECKPOINT.from_doc(found[1]))
+        arrays, doc = found
+        if isinstance(role, Station):
+            role.restore(arrays, StationCheckpoint.from_doc(doc))
+        else:
+            role.restore(arrays, CloudCheckpoint.from_doc(doc))
         digest = hashlib.sha256(found[0]["weights"].tobytes()).hexdigest() \
             if "weights" in found[0] else "-"
         log.warning("%s resumed from %s: round %d, iteration %d, state %s, model sha256 %s "

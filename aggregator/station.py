@@ -111,10 +111,9 @@ class StationCheckpoint(RoleCheckpoint):
     rng: dict[str, Any]  # the generator's state
 
 
-class Station(RoleBase):
+class Station(RoleBase[StationState]):
     """Base station ``m`` (one factory), in one of the :class:`StationState` states."""
 
-    CHECKPOINT = StationCheckpoint  # its checkpoint document, for the service that resumes it
     INITIAL = _S.JOINING
     # A global model may arrive in any state but ``done`` (the cloud repeats it to a
     # station that comes back) and begins an iteration; an iteration ends into the next
@@ -208,7 +207,7 @@ class Station(RoleBase):
             upload_samples=None if self._upload is None else self._upload.num_samples,
             seen_at=dict(self._seen_at), sitting_out=dict(self._sitting_out),
             norms=self.guard.state(), recent=self.share.state(),
-            rng=self.rng.bit_generator.state, counters=dict(self.counters))
+            rng=dict(self.rng.bit_generator.state), counters=dict(self.counters))
         return arrays, meta
 
     def restore(self, arrays: dict[str, np.ndarray], meta: StationCheckpoint) -> None:
@@ -239,7 +238,7 @@ class Station(RoleBase):
         self.counters.update(meta.counters)
         if self.state == _S.WAITING and meta.upload_samples is not None:
             self._upload = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
-                                           iteration=self.iteration, weights=self.weights,
+                                           iteration=self.iteration, weights=self._model(),
                                            num_samples=meta.upload_samples,
                                            seen_counts=self._seen_counts())
 
@@ -277,10 +276,10 @@ class Station(RoleBase):
                         "%d", self.id, self.iteration, self.online_devices, self.config.min_quorum)
             return self._close_iteration(now)
         if self.state == _S.COLLECTING and now >= self.deadline:
-            missing = len(self.members) - len(self._replies)
-            self.counters["replies_missed"] += missing
+            absent = len(self.members) - len(self._replies)
+            self.counters["replies_missed"] += absent
             log.info("station %s: iteration %d deadline passed, %d of %d replies missing",
-                     self.id, self.iteration, missing, len(self.members))
+                     self.id, self.iteration, absent, len(self.members))
             return self._close_iteration(now)
         return []
 
@@ -329,12 +328,14 @@ class Station(RoleBase):
             return self._reject("bad_histogram", f"next batch of {msg.next_batch_counts.sum()} "
                                 f"samples, the batch size is {self.config.batch_size}")
         msg = self._plausible_seen(msg)
-        for key in ("local", "prequential"):
-            if not 0.0 <= getattr(msg, f"{key}_accuracy") <= 1.0:
-                # Only a metric, but a metric operators act on: an accuracy outside [0, 1] is
-                # dropped (as not measured) and counted; the histograms still count.
-                self.counters[f"clipped.{key}_accuracy"] += 1
-                msg = dataclasses.replace(msg, **{f"{key}_accuracy": 0.0, f"{key}_samples": 0})
+        # Only metrics, but metrics operators act on: an accuracy outside [0, 1] is dropped
+        # (as not measured) and counted; the histograms still count.
+        if not 0.0 <= msg.local_accuracy <= 1.0:
+            self.counters["clipped.local_accuracy"] += 1
+            msg = dataclasses.replace(msg, local_accuracy=0.0, local_samples=0)
+        if not 0.0 <= msg.prequential_accuracy <= 1.0:
+            self.counters["clipped.prequential_accuracy"] += 1
+            msg = dataclasses.replace(msg, prequential_accuracy=0.0, prequential_samples=0)
         joined = msg.sender not in self.stats or msg.sender in self.offline
         reported = len(self.stats) + (msg.sender not in self.stats)
         if self.state == _S.JOINING and reported >= self.config.min_devices:
@@ -440,11 +441,11 @@ class Station(RoleBase):
         if not 1 <= msg.num_samples <= most:
             return "bad_count", (f"claims {msg.num_samples} samples; a device trains on 1.."
                                  f"{most} (local_steps x batch_size) per iteration")
-        fresh, ratio = self.replay.check(msg.sender, msg.weights, self.weights)
+        fresh, ratio = self.replay.check(msg.sender, msg.weights, self._model())
         if not fresh:
             return "replay", (f"repeats one of its recent updates (distance {ratio:.2g} x its "
                               f"step from w^m)")
-        accepted, distance = self.guard.check(msg.weights, self.weights)
+        accepted, distance = self.guard.check(msg.weights, self._model())
         if not accepted:
             return "update_norm", (f"moved the model {distance:.4g} from w^m, the bound is "
                                    f"{self.guard.limit:.4g}")
@@ -509,8 +510,8 @@ class Station(RoleBase):
         hists = np.array([self.stats[d].next_batch_counts for d in ready], dtype=np.float64)
         n_random = min(cfg.rand_per_group, size)
         fixed = list(self.rng.choice(len(ready), size=n_random, replace=False)) if n_random else []
-        picked = self._select(hists.reshape(len(ready), self.num_classes), self.p_real,
-                              size - n_random, fixed=fixed) if ready else []
+        picked = self._select(hists.reshape(len(ready), self.num_classes), self._target(),
+                              size - n_random, fixed=fixed).tolist() if ready else []
         self._collect(tuple(sorted(ready[i] for i in [*fixed, *picked])))
         self.share.record(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
@@ -543,12 +544,11 @@ class Station(RoleBase):
         if not sync_due:
             return self._begin_iteration(now)
         self.state = new
-        self._upload = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
-                                       iteration=self.iteration, weights=self.weights,
-                                       num_samples=self._consumed,
-                                       seen_counts=self._seen_counts(),
-                                       local_accuracies=self.local_accuracies(),
-                                       prequential_accuracies=self.prequential_accuracies())
+        self._upload = m.StationUpdate(
+            fleet=cfg.fleet, sender=self.id, round=self.round, iteration=self.iteration,
+            weights=self._model(), num_samples=self._consumed, seen_counts=self._seen_counts(),
+            local_accuracies=np.array(self.local_accuracies(), dtype=np.float32),
+            prequential_accuracies=np.array(self.prequential_accuracies(), dtype=np.float32))
         self._consumed_before += self._consumed
         self._consumed = 0
         return [self._upload]
@@ -566,7 +566,20 @@ class Station(RoleBase):
 
     def _model_message(self, final: bool = False) -> m.StationModel:
         return m.StationModel(fleet=self.config.fleet, sender=self.id, round=self.round,
-                              iteration=self.iteration, weights=self.weights, final=final)
+                              iteration=self.iteration, weights=self._model(), final=final)
+
+    def _model(self) -> np.ndarray:
+        """``w^m``: every path that sends or checks against it runs after the first global
+        model set it; before, this refuses (a bug, counted as such) instead of sending None."""
+        if self.weights is None:
+            raise ShapeError(f"station {self.id} has no model yet")
+        return self.weights
+
+    def _target(self) -> np.ndarray:
+        """``P_real``, which comes with every global model."""
+        if self.p_real is None:
+            raise ShapeError(f"station {self.id} has no P_real yet")
+        return self.p_real
 
     def _seen_counts(self) -> np.ndarray:
         """The factory's label counts for ``P_real``: no device outweighs the rest, and never

@@ -124,10 +124,10 @@ class Admission:
             return None  # JSON documents for operators (documents.py), not frames
         digest = None
         if is_chunk(payload):
-            payload = self._reassembler.add(topic, payload, now)
-            if payload is None:
+            whole = self._reassembler.add(topic, payload, now)
+            if whole is None:
                 return None
-            digest = self._reassembler.last_digest
+            payload, digest = whole, self._reassembler.last_digest
         frame = decode(payload, max_size=self.max_message, digest=digest)
         msg = frame.message
         if msg.fleet != self.fleet:

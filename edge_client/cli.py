@@ -19,6 +19,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from .errors import SaflError
 
@@ -84,7 +85,7 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
                    help="stay connected after the federation's final model")
 
 
-def overrides(args: argparse.Namespace, **tables: dict[str, str]) -> dict[str, dict]:
+def overrides(args: argparse.Namespace, **tables: dict[str, str]) -> dict[str, dict[str, Any]]:
     """CLI flags that override keys of a role's TOML tables (None means not given)."""
     return {table: {key: getattr(args, attr) for attr, key in keys.items()}
             for table, keys in tables.items()}

@@ -29,7 +29,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -45,10 +45,14 @@ DEFAULT_CHUNK_SIZE = 256 * 1024
 _FIXED = struct.Struct("<4sBBBBIQ")  # every version's prefix up to its checksum
 
 
+# What a frame's pieces are: bytes, or views cut from them without a copy.
+Buffer = bytes | bytearray | memoryview
+
+
 class _Check(Protocol):
     """A checksum folded in piece by piece (hashlib's interface)."""
 
-    def update(self, data, /) -> None: ...
+    def update(self, data: Buffer, /) -> None: ...
     def digest(self) -> bytes: ...
 
 
@@ -58,7 +62,7 @@ class _Crc32:
     def __init__(self) -> None:
         self.value = 0
 
-    def update(self, data) -> None:
+    def update(self, data: Buffer, /) -> None:
         self.value = zlib.crc32(data, self.value)
 
     def digest(self) -> bytes:
@@ -100,7 +104,7 @@ class _Version:
         at = self.digest_at(total)
         return (0, at.start), (at.stop, total)
 
-    def checksum(self, frame) -> bytes:
+    def checksum(self, frame: Buffer) -> bytes:
         """The checksum ``frame`` should carry (its own digest bytes left out)."""
         view, check = memoryview(frame), self.check()
         for lo, hi in self.span(len(view)):
@@ -118,7 +122,11 @@ _TYPES: dict[int, type[m.Message]] = {
     6: m.StationStats, 7: m.StationUpdate, 8: m.GlobalModel, 9: m.Presence,
 }
 _CODES = {cls: code for code, cls in _TYPES.items()}
-_DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
+def _dtype(spec: str | type) -> np.dtype[Any]:
+    return np.dtype(spec)
+
+
+_DTYPES = {0: _dtype("<f4"), 1: _dtype("<f2")}
 _WIRE_DTYPE = {"float32": "<f4", "float64": "<f8", "int64": "<i8"}
 MAX_HEADER = 64 * 1024
 _ARRAY_DTYPES = frozenset({"<f4", "<f2", "<f8", "<i8"})
@@ -136,18 +144,20 @@ class Frame:
 
 
 def _pieces(message: m.Message, layout_hash: str, fp16: bool, message_id: bytes | None,
-            wire_version: int) -> list:
+            wire_version: int) -> list[Buffer]:
     """A frame's bytes before its checksum: the fixed prefix, the header, each array."""
-    scalars, arrays, blobs = {}, [], []
+    scalars: dict[str, object] = {}
+    arrays: list[list[object]] = []
+    blobs: list[memoryview] = []
     weights_dtype = 1 if fp16 else 0
     for f in dataclasses.fields(message):
         value = getattr(message, f.name)
         if isinstance(value, np.ndarray):
-            wire = _DTYPES[weights_dtype] if f.name == "weights" else np.dtype(
+            wire = _DTYPES[weights_dtype] if f.name == "weights" else _dtype(
                 _WIRE_DTYPE[value.dtype.name])
             arrays.append([f.name, wire.str, int(value.size)])
             # A view where the array already has the wire's layout: the frame is the one copy.
-            blobs.append(memoryview(np.ascontiguousarray(value, dtype=wire)).cast("B"))
+            blobs.append(np.ascontiguousarray(value, dtype=wire).data.cast("B"))
         else:
             scalars[f.name] = list(value) if isinstance(value, tuple) else value
     mid = message_id or os.urandom(16)
@@ -165,7 +175,7 @@ def encode(message: m.Message, *, layout_hash: str = "", fp16: bool = False,
                  _pieces(message, layout_hash, fp16, message_id, wire_version))
 
 
-def _seal(version: _Version, parts: list) -> bytes:
+def _seal(version: _Version, parts: list[Buffer]) -> bytes:
     """The frame: its pieces and their checksum, where the version puts it."""
     check = version.check()
     for part in parts:
@@ -216,7 +226,7 @@ def decode(data: bytes, *, max_size: int, digest: bytes | None = None) -> Frame:
         raise MessageError("bad_checksum", f"{version.name} of the frame does not match")
     cls = _TYPES[code]
     mid, layout, fields, table = _parse_header(bytes(body[:hlen]))
-    wanted = {name: np.dtype(dtype).str for name, dtype in cls._vectors}
+    wanted = {name: _dtype(dtype).str for name, dtype in cls._vectors}
     if "weights" in wanted:
         wanted["weights"] = _DTYPES[wdtype].str
     offset = hlen
@@ -239,7 +249,7 @@ def decode(data: bytes, *, max_size: int, digest: bytes | None = None) -> Frame:
     return Frame(message, mid, layout)
 
 
-def _version_of(data: bytes) -> _Version:
+def _version_of(data: Buffer) -> _Version:
     """The wire version a frame announces, refused by name when it is not one of ours."""
     if len(data) < _HEAD.size:
         raise MessageError("truncated", f"{len(data)} bytes is shorter than a frame prefix")
@@ -268,7 +278,7 @@ def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _parse_header(raw: bytes) -> tuple[bytes, str, dict, list[tuple[str, str, int]]]:
+def _parse_header(raw: bytes) -> tuple[bytes, str, dict[str, Any], list[tuple[str, str, int]]]:
     """The header's id, layout hash, scalar fields and array table, each checked for shape.
 
     The header is flat by contract: scalars, and one list of ids (a super node).  Nesting,
@@ -317,7 +327,7 @@ def split(frame: bytes, chunk_size: int) -> list[bytes]:
     return list(_chunks([memoryview(frame)], chunk_size, frame[4]))
 
 
-def _chunks(parts: list, chunk_size: int, version: int, *,
+def _chunks(parts: list[Buffer], chunk_size: int, version: int, *,
             trailer: _Version | None = None) -> Iterator[bytes]:
     """Chunks of the frame ``parts`` make, ended by ``trailer``'s checksum when given, each
     chunk copied once as it is asked for.  The checksum is taken when the chunk that carries
@@ -332,9 +342,9 @@ def _chunks(parts: list, chunk_size: int, version: int, *,
     tail = b""
     for i in range(count):
         start, stop = i * body, min((i + 1) * body, total)
-        pieces = list(_views(parts, start, min(stop, data)))
+        pieces: list[Buffer] = list(_views(parts, start, min(stop, data)))
         if stop > data:
-            if not tail:
+            if not tail and trailer is not None:
                 check = trailer.check()
                 for view in _views(parts, 0, data):
                     check.update(view)
@@ -343,7 +353,7 @@ def _chunks(parts: list, chunk_size: int, version: int, *,
         yield b"".join((_CHUNK.pack(CHUNK_MAGIC, version, mid, i, count, total), *pieces))
 
 
-def _views(parts: list, start: int, stop: int) -> Iterator[memoryview]:
+def _views(parts: list[Buffer], start: int, stop: int) -> Iterator[memoryview]:
     """Views of bytes ``[start, stop)`` of the concatenation of ``parts``."""
     offset = 0
     for part in parts:
@@ -469,10 +479,10 @@ class Reassembler:
                     entry.unhashable = True  # decode checks the whole frame (or refuses it)
                     return
                 entry.hash, entry.span = version.check(), version.span(entry.total)
-            start = entry.offset
+            start, check = entry.offset, entry.hash
             for lo, hi in entry.span:
                 lo, hi = max(lo, start), min(hi, start + len(piece))
-                if lo < hi:
-                    entry.hash.update(piece[lo - start:hi - start])
+                if lo < hi and check is not None:
+                    check.update(piece[lo - start:hi - start])
             entry.offset += len(piece)
             entry.hashed += 1

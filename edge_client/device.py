@@ -43,7 +43,7 @@ _E = DeviceEvent
 _D = DeviceState
 
 
-class Device(RoleBase):
+class Device(RoleBase[DeviceState]):
     """One edge device: ``waiting`` for its station's first model, ``ready`` with one, and
     ``done`` after the final model (:class:`DeviceState`, moved by :class:`DeviceEvent`).
 
@@ -129,13 +129,16 @@ class Device(RoleBase):
                 "buffer.overwritten_unread": self.buffer.overwritten_unread,
                 "buffer.unread": self.buffer.unread, "buffer.seen": self.buffer.samples_seen,
                 "local_accuracy": self._local_acc[0],
-                **(self._prequential_gauges() if self.prequential is not None else {})}
+                **self._prequential_gauges()}
 
     def _prequential_gauges(self) -> dict[str, float]:
         """Prequential accuracy overall and per class (the classes in the window), and the
         per-frame inference time."""
-        per = self.prequential.per_class()
-        return {"prequential_accuracy": self.prequential.accuracy,
+        pre = self.prequential
+        if pre is None:
+            return {}
+        per = pre.per_class()
+        return {"prequential_accuracy": pre.accuracy,
                 **{f"prequential_accuracy.class_{k}": float(a) for k, a in enumerate(per)
                    if a == a},
                 "inference_seconds": self.last_inference_s}
@@ -178,7 +181,7 @@ class Device(RoleBase):
         if self.prequential is not None and predicted is None:
             predicted = self._predict_every(x)
         self.buffer.push(x, y)  # validates shapes and labels before anything is scored
-        if self.prequential is not None:
+        if self.prequential is not None and predicted is not None:
             self.counters["prequential.scored"] += self.prequential.score(y, predicted)
         nxt = self._next_counts()
         if self._reported_next is not None and np.array_equal(nxt, self._reported_next):
@@ -213,7 +216,8 @@ class Device(RoleBase):
             new = self.next_state(_E.FINAL_MODEL)
         else:
             new = self.next_state(_E.MODEL, *([_E.SELECTED] if completes else []))
-        if self._accept_any_iteration and message.iteration < self._model.iteration:
+        if self._accept_any_iteration and self._model is not None \
+                and message.iteration < self._model.iteration:
             self.counters["station_rewinds"] += 1  # it resumed from an older checkpoint
         self._accept_any_iteration = False
         if self._model is None or message.round != self._model.round:
@@ -257,8 +261,9 @@ class Device(RoleBase):
         return []
 
     def _drop_awaiting(self, why: str) -> None:
-        self._reject("no_model", f"selected for {self._awaiting.iteration}, its model never "
-                     f"came ({why})")
+        if self._awaiting is not None:
+            self._reject("no_model", f"selected for {self._awaiting.iteration}, its model "
+                         f"never came ({why})")
         self._awaiting = None
 
     def _next_counts(self) -> np.ndarray:
@@ -269,7 +274,8 @@ class Device(RoleBase):
 
     def _predict_every(self, x: np.ndarray) -> np.ndarray:
         predicted = np.full(len(x), NOT_PREDICTED, dtype=np.int64)
-        chosen = one_in(self.inference.every, self.buffer.samples_seen, len(x))
+        every = self.inference.every if self.inference is not None else 1
+        chosen = one_in(every, self.buffer.samples_seen, len(x))
         if len(chosen):
             out = self.infer(x[chosen])
             if out is not None:
@@ -344,18 +350,20 @@ class Device(RoleBase):
                 self.trainer.set_flat(proximal_step(before, self.trainer.get_flat(), zbar,
                                                     lr=self.trainer.lr, mu=cfg.prox_mu))
             consumed += len(y)
-        header = dict(fleet=cfg.fleet, sender=self.id, round=model.round, iteration=t,
-                      station=cfg.station)
+        def skip(gap: float) -> m.SkipNotice:
+            return m.SkipNotice(fleet=cfg.fleet, sender=self.id, round=model.round,
+                                iteration=t, station=cfg.station, gap=gap)
+
         if consumed == 0:
             self.counters["skipped.no_data"] += 1
-            return [self._stats(model.round, t), m.SkipNotice(**header, gap=0.0)]
+            return [self._stats(model.round, t), skip(0.0)]
         self.last_train_s = time.perf_counter() - started
         z = self.trainer.get_flat()
         if not np.isfinite(z).all():
             # Diverged (a huge model came down, or a huge step): nothing worth uploading or
             # keeping.  A skip is still an answer, so the station does not wait for us.
             self.counters["skipped.non_finite"] += 1
-            return [self._stats(model.round, t), m.SkipNotice(**header, gap=0.0)]
+            return [self._stats(model.round, t), skip(0.0)]
         if cfg.mix < 1.0:  # only a merge reads it: with mix = 1 a device holds no model copy
             self._local, self._local_iteration = z, t
         gap, upload = self._upload_gate(z, zbar)
@@ -363,10 +371,13 @@ class Device(RoleBase):
         self.counters["samples_trained"] += consumed
         if upload:
             self.counters["uploads"] += 1
-            reply: m.Message = m.DeviceUpdate(**header, weights=z, num_samples=consumed)
+            reply: m.Message = m.DeviceUpdate(fleet=cfg.fleet, sender=self.id,
+                                              round=model.round, iteration=t,
+                                              station=cfg.station, weights=z,
+                                              num_samples=consumed)
         else:
             self.counters["skipped.gate"] += 1
-            reply = m.SkipNotice(**header, gap=gap)
+            reply = skip(gap)
         # Stats go first so the station selects the next super node on fresh histograms.
         return [self._stats(model.round, t), reply]
 

@@ -123,7 +123,7 @@ def _check_scalar(cls: type, name: str, hint: object, value: object) -> object:
 _SCALARS: dict[type, tuple[tuple[str, object], ...]] = {}
 
 
-def _scalar_fields(cls: type) -> tuple[tuple[str, object], ...]:
+def _scalar_fields(cls: type[Message]) -> tuple[tuple[str, object], ...]:
     """(name, type) of a message class's non-array fields, resolved once per class."""
     if cls not in _SCALARS:
         hints = typing.get_type_hints(cls)
@@ -144,7 +144,8 @@ def _immutable(value: object, dtype: type) -> bool:
 
 
 def _frozen_vector(name: str, value: object, dtype: type) -> np.ndarray:
-    arr = value if _immutable(value, dtype) else np.array(value, dtype=dtype, copy=True)
+    arr = value if isinstance(value, np.ndarray) and _immutable(value, dtype) \
+        else np.array(value, dtype=dtype, copy=True)
     if arr.ndim != 1:
         raise MessageError("wrong_shape", f"{name} must be 1-D, got shape {arr.shape}")
     if not np.isfinite(arr).all():

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from .errors import SaflError
 
@@ -25,7 +26,8 @@ __all__ = ["MetricsServer", "render", "HELP"]
 
 log = logging.getLogger(__name__)
 
-Collect = Callable[[], tuple[Mapping[str, float], Mapping[str, float]]]
+# Counters, and gauges (None: not measured yet, left out of the page).
+Collect = Callable[[], tuple[Mapping[str, float], Mapping[str, float | None]]]
 
 
 def _name(key: str, labelled: bool) -> tuple[str, str]:
@@ -60,7 +62,7 @@ HELP = {
 }
 
 
-def render(role: str, counters: Mapping[str, float], gauges: Mapping[str, float],
+def render(role: str, counters: Mapping[str, float], gauges: Mapping[str, float | None],
            labels: Mapping[str, str] | None = None) -> str:
     """The Prometheus text exposition of one service's numbers."""
     lines: list[str] = []
@@ -114,7 +116,7 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, *args) -> None:
+            def log_message(self, format: str, *args: Any) -> None:
                 pass
 
         self.role, self.labels = role, dict(labels or {})

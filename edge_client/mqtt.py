@@ -19,12 +19,14 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
 
 from . import messages as m
 from .admission import Admission
@@ -121,7 +123,7 @@ class MqttTransport:
         self._connected = threading.Event()
         self._arrived = threading.Event()
         self._stop = threading.Event()
-        self._refused: paho.ReasonCode | None = None
+        self._refused: ReasonCode | None = None
         self._thread: threading.Thread | None = None
         self._last_info: paho.MQTTMessageInfo | None = None
         self._closing = False
@@ -150,9 +152,10 @@ class MqttTransport:
         client.max_queued_messages_set(0)
         return client
 
-    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+    def _on_connect(self, client: paho.Client, userdata: Any, flags: Any,
+                    reason_code: ReasonCode, properties: Any) -> None:
         sock = client.socket()
-        if sock is not None:
+        if isinstance(sock, socket.socket):  # TLS sockets are socket.socket too
             # paho leaves Nagle on: back-to-back small frames (stats, then the update) would
             # wait for the broker's delayed ACK, about 40 ms a hop.
             try:
@@ -172,14 +175,15 @@ class MqttTransport:
         self._connected.set()
         log.info("%s connected (MQTT %s)", self.client_id, "5" if self._v5 else "3.1.1")
 
-    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+    def _on_disconnect(self, client: paho.Client, userdata: Any, flags: Any,
+                       reason_code: ReasonCode, properties: Any) -> None:
         if self._connected.is_set() and not self._closing:
             self.counters["disconnects"] += 1
             log.warning("%s lost the broker: %s", self.client_id, reason_code)
         self._connected.clear()
 
-    def _on_message(self, client, userdata, msg) -> None:
-        self._inbox.put((msg.topic, msg.payload))
+    def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
+        self._inbox.put((msg.topic, bytes(msg.payload)))
         self._arrived.set()
 
     def wait(self, timeout: float) -> None:
@@ -190,7 +194,7 @@ class MqttTransport:
         host, port = self.config.host_port
         try:
             if self._v5:
-                props = Properties(PacketTypes.CONNECT)
+                props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
                 props.SessionExpiryInterval = self.config.session_expiry if self.persistent else 0
                 self._client.connect(host, port, self.config.keepalive,
                                      clean_start=not self.persistent, properties=props)
@@ -281,7 +285,8 @@ class MqttTransport:
         return self._connected.is_set()
 
     # -- the transport interface ------------------------------------------------------
-    def _add_subscription(self, subs: list, topic_filter: str, handler) -> None:
+    def _add_subscription(self, subs: list[tuple[str, Any]], topic_filter: str,
+                          handler: Any) -> None:
         subs.append((topic_filter, handler))
         if self._connected.is_set():  # else _on_connect subscribes it
             self._client.subscribe(topic_filter, qos=1)
@@ -310,6 +315,8 @@ class MqttTransport:
         """This participant's presence (or its Last Will), in its wire version and without
         a layout: anyone may read it, whatever model it runs."""
         p = self.presence
+        if p is None:
+            raise ValueError(f"{self.client_id} has no presence to publish")
         if not online:
             p = m.Presence(fleet=p.fleet, sender=p.sender, round=0, iteration=0, role=p.role,
                            online=False)
@@ -349,7 +356,7 @@ class MqttTransport:
             delivered += 1
         return delivered
 
-    def _dispatch(self, handlers: list, topic: str, item: m.Message | Document | bytes
+    def _dispatch(self, handlers: list[Any], topic: str, item: m.Message | Document | bytes
                   ) -> None:
         for handler in handlers:
             try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 from . import messages as m
 from .admission import LogLimiter
@@ -47,7 +47,10 @@ class TransitionError(SaflError):
     reason = "bad_transition"
 
 
-class RoleBase:
+S = TypeVar("S", bound="RoleState")
+
+
+class RoleBase(Generic[S]):
     """Counters, logging and the error boundary of ``handle``; subclasses write ``_handle``.
 
     A role with states sets ``INITIAL``, ``TRANSITIONS`` ((state, event) -> next state) and
@@ -55,9 +58,10 @@ class RoleBase:
     ``state`` to the answer once the event's work is done.
     """
 
+    # (A class variable cannot name the role's own state type: its states are ``S``.)
     INITIAL: ClassVar[RoleState]
-    TRANSITIONS: ClassVar[Mapping[tuple[RoleState, RoleEvent], RoleState]] = {}
-    state: RoleState
+    TRANSITIONS: ClassVar[Mapping[tuple[Any, RoleEvent], Any]] = {}
+    state: S
 
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
@@ -85,19 +89,19 @@ class RoleBase:
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         raise NotImplementedError
 
-    def next_state(self, *events: RoleEvent) -> RoleState:
+    def next_state(self, *events: RoleEvent) -> S:
         """The state ``events``, one after another, take the role to from its own; a
         :class:`TransitionError` naming the role, the state and the event where the table
         has no such move.  It changes nothing, so a role asks before an event's work (the
         whole way, where one event leads into another) and is unchanged if refused."""
-        state = self.state
+        state: RoleState = self.state
         for event in events:
             new = self.TRANSITIONS.get((state, event))
             if new is None:
                 raise TransitionError(f"{type(self).__name__.lower()} {self.id} in state "
                                       f"{state.value} has no move on {event.value}")
             state = new
-        return state
+        return cast(S, state)
 
     def _reject(self, reason: str, detail: str) -> list[m.Message]:
         self.counters[f"rejected.{reason}"] += 1
@@ -108,7 +112,7 @@ class RoleBase:
         return []
 
 
-def state_diagram(role: type[RoleBase]) -> str:
+def state_diagram(role: type[RoleBase[Any]]) -> str:
     """``role``'s transition table as a Mermaid state diagram (``docs/states.md``)."""
     lines = ["stateDiagram-v2", f"    [*] --> {role.INITIAL.value}"]
     for (state, event), new in role.TRANSITIONS.items():

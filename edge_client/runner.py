@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from . import messages as m
 from .admission import LogLimiter
@@ -22,6 +23,9 @@ from .role import Role
 from .sources.replay import ReplaySource
 from .topics import station_model_topic, topic_for
 from .transport import Transport
+
+if TYPE_CHECKING:  # the device imports the runner's module family, not the other way round
+    from .device import Device
 
 __all__ = ["RoleRunner", "StopFlag", "serve", "pace_replay"]
 
@@ -41,10 +45,13 @@ class StopFlag:
         return self.event.is_set()
 
 
-class RoleRunner:
+R = TypeVar("R", bound=Role)
+
+
+class RoleRunner(Generic[R]):
     """Runs one role on a transport: subscribes it, feeds it, publishes what it returns."""
 
-    def __init__(self, role: Role, transport: Transport,
+    def __init__(self, role: R, transport: Transport,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.role = role
         self.transport = transport
@@ -94,7 +101,7 @@ class RoleRunner:
         self.publish(out)
 
 
-def serve(runners: RoleRunner | Sequence[RoleRunner], transport: Transport, *,
+def serve(runners: RoleRunner[Any] | Sequence[RoleRunner[Any]], transport: Transport, *,
           stop: StopFlag, done: Callable[[], bool] = lambda: False,
           hooks: tuple[Callable[[float], None], ...] = (),
           on_stop: Callable[[], None] | None = None,
@@ -138,7 +145,7 @@ def serve(runners: RoleRunner | Sequence[RoleRunner], transport: Transport, *,
             metrics.close()
 
 
-def pace_replay(runner: RoleRunner, source: ReplaySource, rate: float) -> None:
+def pace_replay(runner: RoleRunner[Device], source: ReplaySource, rate: float) -> None:
     """Feed ``runner``'s device ``rate`` samples per local step of each station model, from
     ``source``: a replayed stream paced by the federation (simulations, and devices with
     ``[source] per_iteration``).  Subscribed after the role, so the device has stored the

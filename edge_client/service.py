@@ -26,14 +26,14 @@ from .config import (
 )
 from .device import Device
 from .errors import ConfigError
-from .metrics import MetricsServer
+from .metrics import Collect, MetricsServer
 from .mqtt import MqttTransport
 from .runner import RoleRunner, StopFlag, pace_replay, serve
 from .serving import DeployableKeeper, StreamFeed
 from .sources import LiveLabels, SourcePump, build_source
 from .sources.replay import ReplaySource
 from .topics import predictions_topic
-from .trainers import build_trainer, layout_hash
+from .trainers import Trainer, build_trainer, layout_hash
 
 __all__ = ["DeviceService", "load_role_file", "with_metrics", "model_trainer",
            "role_transport", "DEVICE_TABLES"]
@@ -53,7 +53,7 @@ def load_role_file(path: str | Path | None, tables: dict[str, type],
             for name, cls in tables.items()}
 
 
-def model_trainer(model: ModelConfig, lr: float):
+def model_trainer(model: ModelConfig, lr: float) -> Trainer:
     """The trainer a role's ``[model]`` table describes (stations and the cloud use it for the
     layout, the initial weights and evaluation, never for SGD)."""
     return build_trainer(model.spec, backend=model.backend, input_shape=model.input_shape,
@@ -62,7 +62,7 @@ def model_trainer(model: ModelConfig, lr: float):
 
 
 def role_transport(broker: BrokerConfig, *, fleet: str, role: m.Participant, participant: str,
-                   trainer, client_id: str | None = None) -> MqttTransport:
+                   trainer: Trainer, client_id: str | None = None) -> MqttTransport:
     """The MQTT transport of one participant, with its presence and the model's layout."""
     presence = m.Presence(fleet=fleet, sender=participant, round=0, iteration=0, role=role,
                           online=True)
@@ -71,7 +71,7 @@ def role_transport(broker: BrokerConfig, *, fleet: str, role: m.Participant, par
                          num_params=trainer.num_params)
 
 
-def with_metrics(config: ServiceConfig, role: str, collect,
+def with_metrics(config: ServiceConfig, role: str, collect: Collect,
                  labels: dict[str, str] | None = None) -> MetricsServer | None:
     """Start the Prometheus endpoint if the service config asks for one."""
     if not config.metrics_port:
@@ -98,7 +98,8 @@ class DeviceService:
     # Keeps the deployable model in state_dir (None without one).
     keeper: DeployableKeeper | None = field(default=None, init=False, repr=False)
 
-    def build(self) -> tuple[RoleRunner, MqttTransport, tuple[Callable[[float], None], ...]]:
+    def build(self) -> tuple[RoleRunner[Device], MqttTransport,
+                             tuple[Callable[[float], None], ...]]:
         """The device bound to its transport, and the ``serve`` hooks that feed it samples
         (none when the federation paces a replay) and keep its deployable model on disk."""
         cfg, mc = self.device, self.model

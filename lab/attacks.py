@@ -90,4 +90,4 @@ def install(runner: RoleRunner, attack: str, admission: Admission, bus: LocalBus
                     bus.publish(topic_for(got), got)
             else:
                 honest([sent])
-    runner.publish = publish
+    runner.publish = publish  # type: ignore[method-assign]  # the compromised device's voice

@@ -41,7 +41,8 @@ def verdict(effect: float, spread: float, claimed: float) -> str:
     return "reproduced" if effect > spread else "inconclusive"
 
 
-def _paired(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+def _paired(a: Sequence[float] | np.ndarray,
+            b: Sequence[float] | np.ndarray) -> tuple[float, float]:
     n = min(len(a), len(b))  # seed k pairs with seed k; a strategy may have fewer seeds
     d = np.asarray(a[:n], dtype=float) - np.asarray(b[:n], dtype=float)
     return float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else math.nan
@@ -80,7 +81,7 @@ class _Evidence:
 
     def reach(self, name: str) -> list[float]:
         """Samples to a sustained target per seed (one evaluation more where never reached)."""
-        out = []
+        out: list[float] = []
         for s, r in zip(self.summ[name], self.runs[name], strict=False):
             step = r.rows[-1]["samples"] - r.rows[-2]["samples"] if len(r.rows) > 1 else 1
             out.append(s["samples_to_target"] or s["samples"] + step)

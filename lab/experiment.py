@@ -332,7 +332,7 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
             futures = {pool.submit(run_task, t): t for t in todo}
             for future in as_completed(futures):  # cached as each finishes
                 finished(futures[future], future.result())
-    per_seed = [done[t.key] for t in tasks]
+    per_seed = [r for r in (done[t.key] for t in tasks) if r is not None]  # all done by now
     results = merge_seeds(per_seed)
     rows = result_rows(per_seed, cfg.target_accuracy)
     with open(out / "results.csv", "w", newline="") as fh:

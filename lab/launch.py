@@ -187,6 +187,7 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
             except subprocess.TimeoutExpired:
                 p.kill()
     rows = fleet.rows()
-    for row in rows[seen:] if progress else ():
-        progress(row["round"], row.get("accuracy", float("nan")))
+    if progress is not None:
+        for row in rows[seen:]:
+            progress(row["round"], row.get("accuracy", float("nan")))
     return rows

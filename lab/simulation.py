@@ -170,15 +170,13 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     evaluator, trainer = _trainers(data, spec)
     cloud = Cloud(from_mapping(CloudConfig, plan.cloud), initial_weights=evaluator.get_flat(),
                   num_classes=data.num_classes)
-    runners = [RoleRunner(cloud, bus, _SIM_CLOCK)]
-    for values in plan.stations:
-        cfg = from_mapping(StationConfig, values)
-        station = Station(cfg, num_params=evaluator.num_params, num_classes=data.num_classes,
-                          rng=np.random.default_rng(cfg.seed))
-        runners.append(RoleRunner(station, bus, _SIM_CLOCK))
+    stations = [Station(cfg, num_params=evaluator.num_params, num_classes=data.num_classes,
+                        rng=np.random.default_rng(cfg.seed))
+                for cfg in (from_mapping(StationConfig, values) for values in plan.stations)]
+    runners: list[RoleRunner[Any]] = [RoleRunner(role, bus, _SIM_CLOCK)
+                                      for role in (cloud, *stations)]
     devices, admissions = _devices(data, spec, plan, bus, trainer, evaluator)
     rows: list[dict[str, Any]] = []
-    stations = [r.role for r in runners[1:]]
     bus.subscribe(global_model_topic(plan.fleet),
                   _recorder(data, strategy, spec, bus, evaluator, stations,
                             [sim.device for sim in devices], rows, started, progress))
@@ -195,8 +193,9 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
         raise SaflError(f"federation stalled in round {cloud.round} (cloud {cloud.state}); "
                         f"station states {[st.state for st in stations]}")
     counters: Counter[str] = Counter()
-    for role in [cloud, *stations, *(sim.device for sim in devices), *admissions]:
-        counters.update(role.counters)
+    for kept in (cloud.counters, *(st.counters for st in stations),
+                 *(sim.device.counters for sim in devices), *(a.counters for a in admissions)):
+        counters.update(kept)
     return RunResult(strategy.name, rows, dict(counters), time.perf_counter() - started,
                      p_real=[float(p) for p in cloud.p_real])
 
@@ -267,6 +266,8 @@ def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, bus: LocalBus,
     x_eval, y_eval = data.x_test[:spec.eval_samples], data.y_test[:spec.eval_samples]
 
     def record(topic: str, message: m.Message) -> None:
+        if not isinstance(message, m.GlobalModel):
+            return  # only global models travel on this topic
         if progress:
             progress(message.round, rows[-1]["accuracy"] if rows else float("nan"))
         trained = sum(d.counters["samples_trained"] for d in devices)

@@ -4,7 +4,8 @@ strategy's over its seeds (mean and sample sd, seed-averaged curves)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -59,24 +60,38 @@ def _nanmean(values: list[float]) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
-def run_summary(result: RunResult, target: float) -> dict[str, float | int | None]:
+class RunSummary(TypedDict):
+    """One run's figures (see :func:`run_summary`); NaN where the run did not measure one."""
+
+    accuracy: float
+    samples_to_target: int | None  # None: the target was not held
+    local_q1: float
+    worst10_q1: float
+    local_end: float
+    worst10_end: float
+    prequential_end: float
+    prequential_worst10_end: float
+    samples: int
+
+
+def run_summary(result: RunResult, target: float) -> RunSummary:
     """One run's figures: accuracy (mean of the last ``LAST_K`` evaluations), samples to a
     sustained ``target``, and device-local accuracy (mean, worst 10%) over the first quarter
     of the samples and at the end."""
     rows = result.rows
     quarter = [r for r in rows if r["samples"] <= rows[-1]["samples"] / 4] or rows[:1]
     tail = rows[-LAST_K:]
-    return {"accuracy": float(np.mean([r["accuracy"] for r in tail])),
-            "samples_to_target": samples_to(rows, target),
-            "local_q1": _nanmean([r["local_mean"] for r in quarter]),
-            "worst10_q1": _nanmean([r["local_worst10"] for r in quarter]),
-            "local_end": _nanmean([r["local_mean"] for r in tail]),
-            "worst10_end": _nanmean([r["local_worst10"] for r in tail]),
-            # Runs without prequential scoring (and runs cached before it) have no such column.
-            "prequential_end": _nanmean([r.get("prequential_mean", NAN) for r in tail]),
-            "prequential_worst10_end": _nanmean([r.get("prequential_worst10", NAN)
-                                                 for r in tail]),
-            "samples": rows[-1]["samples"]}
+    return RunSummary(
+        accuracy=float(np.mean([r["accuracy"] for r in tail])),
+        samples_to_target=samples_to(rows, target),
+        local_q1=_nanmean([r["local_mean"] for r in quarter]),
+        worst10_q1=_nanmean([r["local_worst10"] for r in quarter]),
+        local_end=_nanmean([r["local_mean"] for r in tail]),
+        worst10_end=_nanmean([r["local_worst10"] for r in tail]),
+        # Runs without prequential scoring (and runs cached before it) have no such column.
+        prequential_end=_nanmean([r.get("prequential_mean", NAN) for r in tail]),
+        prequential_worst10_end=_nanmean([r.get("prequential_worst10", NAN) for r in tail]),
+        samples=rows[-1]["samples"])
 
 
 def by_strategy(results: list[RunResult]) -> dict[str, list[RunResult]]:
@@ -97,7 +112,7 @@ def mean_sd(values: list[float], digits: int = 4) -> tuple[float | None, float |
         round(float(arr.std(ddof=1)), digits) if len(arr) > 1 else ""
 
 
-def _prequential_columns(sums: list[dict[str, Any]]) -> dict[str, Any]:
+def _prequential_columns(sums: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Prequential accuracy at the end (mean, sd, worst 10%), where every seed measured it."""
     pend, pend_sd = mean_sd([s["prequential_end"] for s in sums])
     if pend is None:
@@ -115,7 +130,8 @@ def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]
         sums = [run_summary(r, target) for r in runs]
         acc, acc_sd = mean_sd([s["accuracy"] for s in sums])
         reach = [s["samples_to_target"] for s in sums]
-        held = sum(v is not None for v in reach)
+        reached = [v for v in reach if v is not None]
+        held = len(reached)
         lq1, lq1_sd = mean_sd([s["local_q1"] for s in sums])
         w10, _ = mean_sd([s["worst10_q1"] for s in sums])
         lend, _ = mean_sd([s["local_end"] for s in sums])
@@ -124,7 +140,8 @@ def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]
                       if k.startswith(("rejected.", "clipped."))) // len(runs)
         out.append({"strategy": name, "seeds": len(runs), "accuracy": acc,
                     "accuracy_sd": acc_sd,
-                    f"samples_to_{target:g}": (f"{np.mean(reach) / 1000:.0f}k" if held == len(runs)
+                    f"samples_to_{target:g}": (f"{np.mean(reached) / 1000:.0f}k"
+                                               if held == len(runs)
                                                else f"never ({len(runs) - held}/{len(runs)})"),
                     "local_q1": lq1, "local_q1_sd": lq1_sd, "worst10_q1": w10,
                     "local_end": lend, **_prequential_columns(sums),

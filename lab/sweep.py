@@ -72,15 +72,16 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1) -> list[dic
             caches[key[0]].put(r, key[2], "none")
             print(f"{key[0]} {key[1]} seed {key[2]}: {r.rows[-1]['accuracy']:.4f} "
                   f"({r.wall_s:.0f} s)", file=sys.stderr)
+    done = {key: r for key, r in results.items() if r is not None}  # every run, by now
     rows = []
     for point in points:
         cfg = dataclasses.replace(base, **point)
         for name in cfg.strategies:
-            runs = [run_summary(results[(_label(point), name, s)], cfg.target_accuracy)
+            runs = [run_summary(done[(_label(point), name, s)], cfg.target_accuracy)
                     for s in range(cfg.seed, cfg.seed + cfg.seeds)]
             row: dict[str, Any] = {**point, "strategy": name}
-            for key in ("accuracy", "local_q1", "worst10_q1", "local_end"):
-                row[key], row[f"{key}_sd"] = mean_sd([r[key] for r in runs])
+            for figure in ("accuracy", "local_q1", "worst10_q1", "local_end"):
+                row[figure], row[f"{figure}_sd"] = mean_sd([float(r[figure]) for r in runs])
             rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "sweep.csv", "w", newline="") as fh:

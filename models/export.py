@@ -21,7 +21,7 @@ import torch
 from edge_client.errors import ArtifactError, ConfigError
 from edge_client.trainers.manifest import Manifest
 from edge_client.trainers.ort_backend import load_training_api
-from edge_client.trainers.torch_backend import module_to_onnx
+from edge_client.trainers.torch_backend import input_shape_of, module_to_onnx
 from edge_client.trainers.zoo import DEFAULT_INPUT, build_module
 
 __all__ = ["export_model", "export_onnx", "OPTIMIZERS"]
@@ -77,7 +77,7 @@ def _artifacts(model: onnx.ModelProto, requires_grad: list[str], out: Path,
             artifact_directory=str(out), additional_output_names=[model.graph.output[0].name])
 
 
-def _prepare(out: Path, optimizer: str, force: bool) -> Path:
+def _prepare(out: str | Path, optimizer: str, force: bool) -> Path:
     if optimizer not in OPTIMIZERS:
         raise ConfigError("optimizer", f"must be one of {OPTIMIZERS}, got {optimizer!r}")
     out = Path(out)
@@ -142,7 +142,7 @@ def export_model(name: str, out: str | Path, *, optimizer: str = "sgd", num_clas
     inference = _to_onnx(module, training=False)
     onnx.save(inference, str(out / FILES["inference"]))
     _artifacts(_to_onnx(module, training=True), names, out, optimizer)
-    manifest = Manifest(model=name, input_shape=tuple(module.input_shape),
+    manifest = Manifest(model=name, input_shape=input_shape_of(module),
                         num_classes=num_classes,
                         layout=tuple((n, tuple(p.shape)) for n, p in module.named_parameters()),
                         optimizer=optimizer, files=dict(FILES))

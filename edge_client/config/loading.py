@@ -14,15 +14,18 @@ import sys
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 (JetPack 6)
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
 
 from ..errors import ConfigError
 from ..messages import ID_PATTERN, is_id
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["load_config", "read_toml", "from_mapping", "check_range", "check_id", "toml_text"]
 
@@ -77,11 +80,12 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 def from_mapping(cls: type[C], values: Mapping[str, Any]) -> C:
     """Build config ``cls`` from a flat mapping, refusing unknown keys."""
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = dataclasses.fields(cast("type[DataclassInstance]", cls))
+    names = {f.name for f in fields}
     for key in values:
         if key not in names:
             raise ConfigError(key, f"unknown key for {cls.__name__}; known: {sorted(names)}")
-    for f in dataclasses.fields(cls):
+    for f in fields:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required and f.name not in values:
             raise ConfigError(f.name, f"is required by {cls.__name__} and missing")

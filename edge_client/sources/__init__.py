@@ -20,7 +20,7 @@ from .live_labels import LiveLabels, parse_label
 from .preprocess import Preprocess
 from .pump import Source, SourcePump
 from .replay import ImageFolderSource, ReplaySource, load_arrays
-from .video import VideoSource
+from .video import Labeler, VideoSource
 
 __all__ = [
     "Source",
@@ -79,6 +79,7 @@ def build_source(cfg: SourceConfig, *, sample_shape: tuple[int, ...], num_classe
     path = Path(cfg.path)
     if cfg.is_video:
         _require_cv2()
+        labeler: Labeler | None
         if cfg.sidecar:
             labeler = SidecarLabels(cfg.sidecar, num_classes)
         elif cfg.label_topic:

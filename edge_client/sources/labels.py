@@ -8,6 +8,7 @@ import json
 import logging
 from collections import Counter
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -55,7 +56,8 @@ class SidecarLabels:
         if errors:
             raise SourceError(f"{self.path}: unknown labels (classes are 0..{num_classes - 1}): "
                               + "; ".join(errors[:5]) + (" ..." if len(errors) > 5 else ""))
-        entries = sorted((value, label) for _, _, (value, label) in rows)
+        # Checked above: each label is a class or a gap.
+        entries = sorted((value, cast("int | None", label)) for _, _, (value, label) in rows)
         values = [v for v, _ in entries]
         if len(set(values)) != len(values):
             raise SourceError(f"{self.path}: the same frame or time is labelled twice")
@@ -63,22 +65,23 @@ class SidecarLabels:
         if not self.by_time:
             self._exact = dict(entries)
 
-    def _rows(self) -> list[tuple[str, int, tuple[float, int | None]]]:
+    def _rows(self) -> list[tuple[str, int, tuple[float, object]]]:
         try:
             text = self.path.read_text()
         except OSError as exc:
             raise SourceError(f"cannot read label sidecar {self.path}: {exc}") from exc
         if self.path.suffix == ".csv":
-            records = [(i + 2, r) for i, r in enumerate(csv.DictReader(text.splitlines()))]
+            records: list[tuple[int, Any]] = [
+                (i + 2, r) for i, r in enumerate(csv.DictReader(text.splitlines()))]
         else:
             records = []
-            for i, line in enumerate(text.splitlines(), 1):
-                if line.strip():
+            for i, raw in enumerate(text.splitlines(), 1):
+                if raw.strip():
                     try:
-                        records.append((i, json.loads(line)))
+                        records.append((i, json.loads(raw)))
                     except json.JSONDecodeError as exc:
                         raise SourceError(f"{self.path} line {i}: not JSON ({exc.msg})") from exc
-        rows = []
+        rows: list[tuple[str, int, tuple[float, object]]] = []
         for line, rec in records:
             if not isinstance(rec, dict):
                 raise SourceError(f"{self.path} line {line}: expected an object")
@@ -86,7 +89,7 @@ class SidecarLabels:
             if key is None or "label" not in rec:
                 raise SourceError(f"{self.path} line {line}: needs 'frame' or 't', and 'label'")
             try:
-                value = int(rec[key]) if key == "frame" else float(rec[key])
+                value: float = int(rec[key]) if key == "frame" else float(rec[key])
             except (TypeError, ValueError) as exc:
                 raise SourceError(f"{self.path} line {line}: bad {key} {rec[key]!r}") from exc
             rows.append((key, line, (value, _label(rec["label"]))))

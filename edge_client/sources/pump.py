@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class Source(Protocol):
     counters: Counter[str]
 
-    def samples(self) -> Iterator[tuple[np.ndarray, int]]: ...
+    def samples(self) -> Iterator[tuple[Any, ...]]: ...
     def close(self) -> None: ...
 
 
@@ -58,7 +58,7 @@ class SourcePump:
         self.counters: Counter[str] = Counter()
         self.error: BaseException | None = None
         self.finished = threading.Event()
-        self._queue: queue.Queue[tuple] = queue.Queue(maxsize=capacity)
+        self._queue: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=capacity)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"safl-{name}", daemon=True)
 
@@ -68,11 +68,12 @@ class SourcePump:
 
     def _run(self) -> None:
         try:
-            for item in self.source.samples():
+            for sample in self.source.samples():
                 if self._stop.is_set():
                     break
-                if len(item) == 2:
-                    item = (*item, self.counters["samples"], time.time())
+                # (x, y), or a camera's (x, y, frame, capture time)
+                item = (*sample, self.counters["samples"], time.time()) \
+                    if len(sample) == 2 else sample
                 if self.drop_when_full:
                     try:
                         self._queue.put_nowait(item)
@@ -96,7 +97,7 @@ class SourcePump:
 
     def drain(self, max_samples: int) -> Drained | None:
         """Up to ``max_samples`` queued samples, or None if none are queued."""
-        items = []
+        items: list[tuple[Any, ...]] = []
         while len(items) < max_samples:
             try:
                 items.append(self._queue.get_nowait())

@@ -18,6 +18,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -88,7 +89,7 @@ class VideoSource:
     def live(self) -> bool:
         return self.kind != "file"
 
-    def _open(self):
+    def _open(self) -> Any:
         import cv2
 
         for attempt in range(self.retries + 1):
@@ -130,7 +131,7 @@ class VideoSource:
             if self._cap is not None:
                 self._cap.release()
 
-    def _frames(self, cv2) -> Iterator[tuple[np.ndarray, int | None, int, float]]:
+    def _frames(self, cv2: Any) -> Iterator[tuple[np.ndarray, int | None, int, float]]:
         frame_no, next_t = -1, 0.0
         while self._cap is not None and not self._stopped:
             ok, frame = self._cap.read()

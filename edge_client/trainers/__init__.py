@@ -40,6 +40,7 @@ def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int,
         from .ort_backend import build as build_ort
         return build_ort(model, artifacts=artifacts, lr=lr,
                          expected_layout_hash=expected_layout_hash)
+    trainer: Trainer
     if backend == "numpy":
         from .numpy_backend import build
         trainer = build(model, input_shape=tuple(input_shape), num_classes=num_classes, lr=lr,

@@ -39,7 +39,7 @@ class BackendStatus:
     step_ms: float | None = None  # one MLP step on the CPU, first call included
     why: str = ""  # what is wrong, or what to know, on this machine
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return {"backend": self.name, "usable": self.usable, "version": self.version,
                 "devices": self.devices, "step_ms": self.step_ms, "why": self.why}
 

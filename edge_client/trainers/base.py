@@ -62,4 +62,5 @@ def proximal_step(before: np.ndarray, after: np.ndarray, anchor: np.ndarray, *,
     """
     if mu < 0:
         raise ConfigError("prox_mu", f"must be >= 0, got {mu!r}")
-    return (after - np.float32(lr * mu) * (before - anchor)).astype(np.float32)
+    stepped: np.ndarray = (after - np.float32(lr * mu) * (before - anchor)).astype(np.float32)
+    return stepped

@@ -8,11 +8,12 @@ would be (``weight`` (out, in) then ``bias``), so vectors cross backends.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError, ShapeError
-from .base import check_flat
+from .base import Trainer, check_flat
 
 __all__ = ["NumpyTrainer", "FlatParameters", "build"]
 
@@ -35,7 +36,8 @@ class FlatParameters:
     input_shape: tuple[int, ...]
     eval_chunk: int | None = None  # samples a forward pass takes at most when evaluating
 
-    def _allocate(self, layout: list, fan_ins: list[int], seed: int) -> None:
+    def _allocate(self, layout: list[tuple[str, tuple[int, ...]]], fan_ins: list[int],
+                  seed: int) -> None:
         self.layout = tuple(layout)
         self._flat = np.empty(sum(math.prod(s) for _, s in layout), dtype=np.float32)
         self._params = self._views(self._flat)
@@ -56,12 +58,16 @@ class FlatParameters:
 
     def _views(self, flat: np.ndarray) -> list[np.ndarray]:
         """The tensors of ``flat`` (this layout), as views: no copy."""
-        views, offset = [], 0
+        views: list[np.ndarray] = []
+        offset = 0
         for _, shape in self.layout:
             size = math.prod(shape)
             views.append(flat[offset:offset + size].reshape(shape))
             offset += size
         return views
+
+    def logits(self, x: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError  # each model's forward pass
 
     def evaluate(self, x: np.ndarray, y: np.ndarray,
                  weights: np.ndarray | None = None) -> tuple[float, float]:
@@ -76,7 +82,7 @@ class FlatParameters:
         loss, _ = _softmax_xent(logits, y)
         return loss, float((logits.argmax(axis=1) == y).mean())
 
-    def _onnx(self, weights: np.ndarray, nodes: list, current: str, dense: int) -> bytes:
+    def _onnx(self, weights: np.ndarray, nodes: list[Any], current: str, dense: int) -> bytes:
         """An ONNX model of ``nodes`` (from ``input`` to ``current``) followed by the layout's
         last ``dense`` layers as Gemm (ReLU between them), initializers named as the layout
         (``trainers/onnx_export.py``)."""
@@ -160,7 +166,7 @@ class NumpyTrainer(FlatParameters):
 
 
 def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: float,
-          seed: int, hidden: int = 128) -> NumpyTrainer:
+          seed: int, hidden: int = 128) -> Trainer:
     """``softmax`` (regression) or ``mlp`` (one hidden layer, ReLU)."""
     from .numpy_cnn import CNN_MODELS, build_cnn
     if model in CNN_MODELS:

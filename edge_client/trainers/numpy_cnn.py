@@ -13,6 +13,7 @@ torch's in ``tests/test_numpy_cnn.py``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,12 @@ __all__ = ["ConvTrainer", "build_cnn", "CNN_MODELS"]
 CNN_MODELS = ("small_cnn", "femnist_cnn", "camera_cnn")
 
 
-def _conv(x: np.ndarray, w: np.ndarray, b: np.ndarray, pad: int):
+ConvCache = tuple[np.ndarray, int, int]  # im2col columns, padding, kernel size
+PoolCache = tuple[list[np.ndarray], tuple[int, ...]]  # each offset's winners, input shape
+
+
+def _conv(x: np.ndarray, w: np.ndarray, b: np.ndarray,
+          pad: int) -> tuple[np.ndarray, ConvCache]:
     """Stride-1 convolution (torch's cross-correlation) of NHWC ``x`` (channels last: the
     im2col windows and the product need no transposes); returns the NHWC output and what
     the backward pass needs."""
@@ -42,7 +48,8 @@ def _conv(x: np.ndarray, w: np.ndarray, b: np.ndarray, pad: int):
     return out.reshape(n, h, wd, o), (cols, pad, k)
 
 
-def _conv_back(grad: np.ndarray, w: np.ndarray, cache, need_input: bool = True):
+def _conv_back(grad: np.ndarray, w: np.ndarray, cache: ConvCache,
+               need_input: bool = True) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     cols, pad, k = cache
     n, h, wd, o = grad.shape
     g = grad.reshape(n * h * wd, o)
@@ -61,7 +68,7 @@ def _conv_back(grad: np.ndarray, w: np.ndarray, cache, need_input: bool = True):
 _OFFSETS = ((0, 0), (0, 1), (1, 0), (1, 1))  # row-major in the window: torch's tie order
 
 
-def _pool(x: np.ndarray):
+def _pool(x: np.ndarray) -> tuple[np.ndarray, PoolCache]:
     """2x2 max-pool of NHWC ``x``, stride 2, floor (as torch): the output and which of the
     four offsets won each window (the first maximum, as torch's)."""
     n, h, w, c = x.shape
@@ -77,7 +84,7 @@ def _pool(x: np.ndarray):
     return out, (masks, x.shape)
 
 
-def _pool_back(grad: np.ndarray, cache) -> np.ndarray:
+def _pool_back(grad: np.ndarray, cache: PoolCache) -> np.ndarray:
     masks, shape = cache
     dx = np.zeros(shape, dtype=grad.dtype)
     h2, w2 = grad.shape[1], grad.shape[2]
@@ -121,8 +128,9 @@ class ConvTrainer(FlatParameters):
                              f"{self.input_shape}")
         return x.reshape(len(x), *self.input_shape)
 
-    def _forward(self, x: np.ndarray, params: list[np.ndarray]):
-        caches = []
+    def _forward(self, x: np.ndarray, params: list[np.ndarray]
+                 ) -> tuple[list[np.ndarray], list[Any], tuple[int, ...]]:
+        caches: list[Any] = []
         x = x.transpose(0, 2, 3, 1)  # NCHW samples, channels last inside
         for i in range(self._convs):
             z, conv = _conv(x, params[2 * i], params[2 * i + 1], self.pad)
@@ -158,16 +166,18 @@ class ConvTrainer(FlatParameters):
             grad = grad @ w
             if j:
                 grad = grad * (acts[j] > 0)
-        n, h, w, c = flat_shape
+        n, h, wd, c = flat_shape
         if self.global_pool:
-            grad = np.broadcast_to(grad[:, None, None, :] / (h * w), flat_shape)
+            grad = np.broadcast_to(grad[:, None, None, :] / (h * wd), flat_shape)
         else:
-            grad = grad.reshape(n, c, h, w).transpose(0, 2, 3, 1)
+            grad = grad.reshape(n, c, h, wd).transpose(0, 2, 3, 1)
         for i in reversed(range(self._convs)):
             conv, positive, pool = caches[i]
-            grad = _pool_back(np.ascontiguousarray(grad, dtype=np.float32), pool) * positive
-            grad, grads[2 * i], grads[2 * i + 1] = _conv_back(grad, params[2 * i], conv,
-                                                              need_input=i > 0)
+            below = _pool_back(np.ascontiguousarray(grad, dtype=np.float32), pool) * positive
+            dx, grads[2 * i], grads[2 * i + 1] = _conv_back(below, params[2 * i], conv,
+                                                            need_input=i > 0)
+            if dx is not None:
+                grad = dx
         return loss, grads
 
     def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
@@ -206,7 +216,7 @@ def build_cnn(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr:
         input_shape = (1, *input_shape)
     if len(input_shape) != 3:
         raise ConfigError("input_shape", f"CNNs need (H, W) or (C, H, W), got {input_shape}")
-    shape = tuple(int(v) for v in input_shape)
+    shape = (int(input_shape[0]), int(input_shape[1]), int(input_shape[2]))
     if model == "camera_cnn":
         return ConvTrainer(shape, num_classes, kernel=3, channels=(16, 32, 64), dense=(),
                            global_pool=True, lr=lr, seed=seed)

@@ -13,7 +13,9 @@ import contextlib
 import importlib.util
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +42,9 @@ def import_onnxruntime() -> types.ModuleType:
         package = types.ModuleType("onnxruntime.training")
         package.__path__ = [str(folder)]
         sys.modules["onnxruntime.training"] = package
-        sys.modules.setdefault("onnxruntime.training.ortmodule", None)  # its import needs torch
+        # Its import needs torch: a None entry makes importing it fail fast instead.
+        sys.modules.setdefault("onnxruntime.training.ortmodule",
+                               None)  # type: ignore[arg-type]
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(3)
@@ -134,14 +138,14 @@ class OrtTrainer:
         self._module.lazy_reset_grad()
         return float(loss)
 
-    def _eval_chunks(self, x: np.ndarray, y: np.ndarray):
+    def _eval_chunks(self, x: np.ndarray, y: np.ndarray) -> Iterator[Any]:
         self._module.eval()
         for i in range(0, len(x), EVAL_CHUNK):
             yield self._module(self._inputs(x[i:i + EVAL_CHUNK]),
                                np.asarray(y[i:i + EVAL_CHUNK], dtype=np.int64))
 
     @contextlib.contextmanager
-    def _lent(self, weights: np.ndarray | None):
+    def _lent(self, weights: np.ndarray | None) -> Iterator[None]:
         """An ORT session runs the parameters it holds: lend it ``weights``, then restore."""
         if weights is None:
             yield

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -24,18 +25,25 @@ __all__ = ["TorchTrainer", "build", "resolve_device", "module_to_onnx"]
 def module_to_onnx(module: torch.nn.Module, *, training: bool = False) -> bytes:
     """The module as an ONNX graph (batch-dynamic ``input`` -> ``logits``): the artifacts'
     graphs (``models``) and a device's exported model."""
-    dummy = torch.zeros(2, *module.input_shape, device=next(module.parameters()).device)
+    shape = input_shape_of(module)
+    dummy = torch.zeros(2, *shape, device=next(module.parameters()).device)
     buf = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
     # The TorchScript exporter keeps parameter names as initializer names, which the
     # artifacts and the manifest's layout rely on.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is deliberate
-        torch.onnx.export(module, (dummy,), buf, input_names=["input"], output_names=["logits"],
+        torch.onnx.export(module, (dummy,), cast(Any, buf), input_names=["input"],
+                          output_names=["logits"],
                           dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
                           opset_version=OPSET, dynamo=False, training=mode,
                           do_constant_folding=not training, export_params=True)
     return buf.getvalue()
+
+
+def input_shape_of(module: torch.nn.Module) -> tuple[int, ...]:
+    """The sample shape a zoo module (or your own) declares as ``input_shape``."""
+    return tuple(cast(Any, module).input_shape)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,14 +69,15 @@ class TorchTrainer:
 
     def __init__(self, module: torch.nn.Module, *, lr: float, device: str = "cpu"):
         self.device = resolve_device(device)
-        self.input_shape = tuple(module.input_shape)
+        self.input_shape = input_shape_of(module)
         # Image models run channels-last: oneDNN's convolutions and pooling are 1.4x faster
         # per step in that layout on CPUs (bench/simulator.py).  The flat vector stays in
         # each tensor's logical (torch ``parameters()``) order whatever the memory layout.
         self._layout = (torch.channels_last if len(self.input_shape) == 3
                         and any(isinstance(mod, torch.nn.Conv2d) for mod in module.modules())
                         else torch.contiguous_format)
-        self.module = module.to(self.device, memory_format=self._layout)
+        self.module: torch.nn.Module = cast(Any, module).to(self.device,
+                                                            memory_format=self._layout)
         self.lr = lr
         self._params = list(module.parameters())
         self.layout = tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
@@ -103,8 +112,8 @@ class TorchTrainer:
         if x[0].size != np.prod(self.input_shape):
             raise ShapeError(f"input samples have {x[0].size} values, model expects "
                              f"shape {self.input_shape}")
-        x = torch.from_numpy(x.reshape(len(x), *self.input_shape)).to(self.device)
-        return x.contiguous(memory_format=self._layout) if x.dim() == 4 else x
+        t = torch.from_numpy(x.reshape(len(x), *self.input_shape)).to(self.device)
+        return t.contiguous(memory_format=self._layout) if t.dim() == 4 else t
 
     def _targets(self, y: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(y), dtype=torch.long).to(self.device)
@@ -114,10 +123,11 @@ class TorchTrainer:
         loss = torch.nn.functional.cross_entropy(self.module(self._inputs(x)), self._targets(y))
         for p in self._params:
             p.grad = None
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         with torch.no_grad():
             for p in self._params:
-                p -= self.lr * p.grad
+                if p.grad is not None:  # a parameter the forward pass did not use
+                    p.sub_(self.lr * p.grad)
         return float(loss.detach())
 
     def _logits(self, x: np.ndarray, weights: np.ndarray | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ import importlib
 import math
 import re
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -84,7 +85,7 @@ def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
     if len(input_shape) == 2:
         return (1, *input_shape)
     if len(input_shape) == 3:
-        return tuple(input_shape)
+        return input_shape[0], input_shape[1], input_shape[2]
     raise ConfigError("input_shape", f"CNNs need (H, W) or (C, H, W), got {input_shape}")
 
 
@@ -119,7 +120,7 @@ def register_model(name: str, factory: Factory,
 def _import_factory(spec: str) -> Factory:
     module_name, _, attr = spec.partition(":")
     try:
-        target = importlib.import_module(module_name)
+        target: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError("module", f"cannot import {module_name!r} for {spec!r}: {exc} (is "
                           "its folder on PYTHONPATH?)") from exc
@@ -146,5 +147,5 @@ def build_module(name: str, *, input_shape: tuple[int, ...], num_classes: int) -
         raise ConfigError("module", f"{name!r} returned {type(module).__name__}, not a "
                           "torch.nn.Module")
     if not hasattr(module, "input_shape"):
-        module.input_shape = tuple(input_shape)  # how the trainers reshape flat samples
+        cast(Any, module).input_shape = tuple(input_shape)  # how trainers reshape samples
     return module
