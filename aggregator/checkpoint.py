@@ -22,8 +22,8 @@ import numpy as np
 from edge_client.errors import SaflError
 from edge_client.files import write_atomic
 
-__all__ = ["CheckpointError", "RoleCheckpoint", "save_checkpoint", "load_checkpoint",
-           "group", "grouped", "CHECKPOINT_FORMAT"]
+__all__ = ["CheckpointError", "RoleCheckpoint", "StationCheckpoint", "CloudCheckpoint",
+           "save_checkpoint", "load_checkpoint", "group", "grouped", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = 1
 _META = "__meta__"
@@ -60,6 +60,32 @@ class RoleCheckpoint:
         except TypeError as exc:
             raise CheckpointError(f"the checkpoint's document does not fit {cls.__name__}: "
                                   f"{exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StationCheckpoint(RoleCheckpoint):
+    """A station's scalars at a round boundary (its arrays: the model, ``P_real``, each
+    device's counts and replay sketches)."""
+
+    role: str = "station"
+    id: str
+    consumed: int  # samples fused this round
+    consumed_before: int = 0  # of the rounds already uploaded
+    upload_samples: int | None  # of the upload the cloud has not answered yet
+    seen_at: dict[str, int]
+    sitting_out: dict[str, int] = dataclasses.field(default_factory=dict)
+    norms: list[float]  # the norm guard's history
+    recent: list[list[str]]  # recent super nodes, for the seat cap
+    rng: dict[str, Any]  # the generator's state
+
+
+@dataclass(frozen=True, kw_only=True)
+class CloudCheckpoint(RoleCheckpoint):
+    """The cloud's scalars as a round is broadcast (its arrays: the global model, the
+    server optimiser's moments, each station's counts)."""
+
+    role: str = "cloud"
+    consumed: dict[str, int]  # samples each station claimed over the run
 
 
 def group(arrays: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:

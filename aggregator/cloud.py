@@ -15,7 +15,6 @@ station's presence comes back, the cloud repeats the current global model to it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,13 +24,13 @@ from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import CloudState
 from edge_client.topics import CLOUD_ID, cloud_topics
 
-from .checkpoint import RoleCheckpoint, group, grouped
+from .accuracy import device_accuracy_summary
+from .checkpoint import CloudCheckpoint, group, grouped
 from .config import CloudConfig
 from .fusion import Fold, fold_for
 from .server_optimizers import build_server_optimizer
-from .station import device_accuracy_summary
 
-__all__ = ["Cloud", "CloudState", "CloudEvent", "CloudCheckpoint"]
+__all__ = ["Cloud", "CloudState", "CloudEvent"]
 
 MAX_DEVICE_ACCURACIES = m.MAX_MEMBERS  # per station: no roster is larger
 
@@ -49,15 +48,6 @@ class CloudEvent(RoleEvent):
 
 
 _E = CloudEvent
-
-
-@dataclass(frozen=True, kw_only=True)
-class CloudCheckpoint(RoleCheckpoint):
-    """The cloud's scalars as a round is broadcast (its arrays: the global model, the
-    server optimiser's moments, each station's counts)."""
-
-    role: str = "cloud"
-    consumed: dict[str, int]  # samples each station claimed over the run
 
 
 class Cloud(RoleBase[CloudState]):

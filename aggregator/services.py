@@ -36,11 +36,11 @@ from edge_client.service import model_trainer, role_transport, with_metrics
 from edge_client.sources.replay import load_arrays
 from edge_client.topics import CLOUD_ID, manifest_topic, summary_topic
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .cloud import Cloud, CloudCheckpoint, CloudState
+from .checkpoint import CloudCheckpoint, StationCheckpoint, load_checkpoint, save_checkpoint
+from .cloud import Cloud, CloudState
 from .config import CloudConfig, StationConfig
 from .selection import blas_threads
-from .station import Station, StationCheckpoint, StationState
+from .station import Station, StationState
 
 __all__ = ["StationService", "CloudService"]
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -32,7 +30,8 @@ from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, station_topics
 
-from .checkpoint import RoleCheckpoint, group, grouped
+from .accuracy import device_accuracy_summary
+from .checkpoint import StationCheckpoint, group, grouped
 from .config import StationConfig
 from .fusion import Fold, fold_for
 from .selection import SelectorSettings, build_selector
@@ -45,27 +44,9 @@ from .trust import (
     seat_candidates,
 )
 
-__all__ = ["StationState", "StationEvent", "Station", "StationCheckpoint", "Reply",
-           "accuracy_summary", "device_accuracy_summary"]
+__all__ = ["StationState", "StationEvent", "Station", "Reply"]
 
 log = logging.getLogger(__name__)
-
-
-def accuracy_summary(accuracies, name: str = "local") -> dict[str, float]:
-    """Mean of the devices' accuracies (held-out ``local`` or ``prequential``) and the mean
-    over the worst 10% of devices (at least one): where keeping part of a local model can pay
-    off, a skewed device shows it first.  Empty until some device has measured."""
-    if not len(accuracies):
-        return {}
-    ranked = sorted(float(a) for a in accuracies)
-    worst = ranked[:max(1, len(ranked) // 10)]
-    return {f"{name}_mean": float(np.mean(ranked)), f"{name}_worst10": float(np.mean(worst))}
-
-
-def device_accuracy_summary(local, prequential) -> dict[str, float]:
-    """Held-out (``local_*``) and prequential (``prequential_*``) accuracy of the devices
-    that measured each: mean and worst 10%."""
-    return {**accuracy_summary(local), **accuracy_summary(prequential, "prequential")}
 
 
 _S = StationState
@@ -92,23 +73,6 @@ class Reply(NamedEnum):
     UPDATE = "update"  # a model, folded into w^m
     SKIP = "skip"  # the upload gate held it back, or nothing to train on
     REFUSED = "refused"  # its update could not be honest, or its frame was refused
-
-
-@dataclass(frozen=True, kw_only=True)
-class StationCheckpoint(RoleCheckpoint):
-    """A station's scalars at a round boundary (its arrays: the model, ``P_real``, each
-    device's counts and replay sketches)."""
-
-    role: str = "station"
-    id: str
-    consumed: int  # samples fused this round
-    consumed_before: int = 0  # of the rounds already uploaded
-    upload_samples: int | None  # of the upload the cloud has not answered yet
-    seen_at: dict[str, int]
-    sitting_out: dict[str, int] = dataclasses.field(default_factory=dict)
-    norms: list[float]  # the norm guard's history
-    recent: list[list[str]]  # recent super nodes, for the seat cap
-    rng: dict[str, Any]  # the generator's state
 
 
 class Station(RoleBase[StationState]):

@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from aggregator.accuracy import device_accuracy_summary
 from aggregator.cloud import Cloud, CloudState
 from aggregator.config import CloudConfig, StationConfig
-from aggregator.station import Station, device_accuracy_summary
+from aggregator.station import Station
 from edge_client import messages as m
 from edge_client.admission import Admission
 from edge_client.config import DeviceConfig, InferenceConfig, TrainingSettings, from_mapping

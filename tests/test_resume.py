@@ -6,10 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregator.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from aggregator.checkpoint import (
+    CheckpointError,
+    StationCheckpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from aggregator.cloud import Cloud
 from aggregator.config import CloudConfig, StationConfig
-from aggregator.station import Station, StationCheckpoint
+from aggregator.station import Station
 from edge_client import messages as m
 from edge_client.config import DeviceConfig
 from edge_client.device import Device
