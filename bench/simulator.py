@@ -1,25 +1,32 @@
-"""Benchmark: the in-process simulator against the one this project had before (same run).
+"""Benchmark: the in-process simulator's time per sample trained, recipe by recipe, and
+against the one this project had before (same run).
 
-The workload is the reference experiment's: FedGS (GBP-CS, cloud FedAvgM) with the small CNN
-on Fashion-MNIST at Dirichlet 0.1, 4 factories x 10 devices, L = 5, T = 10, batch 32: 6,400
-samples trained per round.  The baseline is the simulator of commit ``BASELINE`` (checked out
-into a temporary git worktree), configured as the reference experiment was then (evaluation
-on 2,000 test images every round, torch on one thread); the current one evaluates the full
-10,000-image test set every 8 rounds, as ``experiments/reference.toml`` does now.  Each runs
-``--rounds`` rounds (a multiple of 8) in its own process; the figures are the steady-state
-seconds per round (from the first evaluation to the last, so start-up and data loading are
-left out and each simulator's evaluations are included at its own cadence), projected to the
-157 rounds of a 1M-sample reference run, and their ratios.  Run it on a quiet machine: other
-jobs on the cores distort every figure.  Printed, never asserted.
+The workload is the reference experiment's fleet (``experiments/reference.toml``): the small
+CNN on Fashion-MNIST at Dirichlet 0.1, 4 factories x 10 devices, L = 5, T = 10, batch 32,
+6,400 samples trained per round, torch on the CPU.  Each run is ``--rounds`` rounds (a
+multiple of 8, the evaluation cadence) in its own process; the figure is the steady-state
+seconds per 1,000 samples trained (from the first evaluation to the last, so start-up and
+data loading are left out and the evaluations at the reference cadence are in), projected
+to a 1M-sample reference run.
 
-Run: ``python bench/simulator.py [--rounds 8]`` from a git checkout.
+The recipes table runs FedAvg, FedGS and SAFL+FedGS with torch on 1 and on 2 threads and
+numpy's BLAS on one (what ``lab.experiment.run_task`` chooses: a torch run's BLAS work is
+the stations' small selection problems, and OpenBLAS threads spinning beside torch's cost
+FedGS half again its time), each ``--repeats`` times interleaved; ratios are to FedAvg at the
+same thread count, measured in the same run.  ``--baseline`` adds the simulator of commit
+``BASELINE`` (a temporary git worktree) on FedGS, configured as the reference experiment was
+then.  Run it on a quiet machine: other jobs on the cores distort every figure.  Printed,
+never asserted.
+
+Run: ``python bench/simulator.py [--rounds 16] [--repeats 2] [--baseline]`` from a git
+checkout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import statistics
 import time
 from pathlib import Path
 
@@ -27,6 +34,7 @@ from baseline import ROOT, checkout, probe
 
 BASELINE = "4d81892"  # main before the simulator work of issue 10
 SAMPLES_PER_ROUND = 4 * 5 * 10 * 32
+RECIPES = ("fedavg", "fedgs", "safl_fedgs")
 
 _OLD = """
 import dataclasses, sys, time, torch
@@ -35,16 +43,17 @@ from aggregator.experiment import load_experiment, _run_one
 cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), rounds={rounds},
                           strategies=("fedgs",))
 r = _run_one((cfg, "fedgs", 0, "none", False))
-print(r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
+print(r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])  # its rows count no samples: nominal ones
 """
 
 _NEW = """
-import dataclasses, sys, time
+import dataclasses
 from lab.experiment import RunTask, load_experiment, run_task
 cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), samples=0,
-                          rounds={rounds}, strategies=("fedgs",))
-r = run_task(RunTask(cfg, "fedgs", 0, threads={threads}))
-print(r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
+                          rounds={rounds}, strategies=("{recipe}",))
+r = run_task(RunTask(cfg, "{recipe}", 0, threads={threads}))
+print(1000 * (r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
+      / (r.rows[-1]["samples"] - r.rows[0]["samples"]))
 """
 
 
@@ -55,28 +64,45 @@ def _timed(code: str, cwd: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--baseline", action="store_true",
+                    help=f"also time FedGS on the simulator of {BASELINE}")
     args = ap.parse_args()
     if args.rounds % 8:
-        ap.error("--rounds must be a multiple of 8 (the current evaluation cadence)")
-    per_run = 157 / args.rounds  # rounds of the 1M-sample reference run
-    with checkout(BASELINE) as tree:
-        started = time.perf_counter()
-        old = _timed(_OLD.format(rounds=args.rounds), tree)
-    new1 = _timed(_NEW.format(rounds=args.rounds, threads=1), ROOT)
-    new2 = _timed(_NEW.format(rounds=args.rounds, threads=os.cpu_count() or 1), ROOT)
-    rows = {"baseline (1 thread)": old, "current (1 thread)": new1,
-            f"current ({os.cpu_count()} threads)": new2}
-    print(f"FedGS, small CNN, Fashion-MNIST alpha 0.1, {args.rounds} rounds "
-          f"({args.rounds * SAMPLES_PER_ROUND} samples) per run; baseline = {BASELINE}")
-    print(f"{'simulator':<24} {'s/round':>8} {'s per 1M-sample run':>20} {'speed-up':>9}")
-    for name, wall in rows.items():
-        print(f"{name:<24} {wall / args.rounds:8.2f} {wall * per_run:20.0f} {old / wall:8.2f}x")
-    two = (os.cpu_count() or 1) >= 2
-    print(f"seeds in parallel (1 thread each) on {os.cpu_count()} cores: "
-          f"{(os.cpu_count() or 1) * old / new1 if two else old / new1:.2f}x the baseline's "
-          "throughput")
-    print(json.dumps({"rounds": args.rounds, "wall_s": rows,
-                      "bench_s": round(time.perf_counter() - started, 1)}))
+        ap.error("--rounds must be a multiple of 8 (the evaluation cadence)")
+    started = time.perf_counter()
+    runs: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.repeats):  # interleaved: drift on the machine hits every recipe
+        for threads in (1, 2):
+            for recipe in RECIPES:
+                code = _NEW.format(rounds=args.rounds, recipe=recipe, threads=threads)
+                runs.setdefault((recipe, threads), []).append(_timed(code, ROOT))
+    old = None
+    if args.baseline:
+        with checkout(BASELINE) as tree:
+            old = 1000 * _timed(_OLD.format(rounds=args.rounds), tree) \
+                / (args.rounds * SAMPLES_PER_ROUND)
+    print(f"{args.rounds} rounds ({args.rounds * SAMPLES_PER_ROUND} samples) per run, "
+          f"{args.repeats} run(s) each, median; small CNN, Fashion-MNIST alpha 0.1")
+    print(f"{'recipe':<12} {'torch threads':>13} {'s/1000 samples':>15} {'min..max':>13} "
+          f"{'x FedAvg':>9} {'min per 1M':>11}")
+    medians = {key: statistics.median(v) for key, v in runs.items()}
+    for (recipe, threads), values in runs.items():
+        ratio = medians[(recipe, threads)] / medians[("fedavg", threads)]
+        print(f"{recipe:<12} {threads:>13} {medians[(recipe, threads)]:>15.3f} "
+              f"{min(values):>6.3f}..{max(values):<6.3f} {ratio:>8.2f}x "
+              f"{medians[(recipe, threads)] * 1000 / 60:>10.1f}")
+    best = min(medians[("fedavg", t)] for t in (1, 2))
+    for recipe in RECIPES[1:]:
+        own = min(medians[(recipe, t)] for t in (1, 2))
+        print(f"{recipe}: best {own:.3f} s/1000 against FedAvg's best {best:.3f}: "
+              f"{own / best:.2f}x")
+    if old is not None:
+        print(f"baseline {BASELINE} FedGS (1 thread): {old:.3f} s/1000 samples; now "
+              f"{old / min(medians[('fedgs', t)] for t in (1, 2)):.2f}x faster")
+    print(json.dumps({"rounds": args.rounds, "s_per_1000": {f"{r}/{t}": v for (r, t), v
+                                                             in runs.items()},
+                      "baseline": old, "bench_s": round(time.perf_counter() - started, 1)}))
 
 
 if __name__ == "__main__":

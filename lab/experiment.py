@@ -195,7 +195,10 @@ def run_task(task: RunTask) -> RunResult:
         import torch  # the lab may load torch; the device package never must
         torch.set_num_threads(task.threads)  # parallel jobs each get their share of the cores
     data = _dataset(cfg.dataset)
-    with blas_threads(task.threads):  # the run's share of the cores, for numpy's BLAS too
+    # A torch run keeps numpy's BLAS on one thread: its BLAS work is the stations' small
+    # selection problems, and OpenBLAS threads spinning beside torch's took FedGS from 0.28
+    # to 0.45 s per 1,000 samples (bench/simulator.py).  A numpy run trains through BLAS.
+    with blas_threads(1 if cfg.backend == "torch" else task.threads):
         progress = Progress(f"{task.strategy}/{task.seed}", cfg.rounds) \
             if task.show_progress else None
         return run_federation(data, _strategy(cfg, task.strategy),
