@@ -154,40 +154,53 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
     for name in argv:
         start(name)
     fleet = Fleet(procs, start, logs, run_dir / "metrics.csv")
-    deadline = time.monotonic() + timeout
-    seen = 0
     try:
-        while procs["cloud"].poll() is None:
-            if time.monotonic() > deadline:
-                raise SaflError(f"the fleet did not finish within {timeout:.0f} s; "
-                                f"logs in {logs}")
-            if during:
-                during(fleet)
-            dead = [n for n, p in procs.items() if p.poll() not in (None, 0, -9, -15)]
-            if dead:
-                raise SaflError(f"{', '.join(dead)} exited with an error; logs in {logs}")
-            if progress:
-                rows = fleet.rows()
-                for row in rows[seen:]:
-                    progress(row["round"], row.get("accuracy", float("nan")))
-                seen = len(rows)
-            time.sleep(0.05)
-        if procs["cloud"].returncode != 0:
-            raise SaflError(f"the cloud exited with {procs['cloud'].returncode}; "
-                            f"see {logs / 'cloud.log'}")
-        for p in procs.values():
-            p.wait(timeout=30)
+        seen = _watch(fleet, timeout, during, progress)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
     rows = fleet.rows()
     if progress is not None:
         for row in rows[seen:]:
             progress(row["round"], row.get("accuracy", float("nan")))
     return rows
+
+
+def _watch(fleet: Fleet, timeout: float, during: Callable[[Fleet], None] | None,
+           progress: Callable[[int, float], None] | None) -> int:
+    """Poll the fleet until the cloud exits: a participant's error or the deadline stops the
+    run; returns how many metric rows ``progress`` has seen."""
+    procs, logs, seen = fleet.procs, fleet.logs, 0
+    deadline = time.monotonic() + timeout
+    while procs["cloud"].poll() is None:
+        if time.monotonic() > deadline:
+            raise SaflError(f"the fleet did not finish within {timeout:.0f} s; "
+                            f"logs in {logs}")
+        if during:
+            during(fleet)
+        dead = [n for n, p in procs.items() if p.poll() not in (None, 0, -9, -15)]
+        if dead:
+            raise SaflError(f"{', '.join(dead)} exited with an error; logs in {logs}")
+        if progress:
+            rows = fleet.rows()
+            for row in rows[seen:]:
+                progress(row["round"], row.get("accuracy", float("nan")))
+            seen = len(rows)
+        time.sleep(0.05)
+    if procs["cloud"].returncode != 0:
+        raise SaflError(f"the cloud exited with {procs['cloud'].returncode}; "
+                        f"see {logs / 'cloud.log'}")
+    for p in procs.values():
+        p.wait(timeout=30)
+    return seen
+
+
+def _stop(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Terminate what is still running, and kill what does not stop within 5 s."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
