@@ -64,8 +64,9 @@ class Device(RoleBase[DeviceState]):
     """
 
     INITIAL = _D.WAITING
-    # Nothing moves a device that is done; a selection waits for its model in any other
-    # state, but is trained on only with it.
+    # A selection waits for its model, but is trained on only with it.  A device that is
+    # done (and kept running, ``--keep-running``) follows its station only once the station
+    # comes back, into whatever federation it then runs.
     TRANSITIONS = {
         (_D.WAITING, _E.MODEL): _D.READY,
         (_D.WAITING, _E.FINAL_MODEL): _D.DONE,
@@ -76,6 +77,7 @@ class Device(RoleBase[DeviceState]):
         (_D.READY, _E.SELECTED): _D.READY,
         (_D.READY, _E.SELECTED_AHEAD): _D.READY,
         (_D.READY, _E.STATION_BACK): _D.READY,
+        (_D.DONE, _E.STATION_BACK): _D.READY,
     }
 
     def __init__(self, config: DeviceConfig, trainer: Trainer, *, num_classes: int,

@@ -157,3 +157,24 @@ def test_a_device_follows_its_station_back_to_an_older_iteration(digits):
     out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=3, members=("d0",),
                                  deadline=10.0), 1.0)
     assert any(isinstance(x, m.DeviceUpdate) and x.iteration == 3 for x in out)
+
+
+def test_a_device_kept_running_after_the_final_model_follows_its_station_into_a_new_run(digits):
+    trainer = build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.1, seed=0)
+    dev = Device(DeviceConfig(device_id="d0", station="s", fleet="t"), trainer,
+                 num_classes=10, sample_shape=(8, 8), rng=np.random.default_rng(0))
+    dev.buffer.push(digits.x_train[:100], digits.y_train[:100])
+
+    def model(it, final=False):
+        return m.StationModel(fleet="t", sender="s", round=0, iteration=it,
+                              weights=trainer.get_flat(), final=final)
+    dev.handle(model(9, final=True), 0.0)
+    assert dev.finished
+    dev.handle(model(10), 0.0)  # nothing moves a finished device on its own
+    assert dev.finished and dev.counters["rejected.bad_transition"] == 1
+    dev.handle(m.Presence(fleet="t", sender="s", round=0, iteration=0, role="station",
+                          online=True), 1.0)  # the station came back: a new federation
+    dev.handle(model(0), 1.0)
+    out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=0, members=("d0",),
+                                 deadline=10.0), 1.0)
+    assert not dev.finished and any(isinstance(x, m.DeviceUpdate) for x in out)
