@@ -150,10 +150,11 @@ class Station(RoleBase[StationState]):
 
     def _resume(self, now: float) -> list[m.Message]:
         """Restarted mid-round: begin the iteration it was in anew (its replies are lost)."""
-        resuming = self.next_state(_E.RESTARTED)
-        self.next_state(_E.RESTARTED, self._iteration_event())  # the whole way, before a change
-        self.state = resuming
-        return self._begin_iteration(now)
+        # The whole way (through ``resuming`` into the iteration) is checked before a change.
+        ready = self._ready()
+        self.next_state(_E.RESTARTED, self._iteration_event(ready))
+        self.state = self.next_state(_E.RESTARTED)
+        return self._begin_iteration(now, ready)
 
     def snapshot(self) -> tuple[dict[str, np.ndarray], StationCheckpoint]:
         """Arrays and scalars that :meth:`restore` needs; taken at round boundaries."""
@@ -426,7 +427,8 @@ class Station(RoleBase[StationState]):
                 return []
             return self._reject("stale_iteration", f"global round {msg.round} already applied")
         # Refused in ``done``, by the table: the federation has ended.
-        new = self.next_state(_E.FINAL_MODEL if msg.final else self._iteration_event())
+        ready = self._ready()  # the global model changes who is ready no more than the rest
+        new = self.next_state(_E.FINAL_MODEL if msg.final else self._iteration_event(ready))
         self._upload = None
         self.weights = np.array(msg.weights)
         self.p_real = np.array(msg.p_real)
@@ -434,7 +436,7 @@ class Station(RoleBase[StationState]):
         if msg.final:
             self.state = new
             return [self._model_message(final=True)]
-        return self._begin_iteration(now)
+        return self._begin_iteration(now, ready)
 
     def _ready(self) -> list[str]:
         return [d for d in self.config.devices if d in self.stats and d not in self.offline
@@ -446,15 +448,16 @@ class Station(RoleBase[StationState]):
             return self._begin_iteration(now)
         return []
 
-    def _iteration_event(self) -> StationEvent:
-        """What beginning an iteration now is: a super node, or too few devices ready."""
-        quorum = len(self._ready()) >= self.config.min_quorum
+    def _iteration_event(self, ready: list[str]) -> StationEvent:
+        """What beginning an iteration with ``ready`` devices is: a super node, or too few."""
+        quorum = len(ready) >= self.config.min_quorum
         return _E.SUPER_NODE_SELECTED if quorum else _E.TOO_FEW_READY
 
-    def _begin_iteration(self, now: float) -> list[m.Message]:
+    def _begin_iteration(self, now: float, ready: list[str] | None = None) -> list[m.Message]:
+        """Select the next super node, or starve; ``ready`` where the caller just listed it."""
         cfg = self.config
-        ready = self._ready()
-        new = self.next_state(self._iteration_event())
+        ready = self._ready() if ready is None else ready
+        new = self.next_state(self._iteration_event(ready))
         if new == _S.STARVED:
             # Wait for devices, each iteration up to its timeout, rather than close it untrained.
             newly = self.state != _S.STARVED
@@ -497,7 +500,8 @@ class Station(RoleBase[StationState]):
     def _close_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config
         sync_due = (self.iteration + 1) % cfg.sync_period == 0
-        new = self.next_state(_E.SYNC_DUE if sync_due else self._iteration_event())
+        ready = None if sync_due else self._ready()  # closing an iteration changes no stats
+        new = self.next_state(_E.SYNC_DUE if ready is None else self._iteration_event(ready))
         fold, self._fold = self._fold, fold_for(cfg.fusion)
         if len(fold) >= cfg.min_quorum:
             self.weights = fold.result()
@@ -505,8 +509,8 @@ class Station(RoleBase[StationState]):
         else:
             self.counters["iterations_below_quorum"] += 1
         self.iteration += 1
-        if not sync_due:
-            return self._begin_iteration(now)
+        if ready is not None:
+            return self._begin_iteration(now, ready)
         self.state = new
         self._upload = m.StationUpdate(
             fleet=cfg.fleet, sender=self.id, round=self.round, iteration=self.iteration,

@@ -227,11 +227,15 @@ class MqttTransport:
 
     def _retry(self, attempt: Callable[[], bool], deadline: float | None = None) -> bool:
         """The one reconnect loop: ``attempt`` until it connects (True) or the transport is
-        closed (False).  With a ``deadline`` (the first connection) it gives up when the
-        broker refuses for good (:class:`BrokerRefused`) or the next pause would pass the
-        deadline (:class:`ConnectError`); a running service keeps trying (a broker's
-        credentials or certificates may be fixed while it waits)."""
-        for pause in self._backoff():
+        closed (False).  With a ``deadline`` (the first connection) it tries at once and gives
+        up when the broker refuses for good (:class:`BrokerRefused`) or the next pause would
+        pass the deadline (:class:`ConnectError`).  A running service that lost its broker
+        pauses before each try, the first too (a fleet that lost its broker together must
+        not come back together), and keeps trying (credentials may be fixed meanwhile)."""
+        pauses = self._backoff()
+        if deadline is None and self._stop.wait(next(pauses)):
+            return False
+        for pause in pauses:
             if attempt():
                 return True
             if deadline is not None and self._refused is not None \

@@ -192,6 +192,18 @@ def test_reconnect_pauses_double_with_jitter_of_the_participants_own(tmp_path):
     with pytest.raises(ConnectError, match="within 1 s"):
         MqttTransport(quick, client_id="d0", fleet="f").connect()
     assert time.monotonic() - started < 3.0
+    # A service that lost its broker pauses before its first try too: a fleet that lost the
+    # broker together does not reconnect together.
+    lost = MqttTransport(BrokerConfig(url="mqtt://127.0.0.1:1", backoff_min=0.4),
+                         client_id="d0", fleet="f")
+    tries: list[float] = []
+    started = time.monotonic()
+    assert lost._retry(lambda: tries.append(time.monotonic()) or True)
+    assert tries[0] - started >= 0.2
+    tries.clear()
+    started = time.monotonic()
+    assert lost._retry(lambda: tries.append(time.monotonic()) or True, deadline=started + 5)
+    assert tries[0] - started < 0.1  # the first connection tries at once
 
 
 @pytest.mark.slow
