@@ -49,9 +49,12 @@ class StationConfig(TrainingSettings):
     hello_interval: float = 2.0  # seconds between join repeats until the cloud answers
     # Update-distance guard (docs/reliability.md): a fixed bound on ||z - w^m||, or (0) an
     # adaptive one, update_norm_factor x the median accepted distance; before 8 updates,
-    # lr x local_steps x grad_norm_bound.  Both 0: off.
+    # lr x local_steps x grad_norm_bound.  Both 0: off.  An update beyond the bound is
+    # clipped onto it; beyond update_norm_hard_factor x the bound it is refused (1: refuse
+    # whatever passes the bound).
     update_norm_bound: float = 0.0
     update_norm_factor: float = 10.0
+    update_norm_hard_factor: float = 10.0
     grad_norm_bound: float = 100.0
     # Seen-count claims: growth per local step of each station iteration (and the most a
     # device may claim while the roster's median is small), and the multiple of the roster's
@@ -86,6 +89,7 @@ class StationConfig(TrainingSettings):
         check_range("hello_interval", self.hello_interval, 0, low_open=True)
         check_range("update_norm_bound", self.update_norm_bound, 0)
         check_range("update_norm_factor", self.update_norm_factor, 0)
+        check_range("update_norm_hard_factor", self.update_norm_hard_factor, 1)
         check_range("grad_norm_bound", self.grad_norm_bound, 0, low_open=True)
         check_range("max_seen_rate", self.max_seen_rate, 1)
         check_range("seen_share", self.seen_share, 1)

@@ -123,7 +123,8 @@ class Station(RoleBase[StationState]):
         self._seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
         self._sitting_out: dict[str, int] = {}  # refused members: left out up to this iteration
         self.guard = NormGuard(bound=config.update_norm_bound, factor=config.update_norm_factor,
-                               initial=config.lr * config.local_steps * config.grad_norm_bound)
+                               initial=config.lr * config.local_steps * config.grad_norm_bound,
+                               hard_factor=config.update_norm_hard_factor)
         self.share = ShareCap(config.share_window, config.max_selection_share)
         self.replay = ReplayGuard(num_params, seed=config.seed,
                                   tolerance=config.replay_tolerance)
@@ -381,13 +382,11 @@ class Station(RoleBase[StationState]):
             self.counters["late_replies"] += 1
             return []
         if isinstance(msg, m.DeviceUpdate):
-            problem = self._implausible(msg)
-            if problem:
-                self._reject(*problem)
+            fused = self._admit(msg)
+            if fused is None:
                 return self._refused_reply(msg.sender, now)
-        if isinstance(msg, m.DeviceUpdate):
             # Folded now and not kept: the station holds one running sum, not every reply.
-            self._fold.add(msg.weights, msg.num_samples, key=msg.sender)
+            self._fold.add(fused, msg.num_samples, key=msg.sender)
             self._replies[msg.sender] = Reply.UPDATE
             self.counters["received_updates"] += 1
         else:
@@ -397,8 +396,26 @@ class Station(RoleBase[StationState]):
             return self._close_iteration(now)
         return []
 
+    def _admit(self, msg: m.DeviceUpdate) -> np.ndarray | None:
+        """The weights of ``msg`` to fuse (clipped onto the distance bound where beyond it),
+        or None, counted and logged, where its counts, size or distance cannot be honest."""
+        problem = self._implausible(msg)
+        if problem:
+            self._reject(*problem)
+            return None
+        limit = self.guard.limit
+        bounded = self.guard.check(msg.weights, self._model())
+        if bounded.update is None:
+            self._reject("update_norm", f"moved the model {bounded.distance:.4g} from w^m, the "
+                         f"hard bound is {self.config.update_norm_hard_factor:g} x {limit:.4g}")
+        elif bounded.clipped:
+            self.counters["clipped.update_norm"] += 1
+            log.debug("station %s: update of %s clipped from %.4g to %.4g", self.id, msg.sender,
+                      bounded.distance, limit)
+        return bounded.update
+
     def _implausible(self, msg: m.DeviceUpdate) -> tuple[str, str] | None:
-        """Why an update cannot be fused (its counts and size are claims), or None."""
+        """Why an update's claims (its size, counts, freshness) cannot be honest, or None."""
         cfg = self.config
         if msg.weights.size != self.num_params:
             return "wrong_length", f"{msg.weights.size} weights, expected {self.num_params}"
@@ -410,10 +427,6 @@ class Station(RoleBase[StationState]):
         if not fresh:
             return "replay", (f"repeats one of its recent updates (distance {ratio:.2g} x its "
                               f"step from w^m)")
-        accepted, distance = self.guard.check(msg.weights, self._model())
-        if not accepted:
-            return "update_norm", (f"moved the model {distance:.4g} from w^m, the bound is "
-                                   f"{self.guard.limit:.4g}")
         return None
 
     def _on_global(self, msg: m.GlobalModel, now: float) -> list[m.Message]:

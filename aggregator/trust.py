@@ -1,8 +1,8 @@
 """Bounded trust in what participants report: every field is a claim to check.
 
 A station cannot verify a device's data, but it can bound what one device can do:
-its update may move the model only about as far as honest updates do
-(:class:`NormGuard`) and may not repeat one of its recent updates
+its update may move the model only about as far as honest updates do (:class:`NormGuard`
+clips it onto that bound) and may not repeat one of its recent updates
 (:class:`ReplayGuard`), its claimed history may grow only at a plausible rate and
 to a bounded share of the roster (:func:`bound_seen_counts`), it never weighs more
 than the rest of its factory together in the label counts that feed ``P_real``
@@ -15,11 +15,12 @@ Pure numpy, no I/O; the station role applies them (``docs/reliability.md``).
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["NormGuard", "ReplayGuard", "bound_seen_counts", "majority_capped", "ShareCap",
-           "fair_seat_share", "seat_candidates"]
+__all__ = ["NormGuard", "Bounded", "ReplayGuard", "bound_seen_counts", "majority_capped",
+           "ShareCap", "fair_seat_share", "seat_candidates"]
 
 
 class NormGuard:
@@ -31,11 +32,18 @@ class NormGuard:
     follows them; one device cannot move it); before that it is ``initial``, which the
     station derives from the devices' learning rate and steps.  ``factor = 0`` with
     ``bound = 0`` turns the guard off.
+
+    An update beyond the bound but within ``hard_factor`` times it is clipped onto the
+    bound (norm bounding, Sun et al. 2019): it keeps its direction, so an honest device's
+    unusually long step still counts, and it moves the model no farther than an accepted
+    one.  Only an update beyond the hard bound, which no honest step reaches, is refused.
+    ``hard_factor = 1`` refuses whatever passes the bound.
     """
 
     def __init__(self, *, bound: float, factor: float, initial: float, window: int = 64,
-                 warmup: int = 8) -> None:
+                 warmup: int = 8, hard_factor: float = 10.0) -> None:
         self.fixed, self.factor, self.initial, self.warmup = bound, factor, initial, warmup
+        self.hard_factor = hard_factor
         self.history: deque[float] = deque(maxlen=window)
 
     @property
@@ -44,7 +52,7 @@ class NormGuard:
 
     @property
     def limit(self) -> float:
-        """The distance above which an update is refused now."""
+        """The distance beyond which an update is clipped now."""
         if self.fixed > 0:
             return self.fixed
         if not self.enabled:
@@ -53,19 +61,35 @@ class NormGuard:
             return self.initial
         return self.factor * float(np.median(self.history))
 
-    def check(self, update: np.ndarray, start: np.ndarray) -> tuple[bool, float]:
-        """``(accepted, distance)``; an accepted distance joins the history."""
-        distance = float(np.linalg.norm(np.subtract(update, start, dtype=np.float64)))
-        if distance > self.limit:
-            return False, distance
-        self.history.append(distance)
-        return True, distance
+    def check(self, update: np.ndarray, start: np.ndarray) -> Bounded:
+        """What of ``update`` may be fused; an accepted distance (clipped: the bound) joins
+        the history, so an attacker at the bound cannot walk the median up faster than an
+        honest device can."""
+        step = np.subtract(update, start, dtype=np.float64)
+        distance, limit = float(np.linalg.norm(step)), self.limit
+        if distance <= limit:
+            self.history.append(distance)
+            return Bounded(update, distance, clipped=False)
+        if distance > self.hard_factor * limit:
+            return Bounded(None, distance, clipped=False)
+        self.history.append(limit)
+        return Bounded((start + step * (limit / distance)).astype(np.float32), distance,
+                       clipped=True)
 
     def state(self) -> list[float]:
         return list(self.history)
 
     def restore(self, history: list[float]) -> None:
         self.history.extend(float(h) for h in history)
+
+
+class Bounded(NamedTuple):
+    """The norm guard's verdict: the update to fuse (None: refused), its distance from the
+    model it started from, and whether it was clipped onto the bound."""
+
+    update: np.ndarray | None
+    distance: float
+    clipped: bool
 
 
 def bound_seen_counts(counts: np.ndarray, previous_total: int, allowance: int,

@@ -11,7 +11,7 @@ import numpy as np
 
 from .simulation import RunResult
 
-__all__ = ["merge_seeds", "by_strategy", "run_summary", "samples_to", "result_rows",
+__all__ = ["merge_seeds", "by_strategy", "run_summary", "samples_to", "result_rows", "per_run",
            "mean_sd", "LAST_K"]
 
 
@@ -121,6 +121,13 @@ def _prequential_columns(sums: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"prequential_end": pend, "prequential_end_sd": pend_sd, "prequential_worst10": pw10}
 
 
+def per_run(runs: list[RunResult], prefix: str) -> int:
+    """Counted events of one kind per run: ``rejected.`` (claims refused, each a reply or
+    report lost) or ``clipped.`` (claims trimmed to their bound, and still used)."""
+    return sum(v for r in runs for k, v in r.counters.items() if k.startswith(prefix)) \
+        // len(runs)
+
+
 def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]:
     """One row per strategy for ``results.csv``: mean and sample sd over seeds of the
     accuracy (mean of the last evaluations), samples to a sustained ``target`` (``never``
@@ -136,8 +143,6 @@ def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]
         w10, _ = mean_sd([s["worst10_q1"] for s in sums])
         lend, _ = mean_sd([s["local_end"] for s in sums])
         last = runs[0].rows[-1]
-        refused = sum(v for r in runs for k, v in r.counters.items()
-                      if k.startswith(("rejected.", "clipped."))) // len(runs)
         out.append({"strategy": name, "seeds": len(runs), "accuracy": acc,
                     "accuracy_sd": acc_sd,
                     f"samples_to_{target:g}": (f"{np.mean(reached) / 1000:.0f}k"
@@ -149,6 +154,6 @@ def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]
                     "uploads": int(np.mean([r.rows[-1]["uploads"] for r in runs])),
                     "skips": int(np.mean([r.rows[-1]["skips"] for r in runs])),
                     "mb_up": round((last["bytes_device_up"] + last["bytes_station_up"]) / 1e6, 1),
-                    "refused": refused,
+                    "refused": per_run(runs, "rejected."), "clipped": per_run(runs, "clipped."),
                     "wall_s": round(float(np.mean([r.wall_s for r in runs])), 1)})
     return out

@@ -15,7 +15,7 @@ from lab.datasets import assign_groups, dirichlet_label_skew, safl_split
 from lab.experiment import DEFAULT_STRATEGIES, ExperimentConfig
 from lab.simulation import FleetSpec, RunResult, plan_fleet, run_federation
 from lab.strategies import build_strategy
-from lab.summary import samples_to
+from lab.summary import per_run, samples_to
 from safl.cli import main
 
 SETTINGS = ExperimentConfig(name="t", factories=2, devices_per_factory=4, super_node=2,
@@ -225,3 +225,11 @@ def test_finished_runs_are_reused_and_can_be_reported_alone(tmp_path, capsys):
     _, both, _ = run_experiment(two, out=tmp_path / "out")  # only safl runs
     assert [r.strategy for r in both] == ["fedgs", "safl"]
     assert both[0].wall_s == first[0].wall_s  # the cached run itself
+
+
+def test_reports_tell_lost_replies_from_trimmed_claims():
+    runs = [RunResult("fedgs", [], {"rejected.update_norm": 3, "rejected.bad_count": 1,
+                                    "clipped.update_norm": 20, "clipped.seen_counts": 4}, 1.0),
+            RunResult("fedgs", [], {"rejected.update_norm": 1, "received_updates": 99}, 1.0)]
+    assert per_run(runs, "rejected.") == 2 and per_run(runs, "clipped.") == 12
+

@@ -47,15 +47,30 @@ def test_krum_picks_the_model_closest_to_its_neighbours():
 
 
 def test_norm_guard_starts_from_its_initial_bound_then_follows_the_median():
-    guard = NormGuard(bound=0.0, factor=10.0, initial=5.0, warmup=3)
+    guard = NormGuard(bound=0.0, factor=10.0, initial=5.0, warmup=3, hard_factor=1.0)
     start = np.zeros(4)
-    assert guard.check(np.full(4, 3.0), start) == (False, 6.0)  # above the initial 5
+    assert guard.check(np.full(4, 3.0), start) == (None, 6.0, False)  # above the initial 5
     for _ in range(3):
-        assert guard.check(np.full(4, 0.5), start)[0]  # distance 1
+        assert guard.check(np.full(4, 0.5), start).update is not None  # distance 1
     assert guard.limit == 10.0
-    assert not guard.check(np.full(4, 5.5), start)[0]
+    assert guard.check(np.full(4, 5.5), start).update is None
     assert NormGuard(bound=2.0, factor=10.0, initial=5.0).limit == 2.0
     assert NormGuard(bound=0.0, factor=0.0, initial=5.0).limit == float("inf")
+
+
+def test_norm_guard_clips_onto_its_bound_and_refuses_beyond_the_hard_bound():
+    guard = NormGuard(bound=2.0, factor=0.0, initial=0.0, hard_factor=10.0)
+    start = np.array([1.0, 1.0, 1.0, 1.0], np.float32)
+    within = guard.check(start + 0.5, start)  # distance 1: fused as it is
+    assert within.update is not None and not within.clipped
+    np.testing.assert_array_equal(within.update, start + 0.5)
+    beyond = guard.check(start + np.array([3.0, 0.0, 4.0, 0.0], np.float32), start)  # 5
+    assert beyond.clipped and beyond.distance == 5.0 and beyond.update is not None
+    # The same direction, at the bound: the honest part of a long step still counts.
+    np.testing.assert_allclose(beyond.update - start, [1.2, 0.0, 1.6, 0.0], rtol=1e-6)
+    assert beyond.update.dtype == np.float32
+    assert guard.check(start + 30.0, start).update is None  # 60 > 10 x 2: no honest step
+    assert guard.state() == [1.0, 2.0]  # a clipped update counts at the bound, not beyond
 
 
 def test_seen_counts_grow_at_a_bounded_rate_and_share():
@@ -161,6 +176,18 @@ def test_a_scaled_update_is_refused_by_the_distance_guard():
     st.handle(tamper(_upd("d2", 0.2), "scale"), 1.0)
     assert st.counters["rejected.update_norm"] == 1 and st.iteration == 1
     np.testing.assert_allclose(st.weights, 0.2)
+
+
+def test_a_long_step_is_clipped_onto_the_bound_and_still_fused():
+    st = _station(update_norm_bound=0.25)  # ||z - w^m|| of 0.1 x 4 weights: 0.2
+    _start(st)
+    st.handle(_upd("d0", 0.1), 1.0)
+    st.handle(_upd("d1", 0.1), 1.0)
+    st.handle(_upd("d2", 0.5), 1.0)  # distance 1: 4x the bound, within the hard bound
+    assert st.counters["clipped.update_norm"] == 1 and st.counters["refused_replies"] == 0
+    assert not any(k.startswith("rejected.") for k in st.counters)
+    # d2 fused at distance 0.25, its weights 0.125: (0.1 + 0.1 + 0.125) / 3
+    np.testing.assert_allclose(st.weights, 0.325 / 3, rtol=1e-6)
 
 
 def test_a_transport_refusal_closes_the_iteration_for_that_member():
