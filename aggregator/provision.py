@@ -35,6 +35,7 @@ from edge_client.config import BrokerConfig, check_id, read_toml, toml_text
 from edge_client.errors import ConfigError, SaflError
 from edge_client.messages import Participant
 from edge_client.mqtt import MqttTransport
+from edge_client.pipeline import UpdatePipeline
 from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES
 
 from .pki import issue, make_ca, serial_of, write_crl, write_private
@@ -65,6 +66,9 @@ class FleetFile:
     cloud_host: str
     cloud_port: int
     stations: tuple[StationEntry, ...]
+    # What every device's update passes through (edge_client/pipeline.py): written into each
+    # device.toml and station.toml alike, so a station decodes what its devices send.
+    update_stages: tuple[str, ...] = ()
 
 
 def load_fleet_file(path: str | Path) -> FleetFile:
@@ -75,6 +79,13 @@ def load_fleet_file(path: str | Path) -> FleetFile:
         if not isinstance(fleet.get(key), str) or not fleet[key]:
             raise ConfigError(f"fleet.{key}", "is required")
     check_id("fleet.name", fleet["name"])
+    stages = fleet.get("update_stages", [])
+    if not isinstance(stages, list) or not all(isinstance(x, str) for x in stages):
+        raise ConfigError("fleet.update_stages", "must be a list of stages, as [\"int8:256\"]")
+    try:
+        UpdatePipeline(stages)
+    except ConfigError as exc:
+        raise ConfigError("fleet.update_stages", str(exc).split(": ", 1)[-1]) from None
     stations, seen = [], set()
     for raw in doc.get("stations", []):
         sid = raw.get("id")
@@ -112,7 +123,7 @@ def load_fleet_file(path: str | Path) -> FleetFile:
         raise ConfigError("stations.id", f"{lines[0]!r}: ids beginning 'line-' are the "
                           "factory lines' logins")
     return FleetFile(fleet["name"], fleet["cloud_host"], int(fleet.get("cloud_port", 8883)),
-                     tuple(stations))
+                     tuple(stations), tuple(stages))
 
 
 # Every frame travels in chunks of at most this size; brokers refuse packets much larger.
@@ -332,13 +343,14 @@ class _Provisioner:
                           f"topic read {topics.line_prefix(s.id)}/#"]
         (folder / "acl").write_text(_acl(rules))
         url = f"mqtts://{s.host}:{s.port}"
+        stages = {"update_stages": list(fleet.update_stages)} if fleet.update_stages else {}
         (self.out / "stations" / s.id / "station.toml").write_text(toml_text({
             "station": {"fleet": name, "station_id": s.id, "devices": devices,
-                        "super_node_size": max(1, min(4, len(devices)))},
+                        "super_node_size": max(1, min(4, len(devices))), **stages},
             "model": {"name": "mlp"}, "broker": self.broker_section(s.id, url)}))
         for did in devices:
             (self.credential_dirs[did] / "device.toml").write_text(toml_text({
-                "device": {"fleet": name, "device_id": did, "station": s.id},
+                "device": {"fleet": name, "device_id": did, "station": s.id, **stages},
                 "model": {"name": "mlp"},
                 "source": {"kind": "camera", "uri": "0", "label": 0},
                 "broker": self.broker_section(did, url)}))

@@ -24,8 +24,9 @@ import logging
 import numpy as np
 
 from edge_client import messages as m
-from edge_client.errors import ShapeError
+from edge_client.errors import MessageError, ShapeError
 from edge_client.messages import NamedEnum
+from edge_client.pipeline import Encoded, UpdatePipeline
 from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, station_topics
@@ -128,6 +129,7 @@ class Station(RoleBase[StationState]):
         self.share = ShareCap(config.share_window, config.max_selection_share)
         self.replay = ReplayGuard(num_params, seed=config.seed,
                                   tolerance=config.replay_tolerance)
+        self.pipeline = UpdatePipeline(config.update_stages)
 
     @property
     def id(self) -> str:
@@ -399,12 +401,15 @@ class Station(RoleBase[StationState]):
     def _admit(self, msg: m.DeviceUpdate) -> np.ndarray | None:
         """The weights of ``msg`` to fuse (clipped onto the distance bound where beyond it),
         or None, counted and logged, where its counts, size or distance cannot be honest."""
-        problem = self._implausible(msg)
+        z = self._trained_model(msg)
+        if z is None:
+            return None
+        problem = self._implausible(msg, z)
         if problem:
             self._reject(*problem)
             return None
         limit = self.guard.limit
-        bounded = self.guard.check(msg.weights, self._model())
+        bounded = self.guard.check(z, self._model())
         if bounded.update is None:
             self._reject("update_norm", f"moved the model {bounded.distance:.4g} from w^m, the "
                          f"hard bound is {self.config.update_norm_hard_factor:g} x {limit:.4g}")
@@ -414,16 +419,44 @@ class Station(RoleBase[StationState]):
                       bounded.distance, limit)
         return bounded.update
 
-    def _implausible(self, msg: m.DeviceUpdate) -> tuple[str, str] | None:
-        """Why an update's claims (its size, counts, freshness) cannot be honest, or None."""
+    def _trained_model(self, msg: m.DeviceUpdate) -> np.ndarray | None:
+        """The model ``z`` an update stands for: its weights, or its encoded step (the fleet's
+        update stages) added to ``w^m``; None, counted, where it is neither."""
+        pipeline = self.pipeline
+        if msg.encoding != pipeline.id:
+            self._reject("wrong_encoding", f"update encoded as {msg.encoding!r}, the fleet's "
+                         f"update stages are {pipeline.id!r}")
+            return None
+        if not pipeline.active:
+            if msg.indices.size or msg.half.size or msg.codes.size or msg.scales.size:
+                self._reject("bad_encoding", "a model update carries encoded arrays too")
+                return None
+            if msg.weights.size != self.num_params:
+                self._reject("wrong_length", f"{msg.weights.size} weights, expected "
+                             f"{self.num_params}")
+                return None
+            return msg.weights
+        try:
+            step = pipeline.decode(Encoded(indices=msg.indices, values=msg.weights,
+                                           half=msg.half, codes=msg.codes, scales=msg.scales),
+                                   self.num_params)
+        except MessageError as exc:
+            self._reject(exc.reason, str(exc))
+            return None
+        z = self._model() + step
+        if not np.isfinite(z).all():  # finite codes times finite scales can still overflow
+            self._reject("non_finite", "the decoded step is not finite")
+            return None
+        return z
+
+    def _implausible(self, msg: m.DeviceUpdate, z: np.ndarray) -> tuple[str, str] | None:
+        """Why an update's claims (its counts, freshness) cannot be honest, or None."""
         cfg = self.config
-        if msg.weights.size != self.num_params:
-            return "wrong_length", f"{msg.weights.size} weights, expected {self.num_params}"
         most = cfg.local_steps * cfg.batch_size
         if not 1 <= msg.num_samples <= most:
             return "bad_count", (f"claims {msg.num_samples} samples; a device trains on 1.."
                                  f"{most} (local_steps x batch_size) per iteration")
-        fresh, ratio = self.replay.check(msg.sender, msg.weights, self._model())
+        fresh, ratio = self.replay.check(msg.sender, z, self._model())
         if not fresh:
             return "replay", (f"repeats one of its recent updates (distance {ratio:.2g} x its "
                               f"step from w^m)")

@@ -127,10 +127,11 @@ def _dtype(spec: str | type) -> np.dtype[Any]:
 
 
 _DTYPES = {0: _dtype("<f4"), 1: _dtype("<f2")}
-_WIRE_DTYPE = {"float32": "<f4", "float64": "<f8", "int64": "<i8"}
+_WIRE_DTYPE = {"float32": "<f4", "float64": "<f8", "int64": "<i8", "float16": "<f2",
+               "int8": "|i1", "uint32": "<u4"}  # the last three: encoded update steps
 MAX_HEADER = 64 * 1024
-_ARRAY_DTYPES = frozenset({"<f4", "<f2", "<f8", "<i8"})
-_MAX_ARRAYS = 8
+_ARRAY_DTYPES = frozenset(_WIRE_DTYPE.values())
+_MAX_ARRAYS = 8  # DeviceUpdate's five is the most a message has
 _HEX = re.compile(r"[0-9a-f]*")
 
 
@@ -152,6 +153,8 @@ def _pieces(message: m.Message, layout_hash: str, fp16: bool, message_id: bytes 
     weights_dtype = 1 if fp16 else 0
     for f in dataclasses.fields(message):
         value = getattr(message, f.name)
+        if m.is_default(f, value):
+            continue
         if isinstance(value, np.ndarray):
             wire = _DTYPES[weights_dtype] if f.name == "weights" else _dtype(
                 _WIRE_DTYPE[value.dtype.name])

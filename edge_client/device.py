@@ -9,6 +9,7 @@ sends a skip notice, as the upload gate decides (SPEC §3).  It never does I/O:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -18,6 +19,7 @@ from . import messages as m
 from .buffer import StreamBuffer
 from .config import DeviceConfig, InferenceConfig
 from .inference import NOT_PREDICTED, Prequential, one_in, predict
+from .pipeline import UpdatePipeline
 from .role import RoleBase, RoleEvent
 from .safl import annealed_merge, performance_gap, upload_probability
 from .states import DeviceState
@@ -112,6 +114,11 @@ class Device(RoleBase[DeviceState]):
         self._evaluated_at: int | None = None
         self._reported_next: np.ndarray | None = None
         self._tensor_sizes = [int(np.prod(shape)) for _, shape in trainer.layout]
+        self.pipeline = UpdatePipeline(config.update_stages)
+        self._residual: np.ndarray | None = None  # what lossy stages left out, sent later
+        # Stochastic rounding draws from its own stream: compressing an update leaves the
+        # merge masks and gate draws of the device as they were.
+        self._rounding = np.random.default_rng([config.seed, 0x0E1C0DE])
 
     @property
     def id(self) -> str:
@@ -373,15 +380,26 @@ class Device(RoleBase[DeviceState]):
         self.counters["samples_trained"] += consumed
         if upload:
             self.counters["uploads"] += 1
-            reply: m.Message = m.DeviceUpdate(fleet=cfg.fleet, sender=self.id,
-                                              round=model.round, iteration=t,
-                                              station=cfg.station, weights=z,
-                                              num_samples=consumed)
+            reply: m.Message = self._update(model, z, consumed)
         else:
             self.counters["skipped.gate"] += 1
             reply = skip(gap)
         # Stats go first so the station selects the next super node on fresh histograms.
         return [self._stats(model.round, t), reply]
+
+    def _update(self, model: m.StationModel, z: np.ndarray, consumed: int) -> m.DeviceUpdate:
+        """``z`` itself, or its step from the station's model through the fleet's stages, with
+        what they lost kept for the next upload (error feedback)."""
+        cfg = self.config
+        update = functools.partial(m.DeviceUpdate, fleet=cfg.fleet, sender=self.id,
+                                   round=model.round, iteration=model.iteration,
+                                   station=cfg.station, num_samples=consumed)
+        if not self.pipeline.active:
+            return update(weights=z)
+        enc, self._residual = self.pipeline.encode(z - model.weights, self._residual,
+                                                   self._rounding)
+        return update(encoding=self.pipeline.id, weights=enc.values, indices=enc.indices,
+                      half=enc.half, codes=enc.codes, scales=enc.scales)
 
     def _upload_gate(self, z: np.ndarray, zbar: np.ndarray) -> tuple[float, bool]:
         """Extended SAFL: upload with probability exp(-nu * Delta) (SPEC §3)."""

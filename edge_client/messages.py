@@ -13,7 +13,8 @@ import dataclasses
 import math
 import re
 import typing
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
 
@@ -39,6 +40,8 @@ __all__ = [
     "payload_nbytes",
     "ID_PATTERN",
     "MAX_INT",
+    "MODEL_ENCODING",
+    "is_default",
     "is_id",
 ]
 
@@ -47,6 +50,8 @@ PROTOCOL_VERSION = 1
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 # Integers must survive a JSON round trip through any decoder (IEEE doubles are exact below).
 MAX_INT = 2**53
+# A DeviceUpdate whose weights are the trained model itself, not an encoded step.
+MODEL_ENCODING = "model"
 MAX_MEMBERS = 4096  # a super node larger than any roster we support
 
 
@@ -208,14 +213,44 @@ class DeviceStats(Message):
     _vectors = (("seen_counts", np.int64), ("next_batch_counts", np.int64))
 
 
+OPTIONAL = {"optional": True}  # a field a frame may omit while it holds its default
+
+
+def is_default(f: dataclasses.Field[object], value: object) -> bool:
+    """Whether ``value`` is an optional field's default: the codec leaves it out."""
+    if not f.metadata.get("optional"):
+        return False
+    if isinstance(value, np.ndarray):
+        return value.size == 0
+    return bool(value == f.default)
+
+
+def _no(dtype: type) -> Callable[[], np.ndarray]:
+    return lambda: np.zeros(0, dtype=dtype)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceUpdate(Message):
-    """Device -> station: the locally trained model ``z_t`` and its batch size."""
+    """Device -> station: the locally trained model ``z_t`` and its batch size.
+
+    With the fleet's update stages (``edge_client.pipeline``) it carries the step
+    ``z_t - w^m`` encoded instead, named by ``encoding``: positions in ``indices`` (top-k)
+    and the values in ``weights`` (float32), ``half`` (float16) or ``codes`` with one
+    ``scales`` entry per block (int8).  ``encoding = "model"``: ``weights`` is ``z_t``.
+    """
 
     station: str
     weights: np.ndarray
     num_samples: int
-    _vectors = _WEIGHTS
+    # Left out of a frame while at their defaults, so a plain update's frame is what it was
+    # before encodings existed, and stations not yet upgraded still read it.
+    encoding: str = field(default=MODEL_ENCODING, metadata=OPTIONAL)
+    indices: np.ndarray = field(default_factory=_no(np.uint32), metadata=OPTIONAL)
+    half: np.ndarray = field(default_factory=_no(np.float16), metadata=OPTIONAL)
+    codes: np.ndarray = field(default_factory=_no(np.int8), metadata=OPTIONAL)
+    scales: np.ndarray = field(default_factory=_no(np.float32), metadata=OPTIONAL)
+    _vectors = _WEIGHTS + (("indices", np.uint32), ("half", np.float16), ("codes", np.int8),
+                           ("scales", np.float32))
 
 
 @dataclass(frozen=True, kw_only=True)

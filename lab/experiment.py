@@ -77,6 +77,7 @@ class ExperimentConfig(RecipeSettings):
     eval_every: int = 1  # rounds between evaluations (the last round is always evaluated)
     lr: float = TrainingSettings.lr
     batch_size: int = TrainingSettings.batch_size
+    update_stages: tuple[str, ...] = TrainingSettings.update_stages  # what an update becomes
     model: str = "mlp"
     backend: str = "numpy"
     arrivals_per_step: int = 48
@@ -161,8 +162,10 @@ def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> Flee
 
 def _strategy(cfg: ExperimentConfig, name: str):
     s = build_strategy(name, cfg.settings)
+    # Update stages only where some are set: a plain run keeps the cache key it always had.
+    stages = {"update_stages": cfg.update_stages} if cfg.update_stages else {}
     device = {"batch_size": cfg.batch_size, "buffer_capacity": cfg.buffer_capacity,
-              "holdout_capacity": cfg.holdout_capacity, **s.device}
+              "holdout_capacity": cfg.holdout_capacity, **stages, **s.device}
     return dataclasses.replace(s, device=device)
 
 
@@ -225,7 +228,7 @@ class _RunCache:
         self.folder = folder / "runs"
         self.cfg = cfg
         self.fleet = repr({k: v for k, v in sorted(vars(cfg).items())
-                           if k not in _NOT_RUN_KEYS})
+                           if k not in _NOT_RUN_KEYS and (k != "update_stages" or v)})
         self.fresh = fresh
 
     def _key(self, name: str, seed: int, attack: str) -> str:

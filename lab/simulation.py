@@ -141,8 +141,8 @@ def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
     stations, devices, replay = [], [], [0] * n_dev
     # The station bounds its devices' claims by their settings, so it is told them.
     device_values = {"lr": spec.lr, **strategy.device}
-    known = {k: device_values.get(k, _DEVICE_DEFAULTS[k])
-             for k in ("batch_size", "local_steps", "lr")}
+    known = {f.name: device_values.get(f.name, _DEVICE_DEFAULTS[f.name])
+             for f in dataclasses.fields(TrainingSettings)}
     for g, (sid, members) in enumerate(zip(station_ids, groups, strict=True)):
         stations.append({"fleet": fleet, "station_id": sid, "seed": seeds[-1 - g],
                          "devices": tuple(_device_id(k) for k in members), **known,

@@ -30,6 +30,13 @@ def base_messages(n_params: int = 6) -> list[tuple[str, m.Message]]:
     msgs = [
         m.DeviceStats(sender="d0", station="s0", seen_counts=h, next_batch_counts=h, **common),
         m.DeviceUpdate(sender="d0", station="s0", weights=w, num_samples=6, **common),
+        # Encoded steps (edge_client/pipeline.py): positions with int8 codes, and float16.
+        m.DeviceUpdate(sender="d0", station="s0", weights=w[:0], num_samples=6,
+                       encoding="topk:0.5-int8:2", indices=np.array([0, 2, 5], np.uint32),
+                       codes=np.array([3, -127, 50], np.int8),
+                       scales=np.array([0.01, 0.02], np.float32), **common),
+        m.DeviceUpdate(sender="d0", station="s0", weights=w[:0], num_samples=6,
+                       encoding="float16", half=w.astype(np.float16), **common),
         m.SkipNotice(sender="d0", station="s0", gap=0.25, **common),
         m.StationModel(sender="s0", weights=w, **common),
         m.Selection(sender="s0", members=("d0", "d1"), deadline=12.5, **common),

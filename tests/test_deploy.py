@@ -237,6 +237,8 @@ def test_rerun_adds_devices_keeps_credentials_and_revokes(fleet):
     ('[fleet]\nname = "p"\ncloud_host = "c"\n[[stations]]\nid = "a"\n'
      '[[devices]]\nid = "y"\nstation = "b"\n', "unknown station 'b'"),
     ('[fleet]\nname = "p"\n[[stations]]\nid = "a"\n', "fleet.cloud_host"),
+    ('[fleet]\nname = "p"\ncloud_host = "c"\nupdate_stages = ["int9"]\n[[stations]]\nid = "a"\n',
+     "fleet.update_stages"),
 ])
 def test_bad_fleet_files_fail_before_anything_is_written(tmp_path, text, key):
     path = tmp_path / "fleet.toml"
@@ -246,6 +248,22 @@ def test_bad_fleet_files_fail_before_anything_is_written(tmp_path, text, key):
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError):
         load_fleet_file(path)
+
+
+def test_a_fleets_update_stages_reach_every_station_and_device(tmp_path):
+    from aggregator.config import StationConfig
+    from edge_client.config import DeviceConfig
+
+    path = tmp_path / "fleet.toml"
+    path.write_text('[fleet]\nname = "p"\ncloud_host = "c"\n'
+                    'update_stages = ["topk:0.1", "int8:256"]\n'
+                    '[[stations]]\nid = "a"\ndevices = ["x", "y"]\n')
+    provision(path, tmp_path / "out")
+    station = load_config(StationConfig, "station", tmp_path / "out/stations/a/station.toml")
+    assert station.update_stages == ("topk:0.1", "int8:256")
+    for did in ("x", "y"):
+        device = load_config(DeviceConfig, "device", tmp_path / f"out/devices/{did}/device.toml")
+        assert device.update_stages == station.update_stages
 
 
 def test_bad_certificates_are_refused_before_connecting(fleet, tmp_path):

@@ -9,12 +9,35 @@ from aggregator.cloud import Cloud
 from aggregator.config import CloudConfig, StationConfig
 from aggregator.station import Station
 from edge_client import messages as m
+from edge_client.pipeline import UpdatePipeline
 
 STATES = {"joining", "waiting", "collecting", "starved", "done"}
 
 
+def _random_encoded(rng, common, n):
+    """An update whose encoding is hostile: foreign stages, positions out of range or out of
+    order, values of the wrong carrier or count, huge or negative scales."""
+    k = int(rng.integers(0, n + 2))
+    idx = np.sort(rng.choice(n + 3, size=min(k, n + 3), replace=False)).astype(np.uint32)
+    if rng.random() < 0.3:
+        idx = idx[::-1].copy()
+    codes = rng.integers(-128, 128, int(rng.integers(0, n + 2))).astype(np.int8)
+    scales = (10.0 ** rng.integers(-3, 39, int(rng.integers(0, 4)))).astype(np.float32)
+    if rng.random() < 0.2:
+        scales = -scales
+    half = rng.normal(size=int(rng.integers(0, 3))).astype(np.float16)
+    encoding = str(rng.choice(["topk:0.5-int8:2", "int8:2", "float16", "model"]))
+    return m.DeviceUpdate(**common, station="s", weights=np.zeros(0, np.float32),
+                          num_samples=8, encoding=encoding, indices=idx, codes=codes,
+                          scales=scales, half=half)
+
+
 def _random_message(rng, devices, it, rnd, w):
-    kind = rng.integers(8)
+    kind = rng.integers(9)
+    if kind == 8:
+        sender = devices[rng.integers(len(devices))]
+        return _random_encoded(rng, dict(fleet="t", sender=sender, round=int(rnd),
+                                         iteration=int(it)), w.size)
     sender = devices[rng.integers(len(devices))] if rng.random() < 0.9 else "intruder"
     common = dict(fleet="t", sender=sender, round=int(rng.integers(0, 3)),
                   iteration=int(it + rng.integers(-2, 3)) if it >= 2 else int(it))
@@ -60,6 +83,41 @@ def test_a_station_survives_twenty_thousand_hostile_messages():
             assert np.abs(st.weights).max() < 1e4
     assert st.counters["rejected.bad_count"] > 0 and st.counters["rejected.update_norm"] > 0
     assert st.counters["clipped.seen_counts"] > 0 and st.counters["rejected.unknown_sender"] > 0
+
+
+def test_a_station_decoding_steps_survives_hostile_encodings():
+    rng = np.random.default_rng(11)
+    devices = ("d0", "d1", "d2")
+    stages = ("topk:0.5", "int8:2")
+    pipe = UpdatePipeline(stages)
+    st = Station(StationConfig(fleet="t", station_id="s", devices=devices, super_node_size=2,
+                               rand_per_group=0, sync_period=3, batch_size=8, local_steps=2,
+                               min_quorum=1, iteration_timeout=5.0, update_stages=stages),
+                 num_params=6, num_classes=2, rng=np.random.default_rng(0))
+    w = np.zeros(6, np.float32)
+    now = 0.0
+    for i in range(20_000):
+        now += float(rng.exponential(0.5))
+        if i % 4 == 0:  # an honest member's encoded step, so the decoding path is taken
+            sender = st.members[0] if st.members else devices[0]
+            enc, _ = pipe.encode(rng.normal(0, 0.01, 6).astype(np.float32), None, rng)
+            msg = m.DeviceUpdate(fleet="t", sender=sender, round=st.round,
+                                 iteration=st.iteration, station="s", num_samples=8,
+                                 encoding=pipe.id, weights=enc.values, indices=enc.indices,
+                                 codes=enc.codes, scales=enc.scales)
+        elif i % 4 == 1:
+            sender = devices[rng.integers(len(devices))]
+            msg = _random_encoded(rng, dict(fleet="t", sender=sender, round=st.round,
+                                            iteration=st.iteration), 6)
+        else:
+            msg = _random_message(rng, devices, st.iteration, st.round, w)
+        for out in (st.handle(msg, now), st.tick(now)):  # handle never raises
+            assert all(isinstance(x, m.Message) for x in out)
+        if st.weights is not None:
+            assert np.isfinite(st.weights).all() and np.abs(st.weights).max() < 1e4
+    assert st.counters["received_updates"] > 100
+    for reason in ("bad_encoding", "wrong_encoding"):
+        assert st.counters[f"rejected.{reason}"] > 0, reason
 
 
 def test_a_cloud_survives_hostile_station_reports():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ConfigError
+from ..pipeline import UpdatePipeline
 from .loading import check_id, check_range
 
 __all__ = ["DeviceConfig", "TrainingSettings"]
@@ -13,18 +14,23 @@ __all__ = ["DeviceConfig", "TrainingSettings"]
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainingSettings:
     """How a device trains: ``local_steps`` SGD steps at ``lr`` on one-shot batches of
-    ``batch_size``.  Declared once: the device trains by them, the station bounds its
-    devices' claims by them (``StationConfig`` extends this too), the lab's fleets start
-    from them."""
+    ``batch_size``, and how its update travels (``update_stages``).  Declared once: the
+    device trains by them, the station bounds its devices' claims and decodes their updates
+    by them (``StationConfig`` extends this too), the lab's fleets start from them."""
 
     batch_size: int = 32
     local_steps: int = 1
     lr: float = 0.05
+    # What an update passes through before it leaves the device (edge_client/pipeline.py):
+    # for example ["clip:2", "topk:0.1", "int8:256"]; none: the trained model itself.  The
+    # station decodes by the same list and refuses an update encoded otherwise.
+    update_stages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_range("batch_size", self.batch_size, 1)
         check_range("local_steps", self.local_steps, 1)
         check_range("lr", self.lr, 0, low_open=True)
+        UpdatePipeline(self.update_stages)  # a bad stage is named at start-up
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
