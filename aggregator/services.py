@@ -143,13 +143,14 @@ class StationService:
                 cpu_startup_s=round(first_model[0], 3) if first_model else None,
                 devices=len(cfg.devices), online=role.online_devices, quorum=cfg.min_quorum,
                 missing=tuple(role.missing), **role.accuracy_summary(),
+                **role.privacy_summary(),
                 counters=dict(role.counters), transport=dict(transport.counters))
 
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
              "selected_devices": len(role.members), "devices_online": role.online_devices,
-             **role.accuracy_summary()}),
+             **role.accuracy_summary(), **role.privacy_summary()}),
             labels={"fleet": cfg.fleet, "station": cfg.station_id})
         # Round boundaries: the upload that ends a round, the model that begins one.
         checkpoint = _checkpointing(role, self.service.state_dir, cfg.station_id, lambda msg: (

@@ -222,6 +222,12 @@ class Station(RoleBase[StationState]):
         """Held-out and prequential accuracy over the devices, mean and worst 10%."""
         return device_accuracy_summary(self.local_accuracies(), self.prequential_accuracies())
 
+    def privacy_summary(self) -> dict[str, float]:
+        """The largest epsilon a device reports its local differential privacy has spent
+        (absent where none reports any: no noise stage)."""
+        spent = max((s.epsilon for s in self.stats.values()), default=0.0)
+        return {"epsilon_local": spent} if spent > 0 else {}
+
     @property
     def missing(self) -> list[str]:
         """Roster devices the station has not heard from (or whose Last Will fired)."""
@@ -298,6 +304,9 @@ class Station(RoleBase[StationState]):
         msg = self._plausible_seen(msg)
         # Only metrics, but metrics operators act on: an accuracy outside [0, 1] is dropped
         # (as not measured) and counted; the histograms still count.
+        if msg.epsilon < 0:
+            self.counters["clipped.epsilon"] += 1
+            msg = dataclasses.replace(msg, epsilon=0.0)
         if not 0.0 <= msg.local_accuracy <= 1.0:
             self.counters["clipped.local_accuracy"] += 1
             msg = dataclasses.replace(msg, local_accuracy=0.0, local_samples=0)

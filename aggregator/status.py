@@ -109,7 +109,9 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                      f"{f'{doc.online}/{doc.devices}':>7} "
                      f"{doc.counters.get('received_updates', 0):>8} "
                      f"{doc.counters.get('received_skips', 0):>6} {rejected:>9}"
-                     f"{_devices_accuracy(doc)}")
+                     f"{_devices_accuracy(doc)}"
+                     + (f", local DP epsilon up to {doc.epsilon_local:.3g}"
+                        if doc.epsilon_local else ""))
     for doc in (found.stations[sid] for sid in stations if sid in found.stations):
         if doc.state == StationState.STARVED:
             lines.append(f"{doc.station} waits for devices: {doc.online} online, "

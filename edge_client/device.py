@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ from .buffer import StreamBuffer
 from .config import DeviceConfig, InferenceConfig
 from .inference import NOT_PREDICTED, Prequential, one_in, predict
 from .pipeline import UpdatePipeline
+from .privacy import PrivacyLedger
 from .role import RoleBase, RoleEvent
 from .safl import annealed_merge, performance_gap, upload_probability
 from .states import DeviceState
@@ -119,6 +121,11 @@ class Device(RoleBase[DeviceState]):
         # Stochastic rounding draws from its own stream: compressing an update leaves the
         # merge masks and gate draws of the device as they were.
         self._rounding = np.random.default_rng([config.seed, 0x0E1C0DE])
+        # Local DP: the noise comes from the OS's entropy unless a simulation asks otherwise
+        # (a seeded generator's noise can be subtracted by whoever knows the seed).
+        self._noise = np.random.default_rng([config.seed, 0x401CE] if config.noise_seeded
+                                            else secrets.randbits(128))
+        self.privacy = PrivacyLedger(self.pipeline.noise_multiplier, config.privacy_delta)
 
     @property
     def id(self) -> str:
@@ -376,6 +383,9 @@ class Device(RoleBase[DeviceState]):
         if cfg.mix < 1.0:  # only a merge reads it: with mix = 1 a device holds no model copy
             self._local, self._local_iteration = z, t
         gap, upload = self._upload_gate(z, zbar)
+        if upload and self._budget_spent():
+            upload = False
+            self.counters["skipped.privacy_budget"] += 1
         self.counters["steps"] += 1
         self.counters["samples_trained"] += consumed
         if upload:
@@ -397,9 +407,28 @@ class Device(RoleBase[DeviceState]):
         if not self.pipeline.active:
             return update(weights=z)
         enc, self._residual = self.pipeline.encode(z - model.weights, self._residual,
-                                                   self._rounding)
+                                                   self._rounding, self._noise)
+        if self.pipeline.noise:
+            self.privacy.record(self.id)
         return update(encoding=self.pipeline.id, weights=enc.values, indices=enc.indices,
                       half=enc.half, codes=enc.codes, scales=enc.scales)
+
+    @property
+    def epsilon(self) -> float:
+        """What this device's local differential privacy has spent (0 without noise)."""
+        return self.privacy.epsilon(self.id) if self.pipeline.noise else 0.0
+
+    def _budget_spent(self) -> bool:
+        """Whether one more noised upload would pass the privacy budget; said once."""
+        cfg = self.config
+        if not cfg.privacy_budget or self.privacy.epsilon(self.id, extra=1) <= cfg.privacy_budget:
+            return False
+        if not self.counters["skipped.privacy_budget"]:
+            log.warning("device %s: privacy budget spent (epsilon %.3g at delta %g after %d "
+                        "uploads; the next would pass %g): it uploads no more", self.id,
+                        self.epsilon, cfg.privacy_delta, self.privacy.releases.get(self.id, 0),
+                        cfg.privacy_budget)
+        return True
 
     def _upload_gate(self, z: np.ndarray, zbar: np.ndarray) -> tuple[float, bool]:
         """Extended SAFL: upload with probability exp(-nu * Delta) (SPEC §3)."""
@@ -425,6 +454,6 @@ class Device(RoleBase[DeviceState]):
         return m.DeviceStats(fleet=self.config.fleet, sender=self.id, round=round_,
                              iteration=iteration, station=self.config.station,
                              seen_counts=self.buffer.seen_counts, next_batch_counts=nxt,
-                             local_accuracy=acc, local_samples=samples,
+                             local_accuracy=acc, local_samples=samples, epsilon=self.epsilon,
                              prequential_accuracy=pre.accuracy if pre and pre.samples else 0.0,
                              prequential_samples=pre.samples if pre else 0)

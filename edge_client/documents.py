@@ -61,6 +61,7 @@ class StationSummary:
     local_worst10: float | None = None
     prequential_mean: float | None = None  # test-then-train accuracy on the stream
     prequential_worst10: float | None = None
+    epsilon_local: float | None = None  # the most a device's local DP has spent (docs/privacy.md)
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
 

@@ -187,11 +187,24 @@ class Message:
             object.__setattr__(self, name, _frozen_vector(name, getattr(self, name), dtype))
 
 
+OPTIONAL = {"optional": True}  # a field a frame may omit while it holds its default
+
+
+def is_default(f: dataclasses.Field[object], value: object) -> bool:
+    """Whether ``value`` is an optional field's default: the codec leaves it out."""
+    if not f.metadata.get("optional"):
+        return False
+    if isinstance(value, np.ndarray):
+        return value.size == 0
+    return bool(value == f.default)
+
+
+def _no(dtype: type) -> Callable[[], np.ndarray]:
+    return lambda: np.zeros(0, dtype=dtype)
+
+
 _WEIGHTS = (("weights", np.float32),)
 
-
-def _no_floats() -> np.ndarray:
-    return np.zeros(0, dtype=np.float32)
 
 _COUNTS = (("seen_counts", np.int64),)
 
@@ -210,23 +223,9 @@ class DeviceStats(Message):
     local_samples: int = 0
     prequential_accuracy: float = 0.0
     prequential_samples: int = 0
+    # Epsilon its local differential privacy has spent (0: none, or no noise stage).
+    epsilon: float = field(default=0.0, metadata=OPTIONAL)
     _vectors = (("seen_counts", np.int64), ("next_batch_counts", np.int64))
-
-
-OPTIONAL = {"optional": True}  # a field a frame may omit while it holds its default
-
-
-def is_default(f: dataclasses.Field[object], value: object) -> bool:
-    """Whether ``value`` is an optional field's default: the codec leaves it out."""
-    if not f.metadata.get("optional"):
-        return False
-    if isinstance(value, np.ndarray):
-        return value.size == 0
-    return bool(value == f.default)
-
-
-def _no(dtype: type) -> Callable[[], np.ndarray]:
-    return lambda: np.zeros(0, dtype=dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,8 +293,8 @@ class StationUpdate(Message):
     weights: np.ndarray
     num_samples: int
     seen_counts: np.ndarray
-    local_accuracies: np.ndarray = dataclasses.field(default_factory=_no_floats)
-    prequential_accuracies: np.ndarray = dataclasses.field(default_factory=_no_floats)
+    local_accuracies: np.ndarray = dataclasses.field(default_factory=_no(np.float32))
+    prequential_accuracies: np.ndarray = dataclasses.field(default_factory=_no(np.float32))
     _vectors = _WEIGHTS + _COUNTS + (("local_accuracies", np.float32),
                                      ("prequential_accuracies", np.float32))
 

@@ -10,6 +10,8 @@ Stages, a registry like the fusion rules (``STAGES``); each is ``name`` or ``nam
 
 - ``clip:C``: the step scaled onto L2 norm ``C`` where longer (Sun et al. 2019's norm bound,
   and the clipping differential privacy needs);
+- ``noise:z``: Gaussian noise of standard deviation ``z x C`` added to the clipped step (local
+  differential privacy, accounted in ``edge_client/privacy.py``; it needs ``clip``);
 - ``topk:f``: only the fraction ``f`` of coordinates largest in magnitude (Aji & Heafield
   2017), their positions as uint32;
 - ``float16``: the values as float16 (half the bytes);
@@ -18,7 +20,8 @@ Stages, a registry like the fusion rules (``STAGES``); each is ``name`` or ``nam
 
 What ``topk`` and a quantiser lose is kept on the device and added to its next step (error
 feedback, Seide et al. 2014; Karimireddy et al. 2019), so a coordinate too small to be sent
-now is sent once it has accumulated.  A sparsifier comes before a quantiser; clipping first.
+now is sent once it has accumulated.  The order is clip, noise, topk, then a quantiser: what
+follows the noise only post-processes a private release.
 Pure numpy: the device encodes, the station decodes.
 """
 
@@ -80,8 +83,28 @@ class Clip(Stage):
         return step * np.float32(self.bound / norm) if norm > self.bound else step
 
 
+class Noise(Stage):
+    """Gaussian noise of standard deviation ``multiplier x C`` on the clipped step: local
+    differential privacy for the device's data, accounted by ``edge_client/privacy.py``."""
+
+    name, order, lossy = "noise", 1, False
+
+    def __init__(self, parameter: float | None) -> None:
+        if parameter is None or not parameter > 0:
+            raise ConfigError("update_stages", "noise needs a multiplier > 0, as 'noise:1.1'")
+        self.multiplier = float(parameter)
+
+    @property
+    def spec(self) -> str:
+        return f"noise:{self.multiplier:g}"
+
+    def apply(self, step: np.ndarray, bound: float, rng: np.random.Generator) -> np.ndarray:
+        std = np.float32(self.multiplier * bound)
+        return step + std * rng.standard_normal(step.size, dtype=np.float32)
+
+
 class TopK(Stage):
-    name, order = "topk", 1
+    name, order = "topk", 2
 
     def __init__(self, parameter: float | None) -> None:
         if parameter is None or not 0 < parameter < 1:
@@ -102,7 +125,7 @@ class TopK(Stage):
 
 
 class Float16(Stage):
-    name, order = "float16", 2
+    name, order = "float16", 3
 
     def __init__(self, parameter: float | None) -> None:
         if parameter is not None:
@@ -118,7 +141,7 @@ class Float16(Stage):
 
 
 class Int8(Stage):
-    name, order = "int8", 2
+    name, order = "int8", 3
 
     def __init__(self, parameter: float | None) -> None:
         block = 256 if parameter is None else parameter
@@ -152,7 +175,7 @@ class Int8(Stage):
         return enc.codes.astype(np.float32) * np.repeat(enc.scales, self.block)[:size]
 
 
-STAGES: dict[str, type[Stage]] = {s.name: s for s in (Clip, TopK, Float16, Int8)}
+STAGES: dict[str, type[Stage]] = {s.name: s for s in (Clip, Noise, TopK, Float16, Int8)}
 
 
 def _stage(spec: str) -> Stage:
@@ -173,13 +196,17 @@ class UpdatePipeline:
         self.stages = [_stage(s) for s in specs]
         orders = [s.order for s in self.stages]
         if orders != sorted(set(orders)):
-            raise ConfigError("update_stages", "stages go clip, then topk, then one of "
+            raise ConfigError("update_stages", "stages go clip, noise, topk, then one of "
                               f"float16 or int8, each at most once; got {list(specs)}")
         self.id = "-".join(s.spec for s in self.stages) or MODEL_ENCODING
         if not is_id(self.id):
             raise ConfigError("update_stages", f"{self.id!r} is too long to name on the wire "
                               "(64 characters)")
         self.clip = next((s for s in self.stages if isinstance(s, Clip)), None)
+        self.noise = next((s for s in self.stages if isinstance(s, Noise)), None)
+        if self.noise and not self.clip:
+            raise ConfigError("update_stages", "noise needs a clip stage before it: the noise "
+                              "is scaled to the clipped step's bound")
         self.topk = next((s for s in self.stages if isinstance(s, TopK)), None)
         self.quantiser = next((s for s in self.stages if isinstance(s, (Float16, Int8))), None)
         self.lossy = any(s.lossy for s in self.stages)
@@ -188,12 +215,21 @@ class UpdatePipeline:
     def active(self) -> bool:
         return bool(self.stages)
 
-    def encode(self, step: np.ndarray, residual: np.ndarray | None,
-               rng: np.random.Generator) -> tuple[Encoded, np.ndarray | None]:
-        """``step`` encoded, and the error to feed into the next one (None: nothing lossy)."""
+    @property
+    def noise_multiplier(self) -> float:
+        """Local DP's noise multiplier (0: no noise stage)."""
+        return self.noise.multiplier if self.noise else 0.0
+
+    def encode(self, step: np.ndarray, residual: np.ndarray | None, rng: np.random.Generator,
+               noise_rng: np.random.Generator | None = None
+               ) -> tuple[Encoded, np.ndarray | None]:
+        """``step`` encoded, and the error to feed into the next one (None: nothing lossy).
+        ``rng`` rounds; ``noise_rng`` (``rng`` where not given) draws the privacy noise."""
         step = np.asarray(step, np.float32)
         if self.clip is not None:
             step = self.clip.apply(step)
+            if self.noise is not None:
+                step = self.noise.apply(step, self.clip.bound, noise_rng or rng)
         if residual is not None:
             step = step + residual
         indices = self.topk.select(step) if self.topk else np.zeros(0, np.uint32)

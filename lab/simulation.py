@@ -232,7 +232,8 @@ def _devices(data: Dataset, spec: FleetSpec, plan: FleetPlan, bus: LocalBus,
     admissions: list[Admission] = []
     shared: dict[str, Any] = {}
     for values in plan.devices:
-        cfg = from_mapping(DeviceConfig, public_settings(values))
+        # A simulation is reproducible: its privacy noise is seeded too (never so on a board).
+        cfg = from_mapping(DeviceConfig, {"noise_seeded": True, **public_settings(values)})
         k = values["_k"]
         backend = values["_backend"]
         if spec.share_trainers:
@@ -297,5 +298,13 @@ def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, bus: LocalBus,
             "bytes_station_up": bus.payload_bytes["StationUpdate"],
             "bytes_station_down": bus.payload_bytes["GlobalModel"],
             "wall_s": time.perf_counter() - started,
+            **_privacy_columns(devices),
         })
     return record
+
+
+def _privacy_columns(devices: list[Device]) -> dict[str, float]:
+    """The most epsilon any device's local DP has spent, where any adds noise."""
+    if not any(d.pipeline.noise for d in devices):
+        return {}
+    return {"epsilon_local": max(d.epsilon for d in devices)}

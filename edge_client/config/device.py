@@ -63,6 +63,13 @@ class DeviceConfig(TrainingSettings):
     holdout_every: int = 10
     holdout_capacity: int = 256
     seed: int = 0  # of the merge masks and upload-gate draws
+    # Local differential privacy (a "noise" stage in update_stages, docs/privacy.md): the
+    # epsilon at privacy_delta this device may spend before it stops uploading (0: no limit).
+    privacy_budget: float = 0.0
+    privacy_delta: float = 1e-5
+    # Draw the privacy noise from ``seed`` (reproducible simulations) instead of the
+    # operating system's entropy: whoever knows the seed could subtract the noise.
+    noise_seeded: bool = False
     hello_interval: float = 2.0  # seconds between stats repeats until a model arrives
 
     def __post_init__(self) -> None:
@@ -84,5 +91,10 @@ class DeviceConfig(TrainingSettings):
         check_range("holdout_every", self.holdout_every, 0)
         check_range("holdout_capacity", self.holdout_capacity, 1)
         check_range("hello_interval", self.hello_interval, 0, low_open=True)
+        check_range("privacy_budget", self.privacy_budget, 0)
+        check_range("privacy_delta", self.privacy_delta, 0, 1, low_open=True)
+        if self.privacy_budget and not UpdatePipeline(self.update_stages).noise:
+            raise ConfigError("privacy_budget", "needs a noise stage in update_stages (as "
+                              "[\"clip:1\", \"noise:1.1\"]): without noise nothing is private")
         if self.granularity not in GRANULARITIES:
             raise ConfigError("granularity", f"must be one of {GRANULARITIES}")

@@ -1,0 +1,108 @@
+"""Local differential privacy: the noise stage, the accountant against dp-accounting, the
+budget a device stops at, and epsilon where operators read it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import dp_accounting as dpa
+import numpy as np
+import pytest
+from dp_accounting import rdp
+
+from aggregator.config import StationConfig
+from aggregator.station import Station
+from edge_client import messages as m
+from edge_client.config import DeviceConfig
+from edge_client.errors import ConfigError
+from edge_client.pipeline import UpdatePipeline
+from edge_client.privacy import PrivacyLedger, gaussian_epsilon
+from lab.experiment import ExperimentConfig
+from lab.simulation import run_federation
+from lab.strategies import build_strategy
+
+
+@pytest.mark.parametrize("noise, releases", [(1.0, 1), (1.0, 100), (0.5, 10), (2.0, 1000),
+                                             (5.0, 1), (1.1, 35_200)])
+def test_epsilon_is_dp_accountings_for_the_same_releases(noise, releases):
+    accountant = rdp.RdpAccountant()
+    accountant.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(noise), releases))
+    assert gaussian_epsilon(noise, releases, 1e-5) == pytest.approx(
+        accountant.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_a_ledger_counts_each_participant_apart():
+    ledger = PrivacyLedger(1.0, 1e-5)
+    assert ledger.worst() == 0.0 and ledger.epsilon("a") == 0.0
+    for _ in range(3):
+        ledger.record("a")
+    ledger.record("b")
+    assert ledger.epsilon("a") == gaussian_epsilon(1.0, 3, 1e-5) == ledger.worst()
+    assert ledger.epsilon("b", extra=2) == ledger.epsilon("a") > ledger.epsilon("b")
+    assert gaussian_epsilon(0.0, 1, 1e-5) == float("inf")
+
+
+def test_the_noise_stage_adds_noise_scaled_to_the_clip_bound():
+    pipe = UpdatePipeline(["clip:0.5", "noise:2"])
+    assert pipe.noise_multiplier == 2.0 and pipe.id == "clip:0.5-noise:2"
+    step = np.zeros(20_000, np.float32)
+    enc, residual = pipe.encode(step, None, np.random.default_rng(0))
+    assert residual is None  # nothing lossy: the noise is the release, not an error
+    assert pipe.decode(enc, step.size).std() == pytest.approx(1.0, rel=0.02)  # 2 x 0.5
+    with pytest.raises(ConfigError, match="clip stage before"):
+        UpdatePipeline(["noise:1"])
+    with pytest.raises(ConfigError, match="privacy_budget"):
+        DeviceConfig(device_id="d", station="s", privacy_budget=8.0)
+
+
+def test_production_noise_cannot_be_reproduced_from_the_seed(digits):
+    from edge_client.device import Device
+    from edge_client.trainers import build_trainer
+
+    def noise_of(seeded):
+        cfg = DeviceConfig(device_id="d", station="s", update_stages=("clip:1", "noise:1"),
+                           noise_seeded=seeded)
+        trainer = build_trainer("mlp", input_shape=digits.sample_shape, num_classes=10,
+                                lr=0.1, seed=0)
+        dev = Device(cfg, trainer, num_classes=10, sample_shape=digits.sample_shape,
+                     rng=np.random.default_rng(0))
+        return dev._noise.standard_normal(4)
+
+    assert np.array_equal(noise_of(True), noise_of(True))
+    assert not np.array_equal(noise_of(False), noise_of(False))
+
+
+def test_a_station_reports_the_most_any_device_has_spent():
+    st = Station(StationConfig(fleet="t", station_id="s", devices=("a", "b"),
+                               super_node_size=1), num_params=4, num_classes=2,
+                 rng=np.random.default_rng(0))
+    assert st.privacy_summary() == {}
+
+    def stats(sender, eps):
+        return m.DeviceStats(fleet="t", sender=sender, round=0, iteration=0, station="s",
+                             seen_counts=np.array([1, 1]), next_batch_counts=np.array([1, 1]),
+                             epsilon=eps)
+
+    st.handle(stats("a", 3.5), 0.0)
+    st.handle(stats("b", -1.0), 0.0)  # a claim, and an impossible one
+    assert st.privacy_summary() == {"epsilon_local": 3.5}
+    assert st.counters["clipped.epsilon"] == 1
+
+
+@pytest.mark.slow
+def test_devices_stop_uploading_when_their_budget_is_spent(digits):
+    from test_experiment import _spec
+
+    settings = ExperimentConfig(name="t", factories=2, devices_per_factory=4, super_node=2,
+                                sync_period=3, rounds=4).settings
+    strategy = build_strategy("fedgs", settings)
+    budget = 8.0  # noise 1: one upload spends 4.73, two 7.08, three 9.01
+    strategy = dataclasses.replace(strategy, device={
+        **strategy.device, "update_stages": ("clip:1", "noise:1"), "privacy_budget": budget})
+    run = run_federation(digits, strategy, dataclasses.replace(_spec(digits), rounds=4))
+    assert run.counters["skipped.privacy_budget"] > 0
+    eps = [r["epsilon_local"] for r in run.rows]
+    assert eps == sorted(eps) and 0 < eps[-1] <= budget
+    assert eps[-1] == pytest.approx(gaussian_epsilon(1.0, 2, 1e-5))
+    # No device uploaded a third noised step: 8 devices, two each at most.
+    assert run.rows[-1]["uploads"] <= 16
