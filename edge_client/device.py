@@ -13,6 +13,7 @@ import functools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -126,6 +127,9 @@ class Device(RoleBase[DeviceState]):
         self._noise = np.random.default_rng([config.seed, 0x401CE] if config.noise_seeded
                                             else secrets.randbits(128))
         self.privacy = PrivacyLedger(self.pipeline.noise_multiplier, config.privacy_delta)
+        # Called with the ledger after each noised release, before it is sent: a service
+        # keeps it on disk, so a restart does not give the device its budget back.
+        self.on_release: Callable[[dict[str, list[list[float]]]], None] | None = None
 
     @property
     def id(self) -> str:
@@ -410,6 +414,8 @@ class Device(RoleBase[DeviceState]):
                                                    self._rounding, self._noise)
         if self.pipeline.noise:
             self.privacy.record(self.id)
+            if self.on_release is not None:  # on disk before the release leaves the device
+                self.on_release(self.privacy.state())
         return update(encoding=self.pipeline.id, weights=enc.values, indices=enc.indices,
                       half=enc.half, codes=enc.codes, scales=enc.scales)
 
@@ -426,7 +432,7 @@ class Device(RoleBase[DeviceState]):
         if not self.counters["skipped.privacy_budget"]:
             log.warning("device %s: privacy budget spent (epsilon %.3g at delta %g after %d "
                         "uploads; the next would pass %g): it uploads no more", self.id,
-                        self.epsilon, cfg.privacy_delta, self.privacy.releases.get(self.id, 0),
+                        self.epsilon, cfg.privacy_delta, self.privacy.count(self.id),
                         cfg.privacy_budget)
         return True
 

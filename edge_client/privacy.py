@@ -24,6 +24,21 @@ ORDERS = np.array([1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64))
                   + [128, 256, 512, 1024], dtype=np.float64)
 
 
+def _epsilon(rdp: np.ndarray, delta: float) -> float:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        eps = rdp + np.log1p(-1 / ORDERS) - np.log(delta * ORDERS) / (ORDERS - 1)
+    eps = np.where((delta ** 2 + np.expm1(-rdp)) > 0, 0.0, eps)  # bounded via KL already
+    return float(max(0.0, eps.min()))
+
+
+def _rdp(releases: dict[float, int]) -> np.ndarray:
+    """Renyi DP at every order of releases at each noise multiplier (they compose)."""
+    total = np.zeros_like(ORDERS)
+    for noise, count in releases.items():
+        total += count * ORDERS / (2.0 * noise ** 2) if noise > 0 else np.inf
+    return total
+
+
 def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float) -> float:
     """Epsilon at ``delta`` after ``releases`` Gaussian releases (0 before the first; inf
     without noise)."""
@@ -31,29 +46,44 @@ def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float) -> fl
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    rdp = releases * ORDERS / (2.0 * noise_multiplier ** 2)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        eps = rdp + np.log1p(-1 / ORDERS) - np.log(delta * ORDERS) / (ORDERS - 1)
-    eps = np.where((delta ** 2 + np.expm1(-rdp)) > 0, 0.0, eps)  # bounded via KL already
-    return float(max(0.0, eps.min()))
+    return _epsilon(_rdp({noise_multiplier: releases}), delta)
 
 
 class PrivacyLedger:
-    """Releases per participant, and the epsilon each has spent at ``delta``."""
+    """Releases per participant, by noise multiplier, and the epsilon each has spent at
+    ``delta``; a service keeps :meth:`state` on disk, so a restart does not reset it."""
 
     def __init__(self, noise_multiplier: float, delta: float) -> None:
         self.noise_multiplier, self.delta = noise_multiplier, delta
-        self.releases: dict[str, int] = {}
+        self.releases: dict[str, dict[float, int]] = {}
 
     def record(self, participant: str) -> None:
-        self.releases[participant] = self.releases.get(participant, 0) + 1
+        counts = self.releases.setdefault(participant, {})
+        counts[self.noise_multiplier] = counts.get(self.noise_multiplier, 0) + 1
+
+    def count(self, participant: str) -> int:
+        return sum(self.releases.get(participant, {}).values())
 
     def epsilon(self, participant: str, extra: int = 0) -> float:
-        """Spent so far, or after ``extra`` more releases."""
-        return gaussian_epsilon(self.noise_multiplier,
-                                self.releases.get(participant, 0) + extra, self.delta)
+        """Spent so far, or after ``extra`` more releases at the current multiplier."""
+        counts = dict(self.releases.get(participant, {}))
+        if extra:
+            counts[self.noise_multiplier] = counts.get(self.noise_multiplier, 0) + extra
+        if not any(counts.values()):
+            return 0.0
+        return _epsilon(_rdp(counts), self.delta)
 
     def worst(self) -> float:
         """The largest epsilon any participant has spent (0: none released yet)."""
-        most = max(self.releases.values(), default=0)
-        return gaussian_epsilon(self.noise_multiplier, most, self.delta)
+        return max((self.epsilon(p) for p in self.releases), default=0.0)
+
+    def state(self) -> dict[str, list[list[float]]]:
+        """JSON-ready: each participant's ``[noise multiplier, releases]`` pairs."""
+        return {p: [[noise, count] for noise, count in sorted(c.items())]
+                for p, c in self.releases.items()}
+
+    def restore(self, state: dict[str, list[list[float]]]) -> None:
+        for participant, pairs in state.items():
+            counts = self.releases.setdefault(participant, {})
+            for noise, count in pairs:
+                counts[float(noise)] = counts.get(float(noise), 0) + int(count)

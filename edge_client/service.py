@@ -29,7 +29,7 @@ from .errors import ConfigError
 from .metrics import Collect, MetricsServer
 from .mqtt import MqttTransport
 from .runner import RoleRunner, StopFlag, pace_replay, serve
-from .serving import DeployableKeeper, StreamFeed
+from .serving import DeployableKeeper, StreamFeed, keep_privacy_ledger
 from .sources import LiveLabels, SourcePump, build_source
 from .sources.replay import ReplaySource
 from .topics import predictions_topic
@@ -109,6 +109,8 @@ class DeviceService:
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,
                                    participant=cfg.device_id, trainer=trainer)
         runner = RoleRunner(device, transport)
+        if device.pipeline.noise:
+            keep_privacy_ledger(device, self.service.state_dir)
         if self.service.state_dir:
             self.keeper = DeployableKeeper(self.service.state_dir, device,
                                            transport.layout_hash)

@@ -106,3 +106,33 @@ def test_devices_stop_uploading_when_their_budget_is_spent(digits):
     assert eps[-1] == pytest.approx(gaussian_epsilon(1.0, 2, 1e-5))
     # No device uploaded a third noised step: 8 devices, two each at most.
     assert run.rows[-1]["uploads"] <= 16
+
+
+def test_a_restarted_device_remembers_what_it_has_spent(digits, tmp_path):
+    from edge_client.device import Device
+    from edge_client.serving import PRIVACY_FILE, keep_privacy_ledger
+    from edge_client.trainers import build_trainer
+
+    def device():
+        cfg = DeviceConfig(device_id="d", station="s", update_stages=("clip:1", "noise:1"),
+                           privacy_budget=20.0)
+        trainer = build_trainer("mlp", input_shape=digits.sample_shape, num_classes=10,
+                                lr=0.1, seed=0)
+        return Device(cfg, trainer, num_classes=10, sample_shape=digits.sample_shape,
+                      rng=np.random.default_rng(0))
+
+    with pytest.raises(ConfigError, match="state_dir"):
+        keep_privacy_ledger(device(), None)
+    first = device()
+    keep_privacy_ledger(first, tmp_path)
+    model = m.StationModel(fleet="default", sender="s", round=0, iteration=0,
+                           weights=first.trainer.get_flat())
+    for _ in range(3):
+        first._update(model, first.trainer.get_flat(), 8)  # three noised releases
+    assert (tmp_path / PRIVACY_FILE).exists()
+    again = device()  # the same device after a restart
+    keep_privacy_ledger(again, tmp_path)
+    assert again.epsilon == first.epsilon == pytest.approx(gaussian_epsilon(1.0, 3, 1e-5))
+    (tmp_path / PRIVACY_FILE).write_text('{"releases": {"d": "lots"}}')
+    with pytest.raises(ConfigError, match="not a privacy ledger"):
+        keep_privacy_ledger(device(), tmp_path)
