@@ -17,7 +17,8 @@ import numpy as np
 
 from edge_client.errors import ShapeError
 
-__all__ = ["FUSION_RULES", "Fold", "WeightedSum", "Gathered", "fold_for", "fedavg", "ida",
+__all__ = ["FUSION_RULES", "Fold", "WeightedSum", "Gathered", "NoisedMean", "fold_for",
+           "fedavg", "ida",
            "median", "trimmed_mean", "krum", "multi_krum"]
 
 # Keeps IDA's inverse distance finite for an update equal to the mean.
@@ -144,6 +145,49 @@ class Gathered(Fold):
     @property
     def total(self) -> float:
         return sum(w for _, _, w in self._items)
+
+
+class NoisedMean(Fold):
+    """Central differential privacy for one release (DP-FedAvg, McMahan et al. 2018): each
+    update's step from ``start`` is clipped to L2 norm ``bound``, the steps are summed,
+    Gaussian noise of ``noise x bound`` is added to the sum, and the sum is divided by
+    ``size``, the number of participants asked (fixed before anyone answered, so neither
+    the divisor nor the weights reveal who did).  One participant moves the sum by at most
+    ``bound``: the sensitivity the noise is scaled to.  ``contributors`` are whose data the
+    release used, for the privacy ledger."""
+
+    def __init__(self, start: np.ndarray, *, bound: float, noise: float, size: int,
+                 rng: np.random.Generator) -> None:
+        self._start = _vector(start, None)
+        self._sum = np.zeros_like(self._start)
+        self._bound, self._noise, self._size, self._rng = bound, noise, max(1, size), rng
+        self._total = 0.0
+        self.contributors: list[str] = []
+        self.clipped = 0
+
+    def add(self, model: np.ndarray, weight: float, key: str = "") -> None:
+        step = _vector(model, self._start.shape) - self._start
+        norm = float(np.linalg.norm(step))
+        if norm > self._bound:
+            step *= np.float32(self._bound / norm)
+            self.clipped += 1
+        self._sum += step
+        self._total += _weight(weight)
+        self.contributors.append(key)
+
+    def result(self) -> np.ndarray:
+        if not self.contributors:
+            raise ShapeError("nothing to fuse: no models")
+        noise = self._rng.standard_normal(self._sum.size, dtype=np.float32)
+        noise *= np.float32(self._noise * self._bound)
+        return self._start + (self._sum + noise) / np.float32(self._size)
+
+    def __len__(self) -> int:
+        return len(self.contributors)
+
+    @property
+    def total(self) -> float:
+        return self._total
 
 
 def _stack(models: Sequence[np.ndarray], weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:

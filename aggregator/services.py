@@ -31,6 +31,7 @@ from edge_client.documents import (
     encode_document,
 )
 from edge_client.mqtt import MqttTransport
+from edge_client.privacy import keep_privacy_ledger
 from edge_client.runner import RoleRunner, StopFlag, serve
 from edge_client.service import model_trainer, role_transport, with_metrics
 from edge_client.sources.replay import load_arrays
@@ -127,6 +128,8 @@ class StationService:
         cfg = self.station
         role = Station(cfg, num_params=trainer.num_params, num_classes=self.model.num_classes,
                        rng=np.random.default_rng(cfg.seed))
+        if cfg.central_dp_noise:
+            keep_privacy_ledger(role, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.STATION,
                                    participant=cfg.station_id, trainer=trainer)
 

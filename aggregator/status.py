@@ -111,7 +111,9 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                      f"{doc.counters.get('received_skips', 0):>6} {rejected:>9}"
                      f"{_devices_accuracy(doc)}"
                      + (f", local DP epsilon up to {doc.epsilon_local:.3g}"
-                        if doc.epsilon_local else ""))
+                        if doc.epsilon_local else "")
+                     + (f", central DP epsilon up to {doc.epsilon_central:.3g}"
+                        if doc.epsilon_central is not None else ""))
     for doc in (found.stations[sid] for sid in stations if sid in found.stations):
         if doc.state == StationState.STARVED:
             lines.append(f"{doc.station} waits for devices: {doc.online} online, "

@@ -22,7 +22,7 @@ from .buffer import StreamBuffer
 from .config import DeviceConfig, InferenceConfig
 from .inference import NOT_PREDICTED, Prequential, one_in, predict
 from .pipeline import UpdatePipeline
-from .privacy import PrivacyLedger
+from .privacy import LedgerState, PrivacyLedger
 from .role import RoleBase, RoleEvent
 from .safl import annealed_merge, performance_gap, upload_probability
 from .states import DeviceState
@@ -129,7 +129,7 @@ class Device(RoleBase[DeviceState]):
         self.privacy = PrivacyLedger(self.pipeline.noise_multiplier, config.privacy_delta)
         # Called with the ledger after each noised release, before it is sent: a service
         # keeps it on disk, so a restart does not give the device its budget back.
-        self.on_release: Callable[[dict[str, list[list[float]]]], None] | None = None
+        self.on_release: Callable[[LedgerState], None] | None = None
 
     @property
     def id(self) -> str:

@@ -62,6 +62,7 @@ class StationSummary:
     prequential_mean: float | None = None  # test-then-train accuracy on the stream
     prequential_worst10: float | None = None
     epsilon_local: float | None = None  # the most a device's local DP has spent (docs/privacy.md)
+    epsilon_central: float | None = None  # the most this station's noised syncs have spent
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
 

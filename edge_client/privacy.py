@@ -7,18 +7,28 @@ compose to ``k`` times that, and epsilon at ``delta`` follows from Canonne, Kama
 Steinke's conversion (arXiv 2004.00010, Prop. 12), minimised over dp-accounting's default
 orders.  The figures are dp-accounting's ``RdpAccountant`` for the same events
 (``tests/test_privacy.py`` checks them against it); this module implements only the
-unsampled Gaussian, so that a board needs numpy alone.  No amplification by sampling is
+unsampled Gaussian, so that a board needs numpy alone.  :func:`keep_privacy_ledger` keeps a
+role's ledger in its service's state directory.  No amplification by sampling is
 claimed: the super node is chosen from label histograms, not drawn at random
 (``docs/privacy.md``).
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-__all__ = ["ORDERS", "gaussian_epsilon", "PrivacyLedger"]
+from .errors import ConfigError
+from .files import write_atomic
+
+__all__ = ["ORDERS", "gaussian_epsilon", "PrivacyLedger", "keep_privacy_ledger", "PRIVACY_FILE"]
+
+PRIVACY_FILE = "privacy.json"  # in a service's state directory: releases a restart must keep
 
 ORDERS = np.array([1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64))
                   + [128, 256, 512, 1024], dtype=np.float64)
@@ -87,3 +97,36 @@ class PrivacyLedger:
             counts = self.releases.setdefault(participant, {})
             for noise, count in pairs:
                 counts[float(noise)] = counts.get(float(noise), 0) + int(count)
+
+
+LedgerState = dict[str, list[list[float]]]
+
+
+class _Releasing(Protocol):
+    """A role that makes private releases: a device (local DP) or a station (central DP)."""
+
+    privacy: PrivacyLedger
+    on_release: Callable[[LedgerState], None] | None
+
+
+def keep_privacy_ledger(role: _Releasing, folder: str | Path | None) -> None:
+    """Restore a role's privacy ledger from its state directory, and keep it there after
+    each release (written before the release is sent).  Differential privacy without a state
+    directory is refused: a restart would give every participant its budget back."""
+    if not folder:
+        raise ConfigError("state_dir", "differential privacy keeps its ledger in [service] "
+                          "state_dir: set it, or every restart would reset the privacy spent")
+    path = Path(folder) / PRIVACY_FILE
+    if path.exists():
+        try:
+            state = json.loads(path.read_text())["releases"]
+            role.privacy.restore({str(p): [[float(z), int(k)] for z, k in pairs]
+                                  for p, pairs in state.items()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError("state_dir", f"{path} is not a privacy ledger ({exc}); nothing "
+                              "will guess what was spent") from exc
+
+    def keep(state: LedgerState) -> None:
+        write_atomic(path, json.dumps({"releases": state}).encode())
+
+    role.on_release = keep

@@ -28,8 +28,9 @@ from .device import Device
 from .errors import ConfigError
 from .metrics import Collect, MetricsServer
 from .mqtt import MqttTransport
+from .privacy import keep_privacy_ledger
 from .runner import RoleRunner, StopFlag, pace_replay, serve
-from .serving import DeployableKeeper, StreamFeed, keep_privacy_ledger
+from .serving import DeployableKeeper, StreamFeed
 from .sources import LiveLabels, SourcePump, build_source
 from .sources.replay import ReplaySource
 from .topics import predictions_topic

@@ -32,12 +32,11 @@ from .sources.live_labels import LiveLabels
 from .sources.pump import UNLABELLED, Drained, SourcePump
 
 __all__ = ["StreamFeed", "DeployableKeeper", "save_deployable", "load_deployable",
-           "keep_privacy_ledger", "DEPLOYABLE_FILE", "PRIVACY_FILE", "SAVE_EVERY"]
+           "DEPLOYABLE_FILE", "SAVE_EVERY"]
 
 log = logging.getLogger(__name__)
 
 DEPLOYABLE_FILE = "deployable.frame"  # in the device's state directory
-PRIVACY_FILE = "privacy.json"  # its local DP releases, which a restart must not forget
 SAVE_EVERY = 5.0  # seconds between writes of the deployable model (an SD card wears)
 
 
@@ -156,30 +155,6 @@ class DeployableKeeper:
     def save(self, now: float = 0.0) -> None:
         if save_deployable(self.folder, self.device, self.layout_hash) is not None:
             self._iteration, self._at = self.device.deployable_iteration, now
-
-
-def keep_privacy_ledger(device: Device, folder: str | Path | None) -> None:
-    """Restore a device's privacy ledger from its state directory, and keep it there after
-    each noised release (written before the release is sent).  Local DP without a state
-    directory is refused: a restart would give the device its privacy budget back."""
-    if not folder:
-        raise ConfigError("state_dir", "local differential privacy (a noise stage) keeps the "
-                          "device's privacy ledger in [service] state_dir: set it, or every "
-                          "restart would reset the device's privacy budget")
-    path = Path(folder) / PRIVACY_FILE
-    if path.exists():
-        try:
-            state = json.loads(path.read_text())["releases"]
-            device.privacy.restore({str(p): [[float(z), int(k)] for z, k in pairs]
-                                    for p, pairs in state.items()})
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigError("state_dir", f"{path} is not a privacy ledger ({exc}); the "
-                              "device will not guess what it has spent") from exc
-
-    def keep(state: dict[str, list[list[float]]]) -> None:
-        write_atomic(path, json.dumps({"releases": state}).encode())
-
-    device.on_release = keep
 
 
 def save_deployable(folder: str | Path, device: Device, layout_hash: str) -> Path | None:

@@ -171,9 +171,11 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     evaluator, trainer = _trainers(data, spec)
     cloud = Cloud(from_mapping(CloudConfig, plan.cloud), initial_weights=evaluator.get_flat(),
                   num_classes=data.num_classes)
+    # A simulation is reproducible: its privacy noise is seeded too (never so in a factory).
+    configs = [from_mapping(StationConfig, {"noise_seeded": True, **values})
+               for values in plan.stations]
     stations = [Station(cfg, num_params=evaluator.num_params, num_classes=data.num_classes,
-                        rng=np.random.default_rng(cfg.seed))
-                for cfg in (from_mapping(StationConfig, values) for values in plan.stations)]
+                        rng=np.random.default_rng(cfg.seed)) for cfg in configs]
     runners: list[RoleRunner[Any]] = [RoleRunner(role, bus, _SIM_CLOCK)
                                       for role in (cloud, *stations)]
     devices, admissions = _devices(data, spec, plan, bus, trainer, evaluator)
@@ -298,13 +300,17 @@ def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, bus: LocalBus,
             "bytes_station_up": bus.payload_bytes["StationUpdate"],
             "bytes_station_down": bus.payload_bytes["GlobalModel"],
             "wall_s": time.perf_counter() - started,
-            **_privacy_columns(devices),
+            **_privacy_columns(devices, stations),
         })
     return record
 
 
-def _privacy_columns(devices: list[Device]) -> dict[str, float]:
-    """The most epsilon any device's local DP has spent, where any adds noise."""
-    if not any(d.pipeline.noise for d in devices):
-        return {}
-    return {"epsilon_local": max(d.epsilon for d in devices)}
+def _privacy_columns(devices: list[Device], stations: list[Station]) -> dict[str, float]:
+    """The most epsilon any device's local DP has spent, where any adds noise, and the most
+    any device's data has spent in its station's noised syncs, where stations add noise."""
+    out = {}
+    if any(d.pipeline.noise for d in devices):
+        out["epsilon_local"] = max(d.epsilon for d in devices)
+    if any(s.config.central_dp_noise for s in stations):
+        out["epsilon_central"] = max(s.privacy.worst() for s in stations)
+    return out

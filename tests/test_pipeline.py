@@ -106,10 +106,12 @@ def test_malformed_encodings_are_refused_by_name():
 # -- the station decodes onto its own model ----------------------------------------------
 
 
-def _station(stages):
-    cfg = StationConfig(fleet="t", station_id="s", devices=("d0", "d1"), super_node_size=2,
-                        rand_per_group=0, sync_period=5, iteration_timeout=10.0, batch_size=8,
-                        update_stages=stages)
+def _station(stages=(), **kw):
+    """A started station of two devices and eight parameters, its model all ones (also
+    tests/test_privacy.py's)."""
+    cfg = StationConfig(fleet="t", station_id="s", devices=("d0", "d1"), **{
+        "super_node_size": 2, "rand_per_group": 0, "sync_period": 5, "iteration_timeout": 10.0,
+        "batch_size": 8, "update_stages": stages, **kw})
     st = Station(cfg, num_params=8, num_classes=2, rng=np.random.default_rng(0))
     for d in cfg.devices:
         st.handle(m.DeviceStats(fleet="t", sender=d, round=0, iteration=0, station="s",

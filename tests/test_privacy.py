@@ -110,7 +110,7 @@ def test_devices_stop_uploading_when_their_budget_is_spent(digits):
 
 def test_a_restarted_device_remembers_what_it_has_spent(digits, tmp_path):
     from edge_client.device import Device
-    from edge_client.serving import PRIVACY_FILE, keep_privacy_ledger
+    from edge_client.privacy import PRIVACY_FILE, keep_privacy_ledger
     from edge_client.trainers import build_trainer
 
     def device():
@@ -136,3 +136,70 @@ def test_a_restarted_device_remembers_what_it_has_spent(digits, tmp_path):
     (tmp_path / PRIVACY_FILE).write_text('{"releases": {"d": "lots"}}')
     with pytest.raises(ConfigError, match="not a privacy ledger"):
         keep_privacy_ledger(device(), tmp_path)
+
+
+# -- central DP at the station ----------------------------------------------------------
+
+
+def test_a_noised_mean_clips_each_step_and_divides_by_the_members_asked():
+    from aggregator.fusion import NoisedMean
+
+    quiet = NoisedMean(np.zeros(2, np.float32), bound=1.0, noise=0.0, size=4,
+                       rng=np.random.default_rng(0))
+    quiet.add(np.array([3.0, 4.0], np.float32), 8, key="a")  # norm 5: clipped to 1
+    quiet.add(np.array([0.3, 0.4], np.float32), 8, key="b")
+    np.testing.assert_allclose(quiet.result(), [0.225, 0.3], rtol=1e-6)  # / 4, not / 2
+    assert quiet.contributors == ["a", "b"] and quiet.clipped == 1 and quiet.total == 16
+    noisy = NoisedMean(np.zeros(50_000, np.float32), bound=0.5, noise=2.0, size=5,
+                       rng=np.random.default_rng(0))
+    noisy.add(np.zeros(50_000, np.float32), 1, key="a")
+    assert noisy.result().std() == pytest.approx(2.0 * 0.5 / 5, rel=0.02)
+
+
+def _dp_station():
+    from test_pipeline import _station
+
+    return _station(sync_period=100, central_dp_clip=1.0, central_dp_noise=1.5,
+                    noise_seeded=True)
+
+
+def test_a_station_with_central_dp_accounts_every_members_release(tmp_path):
+    from edge_client.privacy import keep_privacy_ledger
+
+    st = _dp_station()
+    keep_privacy_ledger(st, tmp_path)
+    for it in range(3):
+        for d in ("d0", "d1"):
+            st.handle(m.DeviceUpdate(fleet="t", sender=d, round=0, iteration=it, station="s",
+                                     weights=st.weights + np.float32(0.1), num_samples=8), 1.0)
+    assert st.iteration == 3 and st.counters["dp_releases"] == 3
+    spent = gaussian_epsilon(1.5, 3, 1e-5)
+    assert st.privacy.epsilon("d0") == st.privacy.epsilon("d1") == pytest.approx(spent)
+    assert st.privacy_summary() == {"epsilon_central": pytest.approx(spent)}
+    again = _dp_station()  # restarted: the ledger comes back from the state directory
+    keep_privacy_ledger(again, tmp_path)
+    assert again.privacy.worst() == pytest.approx(spent)
+    with pytest.raises(ConfigError, match="central_dp_clip"):
+        StationConfig(fleet="t", station_id="s", devices=("a",), super_node_size=1,
+                      central_dp_noise=1.0)
+    with pytest.raises(ConfigError, match="fusion"):
+        StationConfig(fleet="t", station_id="s", devices=("a",), super_node_size=1,
+                      central_dp_clip=1.0,
+                      central_dp_noise=1.0, fusion="median")
+
+
+@pytest.mark.slow
+def test_a_federation_with_central_dp_reports_its_epsilon(digits):
+    from test_experiment import _spec
+
+    settings = ExperimentConfig(name="t", factories=2, devices_per_factory=4, super_node=2,
+                                sync_period=3, rounds=3).settings
+    strategy = build_strategy("fedgs", settings)
+    strategy = dataclasses.replace(strategy, station={
+        **strategy.station, "central_dp_clip": 1.0, "central_dp_noise": 0.01})
+    run = run_federation(digits, strategy, dataclasses.replace(_spec(digits), rounds=3))
+    eps = [r["epsilon_central"] for r in run.rows]
+    assert eps == sorted(eps) and eps[-1] > 0 and "epsilon_local" not in run.rows[-1]
+    assert run.counters["dp_releases"] == 2 * 3 * 3  # stations x rounds x T
+    # Clipped steps and a fixed divisor still train (at this noise, epsilon is huge).
+    assert run.final_accuracy > 1.5 * run.rows[0]["accuracy"]
