@@ -19,6 +19,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -78,6 +79,11 @@ class ExperimentConfig(RecipeSettings):
     lr: float = TrainingSettings.lr
     batch_size: int = TrainingSettings.batch_size
     update_stages: tuple[str, ...] = TrainingSettings.update_stages  # what an update becomes
+    # Differential privacy (docs/privacy.md): each device's budget for its local DP (with a
+    # noise stage in update_stages), and central DP at every station.  0: off.
+    privacy_budget: float = 0.0
+    central_dp_clip: float = 0.0
+    central_dp_noise: float = 0.0
     model: str = "mlp"
     backend: str = "numpy"
     arrivals_per_step: int = 48
@@ -162,11 +168,16 @@ def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> Flee
 
 def _strategy(cfg: ExperimentConfig, name: str):
     s = build_strategy(name, cfg.settings)
-    # Update stages only where some are set: a plain run keeps the cache key it always had.
-    stages = {"update_stages": cfg.update_stages} if cfg.update_stages else {}
+    # Privacy and update stages only where set: a plain run keeps the cache key it had.
     device = {"batch_size": cfg.batch_size, "buffer_capacity": cfg.buffer_capacity,
-              "holdout_capacity": cfg.holdout_capacity, **stages, **s.device}
-    return dataclasses.replace(s, device=device)
+              "holdout_capacity": cfg.holdout_capacity,
+              **_set(cfg, "update_stages", "privacy_budget"), **s.device}
+    station = {**s.station, **_set(cfg, "central_dp_clip", "central_dp_noise")}
+    return dataclasses.replace(s, device=device, station=station)
+
+
+def _set(cfg: ExperimentConfig, *keys: str) -> dict[str, Any]:
+    return {k: getattr(cfg, k) for k in keys if getattr(cfg, k)}
 
 
 @functools.lru_cache(maxsize=2)
@@ -217,6 +228,11 @@ _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "ta
                            "lr_decay", "prequential_every"})
 
 
+# Keys that a run without them never had: left out of the cache key while unset.
+_OFF_UNLESS_SET = frozenset({"update_stages", "privacy_budget", "central_dp_clip",
+                             "central_dp_noise"})
+
+
 class _RunCache:
     """Finished runs of an experiment as JSON beside its outputs, so an interrupted
     experiment resumes, a strategy added later runs alone, and a report can be rebuilt
@@ -228,7 +244,7 @@ class _RunCache:
         self.folder = folder / "runs"
         self.cfg = cfg
         self.fleet = repr({k: v for k, v in sorted(vars(cfg).items())
-                           if k not in _NOT_RUN_KEYS and (k != "update_stages" or v)})
+                           if k not in _NOT_RUN_KEYS and (k not in _OFF_UNLESS_SET or v)})
         self.fresh = fresh
 
     def _key(self, name: str, seed: int, attack: str) -> str:

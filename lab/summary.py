@@ -128,6 +128,16 @@ def per_run(runs: list[RunResult], prefix: str) -> int:
         // len(runs)
 
 
+def _epsilon_column(runs: list[RunResult]) -> dict[str, float]:
+    """The most epsilon any device's data spent by the end of a run, local or central DP,
+    mean over seeds (no column where the fleet used neither)."""
+    keys = ("epsilon_local", "epsilon_central")
+    if not any(k in r.rows[-1] for r in runs for k in keys):
+        return {}
+    return {"epsilon": round(float(np.mean([max(r.rows[-1].get(k, 0.0) for k in keys)
+                                            for r in runs])), 3)}
+
+
 def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]:
     """One row per strategy for ``results.csv``: mean and sample sd over seeds of the
     accuracy (mean of the last evaluations), samples to a sustained ``target`` (``never``
@@ -155,5 +165,6 @@ def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]
                     "skips": int(np.mean([r.rows[-1]["skips"] for r in runs])),
                     "mb_up": round((last["bytes_device_up"] + last["bytes_station_up"]) / 1e6, 1),
                     "refused": per_run(runs, "rejected."), "clipped": per_run(runs, "clipped."),
+                    **_epsilon_column(runs),
                     "wall_s": round(float(np.mean([r.wall_s for r in runs])), 1)})
     return out

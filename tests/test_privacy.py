@@ -203,3 +203,20 @@ def test_a_federation_with_central_dp_reports_its_epsilon(digits):
     assert run.counters["dp_releases"] == 2 * 3 * 3  # stations x rounds x T
     # Clipped steps and a fixed divisor still train (at this noise, epsilon is huge).
     assert run.final_accuracy > 1.5 * run.rows[0]["accuracy"]
+
+
+def test_experiments_switch_privacy_on_and_report_its_epsilon(tmp_path):
+    from lab.experiment import load_experiment, run_experiment
+    from lab.summary import result_rows
+
+    config = tmp_path / "dp.toml"
+    config.write_text(open("experiments/quick.toml").read().replace("rounds = 6", "rounds = 2")
+                      + 'strategies = ["fedgs"]\ncentral_dp_clip = 1.0\n'
+                        'central_dp_noise = 5.0\n')
+    assert load_experiment(config).central_dp_noise == 5.0
+    _, runs, _ = run_experiment(config, out=tmp_path / "out")
+    row = result_rows(runs, 0.5)[0]
+    assert 0 < row["epsilon"] == pytest.approx(runs[0].rows[-1]["epsilon_central"], abs=1e-3)
+    assert "epsilon" not in result_rows([dataclasses.replace(
+        runs[0], rows=[{k: v for k, v in runs[0].rows[-1].items()
+                        if not k.startswith("epsilon")}])], 0.5)[0]
