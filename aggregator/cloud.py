@@ -25,6 +25,7 @@ from edge_client.states import CloudState
 from edge_client.topics import CLOUD_ID, cloud_topics
 
 from .accuracy import device_accuracy_summary
+from .central_dp import CentralDP
 from .checkpoint import CloudCheckpoint, group, grouped
 from .config import CloudConfig
 from .fusion import Fold, fold_for
@@ -73,6 +74,7 @@ class Cloud(RoleBase[CloudState]):
         self._accuracies: dict[str, dict[str, np.ndarray]] = {}  # per station, for summaries
         # This round's station updates, folded as they arrive; kept: each one's iteration.
         self._updates: dict[str, int] = {}
+        self.dp = CentralDP(config, seed=0)  # the cloud has no seed of its own
         self._fold = self._new_fold()
         self._consumed: dict[str, int] = {}  # samples each station claimed over the run
         self.offline: set[str] = set()
@@ -216,14 +218,23 @@ class Cloud(RoleBase[CloudState]):
         return []
 
     def _new_fold(self) -> Fold:
-        # A round in which no station consumed data still averages, equally.
+        """With central DP a noised mean of the stations' clipped steps from the global
+        model over every station; else the fusion rule's fold, which averages equally in a
+        round in which no station consumed data."""
+        if self.dp.enabled:
+            return self.dp.fold(self.weights, len(self.config.stations))
         return fold_for(self.config.fusion, equal_if_unweighted=True)
+
+    def privacy_summary(self) -> dict[str, float]:
+        """With central DP, the most any station's data has spent in the cloud's releases."""
+        return {"epsilon_cloud": self.dp.privacy.worst()} if self.dp.enabled else {}
 
     def _close_round(self, now: float) -> list[m.Message]:
         last = self.round + 1 >= self.config.rounds
         new = self.next_state(_E.LAST_ROUND_CLOSED if last else _E.ROUND_CLOSED)
         if self._updates:
             self.weights = self.optimizer.step(self.weights, self._fold.result())
+            self.dp.released(self._fold, self.counters)
             self.iteration = max(self._updates.values())
         self._updates, self._fold = {}, self._new_fold()
         self.round += 1

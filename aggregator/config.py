@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from edge_client.config import TrainingSettings, check_id, check_range
 from edge_client.errors import ConfigError
 
+from .central_dp import CentralPrivacy
 from .fusion import FUSION_RULES
 from .selection import SELECTORS
 from .server_optimizers import ServerOptimizerSettings
@@ -26,7 +27,7 @@ def _check_roster(key: str, ids: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StationConfig(TrainingSettings):
+class StationConfig(TrainingSettings, CentralPrivacy):
     """One base station: its roster and FedGS settings (SPEC §4).
 
     From :class:`TrainingSettings` it knows its devices' training: an update may claim at
@@ -70,15 +71,6 @@ class StationConfig(TrainingSettings):
     # An update closer than this to one of the device's recent updates, relative to its
     # distance from w^m, is a replay and refused (0: off).
     replay_tolerance: float = 1e-3
-    # Central differential privacy for the factory (docs/privacy.md): each member's step
-    # clipped to central_dp_clip, Gaussian noise of central_dp_noise x that bound added to
-    # the super node's sum, which is divided by the super node's size (DP-FedAvg); it takes
-    # the place of the fusion rule.  0: off.  The station keeps its ledger in state_dir.
-    central_dp_clip: float = 0.0
-    central_dp_noise: float = 0.0
-    privacy_delta: float = 1e-5
-    # Seed the noise from ``seed`` (reproducible simulations), not the OS's entropy.
-    noise_seeded: bool = False
     # A member whose reply was refused (replay, distance, count, a refused frame) is left out
     # of this many super nodes, unless it is needed to fill one (0: never).
     refused_sit_out: int = 10
@@ -106,15 +98,7 @@ class StationConfig(TrainingSettings):
         check_range("share_window", self.share_window, 1)
         check_range("replay_tolerance", self.replay_tolerance, 0, 1)
         check_range("refused_sit_out", self.refused_sit_out, 0)
-        check_range("central_dp_clip", self.central_dp_clip, 0)
-        check_range("central_dp_noise", self.central_dp_noise, 0)
-        check_range("privacy_delta", self.privacy_delta, 0, 1, low_open=True)
-        if self.central_dp_noise and not self.central_dp_clip:
-            raise ConfigError("central_dp_clip", "central DP's noise is scaled to the clip "
-                              "bound: set central_dp_clip > 0")
-        if self.central_dp_noise and self.fusion != "fedavg":
-            raise ConfigError("fusion", f"central DP replaces the fusion rule by a noised mean "
-                              f"of clipped steps; {self.fusion!r} cannot be kept with it")
+        self.check_privacy(self.fusion)
         if self.max_selection_share == 0:
             object.__setattr__(self, "max_selection_share",
                                fair_seat_share(self.super_node_size, len(self.devices)))
@@ -127,9 +111,10 @@ class StationConfig(TrainingSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class CloudConfig(ServerOptimizerSettings):
-    """The cloud: its stations, the number of rounds, the external-sync rule, and (from
-    :class:`ServerOptimizerSettings`) the server optimiser."""
+class CloudConfig(ServerOptimizerSettings, CentralPrivacy):
+    """The cloud: its stations, the number of rounds, the external-sync rule, (from
+    :class:`ServerOptimizerSettings`) the server optimiser, and (from :class:`CentralPrivacy`)
+    central DP across stations: each station's update clipped, the noise at the cloud."""
 
     stations: tuple[str, ...]
     rounds: int
@@ -150,3 +135,4 @@ class CloudConfig(ServerOptimizerSettings):
             raise ConfigError("fusion", f"must be one of {sorted(FUSION_RULES)}")
         if self.station_weighting not in ("samples", "equal"):
             raise ConfigError("station_weighting", "must be 'samples' or 'equal'")
+        self.check_privacy(self.fusion)

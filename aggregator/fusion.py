@@ -17,15 +17,14 @@ import numpy as np
 
 from edge_client.errors import ShapeError
 
-__all__ = ["FUSION_RULES", "Fold", "WeightedSum", "Gathered", "NoisedMean", "fold_for",
-           "fedavg", "ida",
-           "median", "trimmed_mean", "krum", "multi_krum"]
+__all__ = ["FUSION_RULES", "Fold", "WeightedSum", "Gathered", "fold_for", "fedavg", "ida",
+           "median", "trimmed_mean", "krum", "multi_krum", "model_vector", "fold_weight"]
 
 # Keeps IDA's inverse distance finite for an update equal to the mean.
 IDA_GUARD = 1e-8
 
 
-def _vector(model: np.ndarray, shape: tuple[int, ...] | None) -> np.ndarray:
+def model_vector(model: np.ndarray, shape: tuple[int, ...] | None) -> np.ndarray:
     v = np.asarray(model, dtype=np.float32)
     if v.ndim != 1 or (shape is not None and v.shape != shape):
         raise ShapeError(f"models must be equal-length 1-D vectors, got {v.shape}"
@@ -33,7 +32,7 @@ def _vector(model: np.ndarray, shape: tuple[int, ...] | None) -> np.ndarray:
     return v
 
 
-def _weight(weight: float) -> float:
+def fold_weight(weight: float) -> float:
     w = float(weight)
     if not (math.isfinite(w) and w >= 0):
         raise ShapeError(f"a weight must be finite and non-negative, got {weight!r}")
@@ -79,7 +78,7 @@ class WeightedSum(Fold):
         self._equal = equal_if_unweighted
 
     def add(self, model: np.ndarray, weight: float, key: str = "") -> None:
-        v, w = _vector(model, self._shape), _weight(weight)
+        v, w = model_vector(model, self._shape), fold_weight(weight)
         self._shape = v.shape
         self._count += 1
         if w == 0:
@@ -130,7 +129,7 @@ class Gathered(Fold):
 
     def add(self, model: np.ndarray, weight: float, key: str = "") -> None:
         shape = self._items[0][1].shape if self._items else None
-        self._items.append((key, _vector(model, shape), _weight(weight)))
+        self._items.append((key, model_vector(model, shape), fold_weight(weight)))
 
     def result(self) -> np.ndarray:
         items = sorted(self._items, key=lambda item: item[0])
@@ -145,49 +144,6 @@ class Gathered(Fold):
     @property
     def total(self) -> float:
         return sum(w for _, _, w in self._items)
-
-
-class NoisedMean(Fold):
-    """Central differential privacy for one release (DP-FedAvg, McMahan et al. 2018): each
-    update's step from ``start`` is clipped to L2 norm ``bound``, the steps are summed,
-    Gaussian noise of ``noise x bound`` is added to the sum, and the sum is divided by
-    ``size``, the number of participants asked (fixed before anyone answered, so neither
-    the divisor nor the weights reveal who did).  One participant moves the sum by at most
-    ``bound``: the sensitivity the noise is scaled to.  ``contributors`` are whose data the
-    release used, for the privacy ledger."""
-
-    def __init__(self, start: np.ndarray, *, bound: float, noise: float, size: int,
-                 rng: np.random.Generator) -> None:
-        self._start = _vector(start, None)
-        self._sum = np.zeros_like(self._start)
-        self._bound, self._noise, self._size, self._rng = bound, noise, max(1, size), rng
-        self._total = 0.0
-        self.contributors: list[str] = []
-        self.clipped = 0
-
-    def add(self, model: np.ndarray, weight: float, key: str = "") -> None:
-        step = _vector(model, self._start.shape) - self._start
-        norm = float(np.linalg.norm(step))
-        if norm > self._bound:
-            step *= np.float32(self._bound / norm)
-            self.clipped += 1
-        self._sum += step
-        self._total += _weight(weight)
-        self.contributors.append(key)
-
-    def result(self) -> np.ndarray:
-        if not self.contributors:
-            raise ShapeError("nothing to fuse: no models")
-        noise = self._rng.standard_normal(self._sum.size, dtype=np.float32)
-        noise *= np.float32(self._noise * self._bound)
-        return self._start + (self._sum + noise) / np.float32(self._size)
-
-    def __len__(self) -> int:
-        return len(self.contributors)
-
-    @property
-    def total(self) -> float:
-        return self._total
 
 
 def _stack(models: Sequence[np.ndarray], weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:

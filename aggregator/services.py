@@ -129,7 +129,7 @@ class StationService:
         role = Station(cfg, num_params=trainer.num_params, num_classes=self.model.num_classes,
                        rng=np.random.default_rng(cfg.seed))
         if cfg.central_dp_noise:
-            keep_privacy_ledger(role, self.service.state_dir)
+            keep_privacy_ledger(role.dp, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.STATION,
                                    participant=cfg.station_id, trainer=trainer)
 
@@ -170,6 +170,20 @@ class StationService:
         return role
 
 
+def _manifests(transport: MqttTransport, broker: BrokerConfig,
+               fleet: str) -> Callable[[m.Message], None]:
+    """An observer that publishes each global model's manifest: chunked frames cannot be
+    retained, so a late joiner learns the state from it."""
+    def manifest(message: m.Message) -> None:
+        if isinstance(message, m.GlobalModel):
+            frame = encode(message, layout_hash=transport.layout_hash, fp16=broker.fp16,
+                           wire_version=broker.wire_version)
+            transport.publish_document(manifest_topic(fleet), ModelManifest(
+                round=message.round, iteration=message.iteration, size=len(frame),
+                final=message.final, layout=transport.layout_hash))
+    return manifest
+
+
 @dataclass
 class CloudService:
     cloud: CloudConfig
@@ -183,6 +197,8 @@ class CloudService:
         trainer = model_trainer(self.model, lr=0.01)
         cfg = self.cloud
         role = Cloud(cfg, initial_weights=trainer.get_flat(), num_classes=self.model.num_classes)
+        if cfg.central_dp_noise:
+            keep_privacy_ledger(role.dp, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.CLOUD,
                                    participant=CLOUD_ID, trainer=trainer,
                                    client_id=f"{cfg.fleet}-cloud")
@@ -210,25 +226,19 @@ class CloudService:
             return CloudSummary(state=role.state, round=role.round, iteration=role.iteration,
                                 stations=tuple(cfg.stations), offline=tuple(sorted(role.offline)),
                                 accuracy=rows[-1].get("accuracy") if rows else None,
-                                **role.accuracy_summary(), counters=dict(role.counters),
+                                **role.accuracy_summary(), **role.privacy_summary(),
+                                counters=dict(role.counters),
                                 transport=dict(transport.counters))
-
-        def manifest(message: m.Message) -> None:
-            # Chunked frames cannot be retained: a late joiner learns the state from this.
-            if isinstance(message, m.GlobalModel):
-                frame = encode(message, layout_hash=transport.layout_hash, fp16=self.broker.fp16,
-                               wire_version=self.broker.wire_version)
-                transport.publish_document(manifest_topic(cfg.fleet), ModelManifest(
-                    round=message.round, iteration=message.iteration, size=len(frame),
-                    final=message.final, layout=transport.layout_hash))
 
         metrics = with_metrics(self.service, "cloud", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
-             "last_accuracy": rows[-1].get("accuracy") if rows else None}),
+             "last_accuracy": rows[-1].get("accuracy") if rows else None,
+             **role.privacy_summary()}),
             labels={"fleet": cfg.fleet})
         runner = RoleRunner(role, transport)
-        runner.observers.extend([*checkpoint, evaluate, manifest])
+        runner.observers.extend([*checkpoint, evaluate,
+                                 _manifests(transport, self.broker, cfg.fleet)])
         topic = summary_topic(cfg.fleet, m.Participant.CLOUD, CLOUD_ID)
         serve(runner, transport, stop=stop or StopFlag(),
               done=lambda: role.state == CloudState.DONE, linger=1.0, metrics=metrics,

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
-from collections.abc import Callable
 
 import numpy as np
 
@@ -29,15 +27,15 @@ from edge_client import messages as m
 from edge_client.errors import MessageError, ShapeError
 from edge_client.messages import NamedEnum
 from edge_client.pipeline import Encoded, UpdatePipeline
-from edge_client.privacy import LedgerState, PrivacyLedger
 from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, station_topics
 
 from .accuracy import device_accuracy_summary
+from .central_dp import CentralDP
 from .checkpoint import StationCheckpoint, group, grouped
 from .config import StationConfig
-from .fusion import Fold, NoisedMean, fold_for
+from .fusion import Fold, fold_for
 from .selection import SelectorSettings, build_selector
 from .trust import (
     NormGuard,
@@ -133,11 +131,7 @@ class Station(RoleBase[StationState]):
         self.replay = ReplayGuard(num_params, seed=config.seed,
                                   tolerance=config.replay_tolerance)
         self.pipeline = UpdatePipeline(config.update_stages)
-        # Central DP: the noise comes from the OS's entropy unless a simulation seeds it.
-        self._noise = np.random.default_rng([config.seed, 0x401CE] if config.noise_seeded
-                                            else secrets.randbits(128))
-        self.privacy = PrivacyLedger(config.central_dp_noise, config.privacy_delta)
-        self.on_release: Callable[[LedgerState], None] | None = None  # keeps the ledger
+        self.dp = CentralDP(config, config.seed)
 
     @property
     def id(self) -> str:
@@ -236,9 +230,9 @@ class Station(RoleBase[StationState]):
         any device's data has spent in this station's noised syncs."""
         spent = max((s.epsilon for s in self.stats.values()), default=0.0)
         local = {"epsilon_local": spent} if spent > 0 else {}
-        if not self.config.central_dp_noise:
+        if not self.dp.enabled:
             return local
-        return {**local, "epsilon_central": self.privacy.worst()}
+        return {**local, "epsilon_central": self.dp.privacy.worst()}
 
     @property
     def missing(self) -> list[str]:
@@ -567,23 +561,9 @@ class Station(RoleBase[StationState]):
     def _new_fold(self, size: int) -> Fold:
         """The fusion rule's fold, or with central DP a noised mean of clipped steps from
         ``w^m`` over the ``size`` members asked."""
-        cfg = self.config
-        if not cfg.central_dp_noise or self.weights is None:
-            return fold_for(cfg.fusion)
-        return NoisedMean(self.weights, bound=cfg.central_dp_clip, noise=cfg.central_dp_noise,
-                          size=size, rng=self._noise)
-
-    def _released(self, fold: Fold) -> None:
-        """A noised internal sync is a release of each contributor's data: on the ledger (and
-        on disk, before the model leaves the station)."""
-        if not isinstance(fold, NoisedMean):
-            return
-        for device in fold.contributors:
-            self.privacy.record(device)
-        self.counters["dp_releases"] += 1
-        self.counters["clipped.dp_step"] += fold.clipped
-        if self.on_release is not None:
-            self.on_release(self.privacy.state())
+        if not self.dp.enabled or self.weights is None:
+            return fold_for(self.config.fusion)
+        return self.dp.fold(self.weights, size)
 
     def _close_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config
@@ -593,7 +573,7 @@ class Station(RoleBase[StationState]):
         fold, self._fold = self._fold, fold_for(cfg.fusion)
         if len(fold) >= cfg.min_quorum:
             self.weights = fold.result()
-            self._released(fold)
+            self.dp.released(fold, self.counters)
             self._consumed += int(fold.total)
         else:
             self.counters["iterations_below_quorum"] += 1

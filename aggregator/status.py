@@ -88,7 +88,9 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                  f", state {cloud.state if cloud else '?'}, round "
                  f"{cloud.round if cloud else '?'}, iteration {cloud.iteration if cloud else '?'}"
                  f", last accuracy {'-' if acc is None else f'{acc:.4f}'}"
-                 + (_devices_accuracy(cloud) if cloud else ""))
+                 + (_devices_accuracy(cloud) if cloud else "")
+                 + (f", central DP epsilon up to {cloud.epsilon_cloud:.3g} a station"
+                    if cloud and cloud.epsilon_cloud is not None else ""))
     devices = {s: o for (r, s), o in found.presence.items() if r == m.Participant.DEVICE}
     lines.append(f"devices online: {sum(devices.values())} of {len(devices)} seen")
     lines.append(f"{'station':<10} {'presence':<9} {'state':<11} {'round':>5} {'iter':>5} "

@@ -81,6 +81,7 @@ class CloudSummary:
     local_worst10: float | None = None
     prequential_mean: float | None = None
     prequential_worst10: float | None = None
+    epsilon_cloud: float | None = None  # the most a station's data spent (central DP)
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
 

@@ -84,6 +84,8 @@ class ExperimentConfig(RecipeSettings):
     privacy_budget: float = 0.0
     central_dp_clip: float = 0.0
     central_dp_noise: float = 0.0
+    cloud_dp_clip: float = 0.0  # central DP across stations, at the cloud
+    cloud_dp_noise: float = 0.0
     model: str = "mlp"
     backend: str = "numpy"
     arrivals_per_step: int = 48
@@ -173,7 +175,9 @@ def _strategy(cfg: ExperimentConfig, name: str):
               "holdout_capacity": cfg.holdout_capacity,
               **_set(cfg, "update_stages", "privacy_budget"), **s.device}
     station = {**s.station, **_set(cfg, "central_dp_clip", "central_dp_noise")}
-    return dataclasses.replace(s, device=device, station=station)
+    cloud = {**s.cloud, **{k.replace("cloud_", "central_"): v
+                           for k, v in _set(cfg, "cloud_dp_clip", "cloud_dp_noise").items()}}
+    return dataclasses.replace(s, device=device, station=station, cloud=cloud)
 
 
 def _set(cfg: ExperimentConfig, *keys: str) -> dict[str, Any]:
@@ -230,7 +234,7 @@ _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "ta
 
 # Keys that a run without them never had: left out of the cache key while unset.
 _OFF_UNLESS_SET = frozenset({"update_stages", "privacy_budget", "central_dp_clip",
-                             "central_dp_noise"})
+                             "central_dp_noise", "cloud_dp_clip", "cloud_dp_noise"})
 
 
 class _RunCache:

@@ -169,9 +169,9 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     plan = plan_fleet(strategy, spec)
     bus = LocalBus()
     evaluator, trainer = _trainers(data, spec)
-    cloud = Cloud(from_mapping(CloudConfig, plan.cloud), initial_weights=evaluator.get_flat(),
-                  num_classes=data.num_classes)
     # A simulation is reproducible: its privacy noise is seeded too (never so in a factory).
+    cloud = Cloud(from_mapping(CloudConfig, {"noise_seeded": True, **plan.cloud}),
+                  initial_weights=evaluator.get_flat(), num_classes=data.num_classes)
     configs = [from_mapping(StationConfig, {"noise_seeded": True, **values})
                for values in plan.stations]
     stations = [Station(cfg, num_params=evaluator.num_params, num_classes=data.num_classes,
@@ -181,7 +181,7 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     devices, admissions = _devices(data, spec, plan, bus, trainer, evaluator)
     rows: list[dict[str, Any]] = []
     bus.subscribe(global_model_topic(plan.fleet),
-                  _recorder(data, strategy, spec, bus, evaluator, stations,
+                  _recorder(data, strategy, spec, bus, evaluator, cloud, stations,
                             [sim.device for sim in devices], rows, started, progress))
     for sim in devices:
         # Each new iteration, the sensors of that factory have produced fresh samples.
@@ -262,7 +262,8 @@ def _devices(data: Dataset, spec: FleetSpec, plan: FleetPlan, bus: LocalBus,
 
 
 def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, bus: LocalBus, evaluator: Any,
-              stations: list[Station], devices: list[Device], rows: list[dict[str, Any]],
+              cloud: Cloud, stations: list[Station], devices: list[Device],
+              rows: list[dict[str, Any]],
               started: float, progress: Callable[[int, float], None] | None
               ) -> Callable[[str, m.Message], None]:
     """What watches the global model: it stops the bus once the sample budget is spent, and
@@ -300,17 +301,19 @@ def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, bus: LocalBus,
             "bytes_station_up": bus.payload_bytes["StationUpdate"],
             "bytes_station_down": bus.payload_bytes["GlobalModel"],
             "wall_s": time.perf_counter() - started,
-            **_privacy_columns(devices, stations),
+            **_privacy_columns(devices, stations, cloud),
         })
     return record
 
 
-def _privacy_columns(devices: list[Device], stations: list[Station]) -> dict[str, float]:
-    """The most epsilon any device's local DP has spent, where any adds noise, and the most
-    any device's data has spent in its station's noised syncs, where stations add noise."""
-    out = {}
+def _privacy_columns(devices: list[Device], stations: list[Station],
+                     cloud: Cloud) -> dict[str, float]:
+    """The most epsilon any device's local DP has spent, where any adds noise, the most any
+    device's data has spent in its station's noised syncs, and any station's in the cloud's,
+    where those add noise."""
+    out = cloud.privacy_summary()
     if any(d.pipeline.noise for d in devices):
         out["epsilon_local"] = max(d.epsilon for d in devices)
     if any(s.config.central_dp_noise for s in stations):
-        out["epsilon_central"] = max(s.privacy.worst() for s in stations)
+        out["epsilon_central"] = max(s.dp.privacy.worst() for s in stations)
     return out

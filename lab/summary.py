@@ -129,13 +129,18 @@ def per_run(runs: list[RunResult], prefix: str) -> int:
 
 
 def _epsilon_column(runs: list[RunResult]) -> dict[str, float]:
-    """The most epsilon any device's data spent by the end of a run, local or central DP,
-    mean over seeds (no column where the fleet used neither)."""
+    """The most epsilon any device's data spent by the end of a run, local or central DP at
+    the stations, and any station's at the cloud, mean over seeds (no column where the fleet
+    used none)."""
     keys = ("epsilon_local", "epsilon_central")
-    if not any(k in r.rows[-1] for r in runs for k in keys):
-        return {}
-    return {"epsilon": round(float(np.mean([max(r.rows[-1].get(k, 0.0) for k in keys)
-                                            for r in runs])), 3)}
+    out = {}
+    if any(k in r.rows[-1] for r in runs for k in keys):
+        out["epsilon"] = round(float(np.mean([max(r.rows[-1].get(k, 0.0) for k in keys)
+                                              for r in runs])), 3)
+    if any("epsilon_cloud" in r.rows[-1] for r in runs):  # a station's data, not a device's
+        out["epsilon_cloud"] = round(float(np.mean([r.rows[-1].get("epsilon_cloud", 0.0)
+                                                    for r in runs])), 3)
+    return out
 
 
 def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]:

@@ -142,7 +142,7 @@ def test_a_restarted_device_remembers_what_it_has_spent(digits, tmp_path):
 
 
 def test_a_noised_mean_clips_each_step_and_divides_by_the_members_asked():
-    from aggregator.fusion import NoisedMean
+    from aggregator.central_dp import NoisedMean
 
     quiet = NoisedMean(np.zeros(2, np.float32), bound=1.0, noise=0.0, size=4,
                        rng=np.random.default_rng(0))
@@ -167,18 +167,18 @@ def test_a_station_with_central_dp_accounts_every_members_release(tmp_path):
     from edge_client.privacy import keep_privacy_ledger
 
     st = _dp_station()
-    keep_privacy_ledger(st, tmp_path)
+    keep_privacy_ledger(st.dp, tmp_path)
     for it in range(3):
         for d in ("d0", "d1"):
             st.handle(m.DeviceUpdate(fleet="t", sender=d, round=0, iteration=it, station="s",
                                      weights=st.weights + np.float32(0.1), num_samples=8), 1.0)
     assert st.iteration == 3 and st.counters["dp_releases"] == 3
     spent = gaussian_epsilon(1.5, 3, 1e-5)
-    assert st.privacy.epsilon("d0") == st.privacy.epsilon("d1") == pytest.approx(spent)
+    assert st.dp.privacy.epsilon("d0") == st.dp.privacy.epsilon("d1") == pytest.approx(spent)
     assert st.privacy_summary() == {"epsilon_central": pytest.approx(spent)}
     again = _dp_station()  # restarted: the ledger comes back from the state directory
-    keep_privacy_ledger(again, tmp_path)
-    assert again.privacy.worst() == pytest.approx(spent)
+    keep_privacy_ledger(again.dp, tmp_path)
+    assert again.dp.privacy.worst() == pytest.approx(spent)
     with pytest.raises(ConfigError, match="central_dp_clip"):
         StationConfig(fleet="t", station_id="s", devices=("a",), super_node_size=1,
                       central_dp_noise=1.0)
@@ -220,3 +220,28 @@ def test_experiments_switch_privacy_on_and_report_its_epsilon(tmp_path):
     assert "epsilon" not in result_rows([dataclasses.replace(
         runs[0], rows=[{k: v for k, v in runs[0].rows[-1].items()
                         if not k.startswith("epsilon")}])], 0.5)[0]
+
+
+def test_a_cloud_with_central_dp_accounts_each_stations_release():
+    from aggregator.cloud import Cloud
+    from aggregator.config import CloudConfig
+
+    cloud = Cloud(CloudConfig(fleet="t", stations=("s0", "s1"), rounds=5, central_dp_clip=0.5,
+                              central_dp_noise=2.0, noise_seeded=True),
+                  initial_weights=np.zeros(4), num_classes=2)
+    assert cloud.privacy_summary() == {"epsilon_cloud": 0.0}
+    for s in ("s0", "s1"):
+        cloud.handle(m.StationStats(fleet="t", sender=s, round=0, iteration=0,
+                                    seen_counts=np.array([50, 50])), 0.0)
+    for rnd in range(2):
+        for s in ("s0", "s1"):
+            cloud.handle(m.StationUpdate(fleet="t", sender=s, round=rnd, iteration=3,
+                                         weights=cloud.weights + np.float32(10.0),  # clipped
+                                         num_samples=8, seen_counts=np.array([50, 50])), 1.0)
+    assert cloud.round == 2 and cloud.counters["dp_releases"] == 2
+    assert cloud.counters["clipped.dp_step"] == 4
+    assert cloud.privacy_summary()["epsilon_cloud"] == pytest.approx(
+        gaussian_epsilon(2.0, 2, 1e-5))
+    with pytest.raises(ConfigError, match="fusion"):
+        CloudConfig(stations=("s0",), rounds=1, central_dp_clip=1.0, central_dp_noise=1.0,
+                    fusion="krum")
