@@ -35,6 +35,14 @@ class CentralPrivacy:
 
     central_dp_clip: float = 0.0
     central_dp_noise: float = 0.0
+    # Adaptive clipping (Andrew et al. 2021): the bound moves each release so that about
+    # this fraction of steps fits under it (0: the bound stays central_dp_clip, its start),
+    # by the geometric rate central_dp_clip_lr, from a count of the steps that fit noised
+    # with standard deviation central_dp_count_noise (0: a twentieth of the participants
+    # asked, as the paper suggests).  The count is a release too, on the ledger.
+    central_dp_quantile: float = 0.0
+    central_dp_clip_lr: float = 0.2
+    central_dp_count_noise: float = 0.0
     privacy_delta: float = 1e-5
     # Seed the noise from the role's seed (reproducible simulations), not the OS's entropy.
     noise_seeded: bool = False
@@ -43,6 +51,9 @@ class CentralPrivacy:
         check_range("central_dp_clip", self.central_dp_clip, 0)
         check_range("central_dp_noise", self.central_dp_noise, 0)
         check_range("privacy_delta", self.privacy_delta, 0, 1, low_open=True)
+        check_range("central_dp_quantile", self.central_dp_quantile, 0, 1)
+        check_range("central_dp_clip_lr", self.central_dp_clip_lr, 0, low_open=True)
+        check_range("central_dp_count_noise", self.central_dp_count_noise, 0)
         if self.central_dp_noise and not self.central_dp_clip:
             raise ConfigError("central_dp_clip", "central DP's noise is scaled to the clip "
                               "bound: set central_dp_clip > 0")
@@ -64,10 +75,10 @@ class NoisedMean(Fold):
                  rng: np.random.Generator) -> None:
         self._start = model_vector(start, None)
         self._sum = np.zeros_like(self._start)
-        self._bound, self._noise, self._size, self._rng = bound, noise, max(1, size), rng
+        self._bound, self._noise, self.size, self._rng = bound, noise, max(1, size), rng
         self._total = 0.0
         self.contributors: list[str] = []
-        self.clipped = 0
+        self.clipped = 0  # steps longer than the bound: the rest fit under it
 
     def add(self, model: np.ndarray, weight: float, key: str = "") -> None:
         step = model_vector(model, self._start.shape) - self._start
@@ -84,7 +95,7 @@ class NoisedMean(Fold):
             raise ShapeError("nothing to fuse: no models")
         noise = self._rng.standard_normal(self._sum.size, dtype=np.float32)
         noise *= np.float32(self._noise * self._bound)
-        return self._start + (self._sum + noise) / np.float32(self._size)
+        return self._start + (self._sum + noise) / np.float32(self.size)
 
     def __len__(self) -> int:
         return len(self.contributors)
@@ -105,11 +116,23 @@ class CentralDP:
                                          else secrets.randbits(128))
         self.privacy = PrivacyLedger(settings.central_dp_noise, settings.privacy_delta)
         self.on_release: Callable[[LedgerState], None] | None = None  # keeps the ledger
+        self.bound = settings.central_dp_clip  # moves with adaptive clipping
 
     def fold(self, start: np.ndarray, size: int) -> NoisedMean:
+        return NoisedMean(start, bound=self.bound, noise=self.settings.central_dp_noise,
+                          size=size, rng=self.rng)
+
+    def _adapt(self, fold: NoisedMean) -> None:
+        """Move the bound towards the target quantile of step norms, from a noised count of
+        the steps that fit (each contributor moves the count by at most 1: a Gaussian
+        release of multiplier ``count noise``, recorded for every contributor)."""
         s = self.settings
-        return NoisedMean(start, bound=s.central_dp_clip, noise=s.central_dp_noise, size=size,
-                          rng=self.rng)
+        sigma = s.central_dp_count_noise or fold.size / 20
+        fit = len(fold) - fold.clipped + sigma * float(self.rng.standard_normal())
+        self.bound *= float(np.exp(-s.central_dp_clip_lr * (fit / fold.size
+                                                             - s.central_dp_quantile)))
+        for contributor in fold.contributors:
+            self.privacy.record(contributor, noise=sigma)
 
     def released(self, fold: Fold, counters: Counter[str]) -> None:
         """A noised fusion was made: each contributor's data is on the ledger (and on disk,
@@ -118,6 +141,8 @@ class CentralDP:
             return
         for contributor in fold.contributors:
             self.privacy.record(contributor)
+        if self.settings.central_dp_quantile:
+            self._adapt(fold)
         counters["dp_releases"] += 1
         counters["clipped.dp_step"] += fold.clipped
         if self.on_release is not None:

@@ -67,9 +67,12 @@ class PrivacyLedger:
         self.noise_multiplier, self.delta = noise_multiplier, delta
         self.releases: dict[str, dict[float, int]] = {}
 
-    def record(self, participant: str) -> None:
+    def record(self, participant: str, noise: float | None = None) -> None:
+        """One release of ``participant``'s data, at ``noise`` (default: the ledger's
+        multiplier)."""
+        z = self.noise_multiplier if noise is None else float(noise)
         counts = self.releases.setdefault(participant, {})
-        counts[self.noise_multiplier] = counts.get(self.noise_multiplier, 0) + 1
+        counts[z] = counts.get(z, 0) + 1
 
     def count(self, participant: str) -> int:
         return sum(self.releases.get(participant, {}).values())

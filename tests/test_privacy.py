@@ -245,3 +245,29 @@ def test_a_cloud_with_central_dp_accounts_each_stations_release():
     with pytest.raises(ConfigError, match="fusion"):
         CloudConfig(stations=("s0",), rounds=1, central_dp_clip=1.0, central_dp_noise=1.0,
                     fusion="krum")
+
+
+def test_adaptive_clipping_follows_the_target_quantile_and_pays_for_its_count():
+    from collections import Counter
+
+    from aggregator.central_dp import CentralDP, CentralPrivacy
+
+    dp = CentralDP(CentralPrivacy(central_dp_clip=10.0, central_dp_noise=1.0,
+                                  central_dp_quantile=0.5, central_dp_count_noise=0.5,
+                                  noise_seeded=True), seed=0)
+    rng, counters = np.random.default_rng(3), Counter()
+    for _ in range(150):  # 20 contributors a release, step norms spread around 1
+        fold = dp.fold(np.zeros(16, np.float32), 20)
+        for k in range(20):
+            step = rng.normal(size=16).astype(np.float32)
+            fold.add(step / np.linalg.norm(step) * np.float32(rng.uniform(0.5, 1.5)), 1,
+                     key=f"d{k}")
+        fold.result()
+        dp.released(fold, counters)
+    assert 0.8 < dp.bound < 1.2  # from 10 to about the median norm, 1
+    # Each release is two for every contributor: the noised sum and the noised count.
+    assert dp.privacy.releases["d0"] == {1.0: 150, 0.5: 150}
+    both = dp.privacy.epsilon("d0")
+    assert both > gaussian_epsilon(1.0, 150, 1e-5) and both > gaussian_epsilon(0.5, 150, 1e-5)
+    with pytest.raises(ConfigError, match="central_dp_quantile"):
+        CentralPrivacy(central_dp_quantile=1.5).check_privacy("fedavg")
