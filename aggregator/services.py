@@ -146,7 +146,7 @@ class StationService:
                 cpu_startup_s=round(first_model[0], 3) if first_model else None,
                 devices=len(cfg.devices), online=role.online_devices, quorum=cfg.min_quorum,
                 missing=tuple(role.missing), **role.accuracy_summary(),
-                **role.privacy_summary(),
+                **role.privacy_summary(), update_stages=role.pipeline.id,
                 counters=dict(role.counters), transport=dict(transport.counters))
 
         metrics = with_metrics(self.service, "station", lambda: (

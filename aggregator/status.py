@@ -115,7 +115,9 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                      + (f", local DP epsilon up to {doc.epsilon_local:.3g}"
                         if doc.epsilon_local else "")
                      + (f", central DP epsilon up to {doc.epsilon_central:.3g}"
-                        if doc.epsilon_central is not None else ""))
+                        if doc.epsilon_central is not None else "")
+                     + (f", updates as {doc.update_stages}"
+                        if doc.update_stages != m.MODEL_ENCODING else ""))
     for doc in (found.stations[sid] for sid in stations if sid in found.stations):
         if doc.state == StationState.STARVED:
             lines.append(f"{doc.station} waits for devices: {doc.online} online, "

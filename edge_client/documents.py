@@ -63,6 +63,7 @@ class StationSummary:
     prequential_worst10: float | None = None
     epsilon_local: float | None = None  # the most a device's local DP has spent (docs/privacy.md)
     epsilon_central: float | None = None  # the most this station's noised syncs have spent
+    update_stages: str = "model"  # what it decodes its devices' updates by (docs/protocol.md)
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
 

@@ -271,3 +271,28 @@ def test_adaptive_clipping_follows_the_target_quantile_and_pays_for_its_count():
     assert both > gaussian_epsilon(1.0, 150, 1e-5) and both > gaussian_epsilon(0.5, 150, 1e-5)
     with pytest.raises(ConfigError, match="central_dp_quantile"):
         CentralPrivacy(central_dp_quantile=1.5).check_privacy("fedavg")
+
+
+def test_safl_status_shows_what_privacy_has_spent_and_how_updates_travel():
+    from aggregator.status import FleetStatus, format_status
+    from edge_client.documents import (
+        CloudSummary,
+        StationSummary,
+        decode_document,
+        encode_document,
+    )
+
+    doc = StationSummary(station="st0", state="collecting", round=3, iteration=9, devices=2,
+                         online=2, quorum=1, epsilon_local=4.73, epsilon_central=2.5,
+                         update_stages="clip:1-noise:1-int8:256")
+    cloud = CloudSummary(state="collecting", round=3, iteration=9, stations=("st0",),
+                         epsilon_cloud=1.25)
+    assert decode_document(encode_document(doc)) == doc  # what a monitor reads back
+    text = format_status(FleetStatus(stations={"st0": doc}, cloud=cloud), "plant")
+    assert "local DP epsilon up to 4.73" in text and "central DP epsilon up to 2.5" in text
+    assert "updates as clip:1-noise:1-int8:256" in text
+    assert "central DP epsilon up to 1.25 a station" in text
+    plain = format_status(FleetStatus(stations={"st0": StationSummary(
+        station="st0", state="collecting", round=3, iteration=9, devices=2, online=2,
+        quorum=1)}), "plant")
+    assert "epsilon" not in plain and "updates as" not in plain
