@@ -96,10 +96,15 @@ class PrivacyLedger:
                 for p, c in self.releases.items()}
 
     def restore(self, state: dict[str, list[list[float]]]) -> None:
+        """Add a kept ledger's releases; a multiplier <= 0 or a negative count cannot be one
+        (and would hand budget back), so it raises ``ValueError``."""
         for participant, pairs in state.items():
-            counts = self.releases.setdefault(participant, {})
+            counts = self.releases.setdefault(str(participant), {})
             for noise, count in pairs:
-                counts[float(noise)] = counts.get(float(noise), 0) + int(count)
+                z, k = float(noise), int(count)
+                if not (math.isfinite(z) and z > 0) or k < 0:
+                    raise ValueError(f"{participant}: {k} releases at multiplier {z}")
+                counts[z] = counts.get(z, 0) + k
 
 
 LedgerState = dict[str, list[list[float]]]
@@ -122,9 +127,7 @@ def keep_privacy_ledger(role: _Releasing, folder: str | Path | None) -> None:
     path = Path(folder) / PRIVACY_FILE
     if path.exists():
         try:
-            state = json.loads(path.read_text())["releases"]
-            role.privacy.restore({str(p): [[float(z), int(k)] for z, k in pairs]
-                                  for p, pairs in state.items()})
+            role.privacy.restore(json.loads(path.read_text())["releases"])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError("state_dir", f"{path} is not a privacy ledger ({exc}); nothing "
                               "will guess what was spent") from exc

@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -103,6 +103,15 @@ class RunResult:
         return max(r["accuracy"] for r in self.rows)
 
 
+C = TypeVar("C")
+
+
+def _simulated(cls: type[C], values: dict[str, Any]) -> C:
+    """A role's config for the simulator: reproducible, so its privacy noise is seeded too
+    (never so on a board, a station or the cloud)."""
+    return from_mapping(cls, {"noise_seeded": True, **values})
+
+
 def _device_id(k: int) -> str:
     return f"dev{k:03d}"
 
@@ -169,11 +178,9 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     plan = plan_fleet(strategy, spec)
     bus = LocalBus()
     evaluator, trainer = _trainers(data, spec)
-    # A simulation is reproducible: its privacy noise is seeded too (never so in a factory).
-    cloud = Cloud(from_mapping(CloudConfig, {"noise_seeded": True, **plan.cloud}),
+    cloud = Cloud(_simulated(CloudConfig, plan.cloud),
                   initial_weights=evaluator.get_flat(), num_classes=data.num_classes)
-    configs = [from_mapping(StationConfig, {"noise_seeded": True, **values})
-               for values in plan.stations]
+    configs = [_simulated(StationConfig, values) for values in plan.stations]
     stations = [Station(cfg, num_params=evaluator.num_params, num_classes=data.num_classes,
                         rng=np.random.default_rng(cfg.seed)) for cfg in configs]
     runners: list[RoleRunner[Any]] = [RoleRunner(role, bus, _SIM_CLOCK)
@@ -234,8 +241,7 @@ def _devices(data: Dataset, spec: FleetSpec, plan: FleetPlan, bus: LocalBus,
     admissions: list[Admission] = []
     shared: dict[str, Any] = {}
     for values in plan.devices:
-        # A simulation is reproducible: its privacy noise is seeded too (never so on a board).
-        cfg = from_mapping(DeviceConfig, {"noise_seeded": True, **public_settings(values)})
+        cfg = _simulated(DeviceConfig, public_settings(values))
         k = values["_k"]
         backend = values["_backend"]
         if spec.share_trainers:

@@ -133,9 +133,11 @@ def test_a_restarted_device_remembers_what_it_has_spent(digits, tmp_path):
     again = device()  # the same device after a restart
     keep_privacy_ledger(again, tmp_path)
     assert again.epsilon == first.epsilon == pytest.approx(gaussian_epsilon(1.0, 3, 1e-5))
-    (tmp_path / PRIVACY_FILE).write_text('{"releases": {"d": "lots"}}')
-    with pytest.raises(ConfigError, match="not a privacy ledger"):
-        keep_privacy_ledger(device(), tmp_path)
+    for torn in ('{"releases": {"d": "lots"}}', '{"releases": {"d": [[1.0, -5]]}}',
+                 '{"releases": {"d": [[0.0, 3]]}}'):  # a negative count would refund budget
+        (tmp_path / PRIVACY_FILE).write_text(torn)
+        with pytest.raises(ConfigError, match="not a privacy ledger"):
+            keep_privacy_ledger(device(), tmp_path)
 
 
 # -- central DP at the station ----------------------------------------------------------
