@@ -26,7 +26,8 @@ import numpy as np
 from .errors import ConfigError
 from .files import write_atomic
 
-__all__ = ["ORDERS", "gaussian_epsilon", "PrivacyLedger", "keep_privacy_ledger", "PRIVACY_FILE"]
+__all__ = ["ORDERS", "gaussian_epsilon", "noise_for_epsilon", "PrivacyLedger",
+           "keep_privacy_ledger", "PRIVACY_FILE"]
 
 PRIVACY_FILE = "privacy.json"  # in a service's state directory: releases a restart must keep
 
@@ -57,6 +58,22 @@ def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float) -> fl
     if noise_multiplier <= 0:
         return math.inf
     return _epsilon(_rdp({noise_multiplier: releases}), delta)
+
+
+def noise_for_epsilon(epsilon: float, releases: int, delta: float) -> float:
+    """The smallest noise multiplier (to 0.1%) whose ``releases`` Gaussian releases spend at
+    most ``epsilon`` at ``delta``: how an operator turns a budget for a planned run into
+    ``central_dp_noise``.  Epsilon falls as the multiplier grows, so bisection finds it."""
+    if not (epsilon > 0 and math.isfinite(epsilon)) or releases < 1:
+        raise ValueError(f"no noise gives epsilon {epsilon} over {releases} releases")
+    low, high = 0.0, 1.0
+    while gaussian_epsilon(high, releases, delta) > epsilon:
+        low, high = high, 2 * high
+    while high - low > 1e-3 * high:
+        mid = (low + high) / 2
+        low, high = (low, mid) if gaussian_epsilon(mid, releases, delta) <= epsilon \
+            else (mid, high)
+    return high
 
 
 class PrivacyLedger:

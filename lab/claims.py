@@ -20,7 +20,8 @@ import numpy as np
 from .simulation import RunResult
 from .summary import by_strategy, run_summary
 
-__all__ = ["Claim", "assess_claims", "markdown_section", "BASELINES", "verdict"]
+__all__ = ["Claim", "assess_claims", "markdown_section", "BASELINES", "verdict", "paired_points",
+           "sweep_claims"]
 
 BASELINES = ("fedavg", "fedprox", "fedavgm", "fedadagrad", "fedadam", "fedyogi", "ida")
 
@@ -46,6 +47,12 @@ def _paired(a: Sequence[float] | np.ndarray,
     n = min(len(a), len(b))  # seed k pairs with seed k; a strategy may have fewer seeds
     d = np.asarray(a[:n], dtype=float) - np.asarray(b[:n], dtype=float)
     return float(d.mean()), float(d.std(ddof=1)) if len(d) > 1 else math.nan
+
+
+def paired_points(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """The paired per-seed effect of ``a`` over ``b`` (accuracies) in points: mean, sd."""
+    effect, spread = _paired(a, b)
+    return 100 * effect, 100 * spread
 
 
 def _ratio(a: Sequence[float], b: Sequence[float]) -> np.ndarray:
@@ -170,6 +177,21 @@ def _safl_fedgs_claims(ev: _Evidence) -> list[Claim]:
         claims.append(Claim("SAFL+FedGS beats every baseline by more than the seed spread",
                             overall, f"closest: {worst} {_fmt(*per[worst])}"))
     return claims
+
+
+def sweep_claims(rows: Sequence[dict[str, object]]) -> list[Claim]:
+    """Issue 25's goal for the update stages, where a sweep varies them: some list of stages
+    sends 4x fewer bytes into the stations with its accuracy loss within its seed spread
+    (paired effect plus its sd not below 0)."""
+    staged = [r for r in rows if "update_stages" in r and "vs_first" in r]
+    if not staged:
+        return []
+    met = [r for r in staged if float(str(r["fewer_bytes"]).rstrip("x")) >= 4
+           and r["within_spread"] == "yes"]
+    evidence = "; ".join(f"{r['strategy']} {r['update_stages']}: {r['fewer_bytes']} fewer "
+                         f"bytes, {r['vs_first']} points" for r in staged)
+    return [Claim("4x fewer bytes into stations at accuracy within the seed spread",
+                  "reached" if met else "not reached", evidence)]
 
 
 def markdown_section(title: str, command: str, config: dict[str, object],

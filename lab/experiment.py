@@ -23,10 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from aggregator.central_dp import CentralPrivacy
 from aggregator.selection import blas_threads
 from aggregator.server_optimizers import SERVER_OPTIMIZERS
 from edge_client.config import TrainingSettings, check_range, load_config
 from edge_client.errors import ConfigError
+from edge_client.privacy import noise_for_epsilon
 
 from .attacks import ATTACKS
 from .datasets import (
@@ -37,7 +39,7 @@ from .datasets import (
     safl_split,
 )
 from .report import Progress, format_table, plot_accuracy, write_metrics
-from .simulation import FleetSpec, RunResult, run_federation
+from .simulation import FleetSpec, RunResult, Strategy, run_federation
 from .strategies import RECIPES, RecipeSettings, build_strategy
 from .summary import merge_seeds, result_rows
 
@@ -84,6 +86,10 @@ class ExperimentConfig(RecipeSettings):
     privacy_budget: float = 0.0
     central_dp_clip: float = 0.0
     central_dp_noise: float = 0.0
+    # Or a budget for the run: each recipe's stations get the noise multiplier at which a
+    # device in every one of their releases spends at most this epsilon at delta 1e-5
+    # (a hierarchy releases once per iteration, a flat fleet once per round).
+    central_dp_epsilon: float = 0.0
     cloud_dp_clip: float = 0.0  # central DP across stations, at the cloud
     cloud_dp_noise: float = 0.0
     model: str = "mlp"
@@ -135,6 +141,10 @@ class ExperimentConfig(RecipeSettings):
             object.__setattr__(self, "lr_decay_rounds", self.lr_decay_fraction * self.rounds)
         check_range("attackers", self.attackers, 0, self.factories * self.devices_per_factory)
         check_range("prequential_every", self.prequential_every, 0)
+        check_range("central_dp_epsilon", self.central_dp_epsilon, 0)
+        if self.central_dp_epsilon and (self.central_dp_noise or not self.central_dp_clip):
+            raise ConfigError("central_dp_epsilon", "sets central_dp_noise from the budget: "
+                              "give central_dp_clip and leave central_dp_noise unset")
         unknown = [s for s in self.strategies if s not in RECIPES]
         if unknown or not self.strategies:
             raise ConfigError("strategies", f"unknown {unknown}; known: {sorted(RECIPES)}")
@@ -175,9 +185,20 @@ def _strategy(cfg: ExperimentConfig, name: str):
               "holdout_capacity": cfg.holdout_capacity,
               **_set(cfg, "update_stages", "privacy_budget"), **s.device}
     station = {**s.station, **_set(cfg, "central_dp_clip", "central_dp_noise")}
+    if cfg.central_dp_epsilon:
+        station["central_dp_noise"] = noise_for_epsilon(
+            cfg.central_dp_epsilon, _releases(cfg, s), CentralPrivacy.privacy_delta)
     cloud = {**s.cloud, **{k.replace("cloud_", "central_"): v
                            for k, v in _set(cfg, "cloud_dp_clip", "cloud_dp_noise").items()}}
     return dataclasses.replace(s, device=device, station=station, cloud=cloud)
+
+
+def _releases(cfg: ExperimentConfig, s: Strategy) -> int:
+    """The most central-DP releases one device's data can enter in a run of ``s``: every
+    internal synchronisation of a hierarchy, every round of a flat fleet (a run trained to
+    ``samples`` may take up to twice its nominal rounds, as :func:`_fleet` allows)."""
+    rounds = 2 * cfg.rounds if cfg.samples else cfg.rounds
+    return rounds if s.flat else rounds * cfg.sync_period
 
 
 def _set(cfg: ExperimentConfig, *keys: str) -> dict[str, Any]:
@@ -234,7 +255,8 @@ _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "ta
 
 # Keys that a run without them never had: left out of the cache key while unset.
 _OFF_UNLESS_SET = frozenset({"update_stages", "privacy_budget", "central_dp_clip",
-                             "central_dp_noise", "cloud_dp_clip", "cloud_dp_noise"})
+                             "central_dp_noise", "central_dp_epsilon", "cloud_dp_clip",
+                             "cloud_dp_noise"})
 
 
 class _RunCache:

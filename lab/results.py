@@ -1,5 +1,6 @@
 """The ``safl experiment`` task: every experiment file under each of its attacks, the claim
-verdicts printed, and the tables gathered into one report (``docs/results.md``)."""
+verdicts printed, and the tables gathered into one report (``docs/results.md``), in which
+each experiment or sweep rewrites its own sections and keeps the others'."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from .claims import assess_claims, markdown_section
 from .experiment import load_experiment, run_experiment
 from .summary import result_rows
 
-__all__ = ["run_experiments", "REPORT_HEAD"]
+__all__ = ["run_experiments", "REPORT_HEAD", "write_report"]
 
 REPORT_HEAD = """# Results: which paper claims reproduce
 
@@ -31,6 +32,11 @@ A verdict compares the paired per-seed effect with its spread (sd over seeds): *
 (larger than its spread, and not reliably below the claimed size), *not reproduced* (effect
 plus spread below the claim), *inconclusive* (within the spread, or one seed). The scaling
 from the papers' settings is in `docs/experiments.md`.
+A sweep's section (`safl sweep ... --report`) has a row per setting and strategy:
+`vs_first` is the paired per-seed accuracy effect, in points (mean +- sd), against the same
+strategy at the sweep's first setting, `within_spread` says whether that effect plus its sd
+is at least 0, `mb_into_stations` the bytes the devices sent their stations, and
+`fewer_bytes` how many times fewer than at the first setting.
 
 """
 
@@ -60,5 +66,21 @@ def run_experiments(configs: list[Path], *, out: Path | None, jobs: int, full: b
             print(f"wrote {folder}/results.csv, metrics.csv, accuracy.png, "
                   "accuracy_vs_bytes.png")
     if report:
-        report.write_text(REPORT_HEAD + "\n".join(sections))
-        print(f"wrote {report}")
+        write_report(report, sections)
+
+
+def _title(section: str) -> str:
+    return section.split("\n", 1)[0]
+
+
+def write_report(report: Path, sections: list[str]) -> None:
+    """Put ``sections`` (each starting with its ``## title``) in ``report``: a section of the
+    same title is replaced where it stands, a new one goes at the end, and the rest are kept,
+    so rerunning one experiment does not drop the others' tables."""
+    kept = report.read_text().split("\n## ") if report.exists() else [REPORT_HEAD]
+    parts = [kept[0].rstrip("\n") + "\n"] + ["## " + p for p in kept[1:]]
+    new = {_title(s): s for s in sections}
+    parts = [new.pop(_title(p), p) for p in parts]
+    text = REPORT_HEAD + "\n".join(p.rstrip("\n") + "\n" for p in parts[1:] + list(new.values()))
+    report.write_text(text)
+    print(f"wrote {report}")

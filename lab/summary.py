@@ -128,7 +128,7 @@ def per_run(runs: list[RunResult], prefix: str) -> int:
         // len(runs)
 
 
-def _epsilon_column(runs: list[RunResult]) -> dict[str, float]:
+def epsilon_column(runs: list[RunResult]) -> dict[str, float]:
     """The most epsilon any device's data spent by the end of a run, local or central DP at
     the stations, and any station's at the cloud, mean over seeds (no column where the fleet
     used none)."""
@@ -170,6 +170,6 @@ def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]
                     "skips": int(np.mean([r.rows[-1]["skips"] for r in runs])),
                     "mb_up": round((last["bytes_device_up"] + last["bytes_station_up"]) / 1e6, 1),
                     "refused": per_run(runs, "rejected."), "clipped": per_run(runs, "clipped."),
-                    **_epsilon_column(runs),
+                    **epsilon_column(runs),
                     "wall_s": round(float(np.mean([r.wall_s for r in runs])), 1)})
     return out

@@ -3,8 +3,11 @@
 The experiment file gains a ``[sweep]`` table mapping ``[experiment]`` keys to lists of
 values; every combination runs each strategy over the experiment's seeds, in parallel
 jobs, and ``sweep.csv`` gets one row per (setting, strategy) with the mean and spread over
-seeds of the figures :func:`lab.experiment.run_summary` defines.  Finished runs are
-kept per setting, so an interrupted sweep resumes.
+seeds of the figures :func:`lab.experiment.run_summary` defines, and the paired effect
+of each setting against the first one with the bytes into the stations (so a sweep of
+``update_stages`` or privacy settings answers "what does it cost, what does it save");
+``--report`` puts the table in ``docs/results.md`` as a section.  Finished runs are kept
+per setting, so an interrupted sweep resumes.
 """
 
 from __future__ import annotations
@@ -18,12 +21,17 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edge_client.config import read_toml
 from edge_client.errors import ConfigError
 
+from .claims import markdown_section, paired_points, sweep_claims
 from .experiment import ExperimentConfig, RunTask, _RunCache, load_experiment, run_task
 from .report import format_table
-from .summary import mean_sd, run_summary
+from .results import write_report
+from .simulation import RunResult
+from .summary import epsilon_column, mean_sd, per_run, run_summary
 
 __all__ = ["run_sweep", "load_grid"]
 
@@ -38,19 +46,24 @@ def load_grid(path: Path) -> list[dict[str, Any]]:
         if not isinstance(values, list) or not values:
             raise ConfigError(f"sweep.{key}", "must be a non-empty list of values")
     keys = list(table)
-    return [dict(zip(keys, combo, strict=True)) for combo in
-            itertools.product(*(table[k] for k in keys))]
+    # A list-valued key (update_stages) takes tuples, as the [experiment] table gives them.
+    values = [[tuple(v) if isinstance(v, list) else v for v in table[k]] for k in keys]
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
+
+
+def _text(v: Any) -> str:
+    """A grid value as the tables and folders show it: a list joined by ``+``."""
+    return ("+".join(map(str, v)) or "none") if isinstance(v, tuple) else str(v)
 
 
 def _label(point: dict[str, Any]) -> str:
-    return "_".join(f"{k}={v}" for k, v in point.items()) or "base"
+    """A grid point's folder name: ``lr=0.1_update_stages=topk:0.1+int8:256``."""
+    return "_".join(f"{k}={_text(v)}" for k, v in point.items()) or "base"
 
 
-def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1) -> list[dict[str, Any]]:
-    """Run the grid of ``path``; returns (and writes to ``sweep.csv``) the summary rows."""
-    base = load_experiment(path)
-    points = load_grid(path)
-    out = Path(out or Path("runs") / f"{base.name}-sweep")
+def _runs(base: ExperimentConfig, points: list[dict[str, Any]], out: Path,
+          jobs: int) -> dict[tuple[str, str, int], RunResult]:
+    """Every run of the grid, finished ones from their cache, the rest in ``jobs`` workers."""
     threads = max(1, (os.cpu_count() or 1) // jobs)
     tasks, caches, results = [], {}, {}
     for point in points:
@@ -72,17 +85,53 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1) -> list[dic
             caches[key[0]].put(r, key[2], "none")
             print(f"{key[0]} {key[1]} seed {key[2]}: {r.rows[-1]['accuracy']:.4f} "
                   f"({r.wall_s:.0f} s)", file=sys.stderr)
-    done = {key: r for key, r in results.items() if r is not None}  # every run, by now
+    return {key: r for key, r in results.items() if r is not None}  # every run, by now
+
+
+def _bytes_in(r: RunResult) -> float:
+    """Bytes the devices sent their stations over the run."""
+    return float(r.rows[-1]["bytes_device_up"])
+
+
+def _row(point: dict[str, Any], runs: list[RunResult], first: list[RunResult] | None,
+         target: float) -> dict[str, Any]:
+    """One setting's figures for one strategy, beside the same strategy at the first
+    setting: the paired per-seed accuracy effect (points, mean and sd) and how many times
+    fewer bytes went into the stations."""
+    sums = [run_summary(r, target) for r in runs]
+    row: dict[str, Any] = {**{k: _text(v) for k, v in point.items()},
+                           "strategy": runs[0].strategy}
+    for figure in ("accuracy", "local_q1", "worst10_q1", "local_end"):
+        row[figure], row[f"{figure}_sd"] = mean_sd([float(s[figure]) for s in sums])
+    first = first or runs  # the first setting is its own reference
+    if first is not runs:
+        effect, spread = paired_points([s["accuracy"] for s in sums],
+                                       [run_summary(r, target)["accuracy"] for r in first])
+        row["vs_first"] = f"{effect:+.2f} +- {spread:.2f}"
+        row["within_spread"] = "yes" if effect + spread >= 0 else "no"
+    mb = float(np.mean([_bytes_in(r) for r in runs]))
+    row["mb_into_stations"] = round(mb / 1e6, 1)
+    row["fewer_bytes"] = f"{np.mean([_bytes_in(r) for r in first]) / mb:.2f}x" if mb else "-"
+    row["refused"], row["clipped"] = per_run(runs, "rejected."), per_run(runs, "clipped.")
+    return {**row, **epsilon_column(runs)}
+
+
+def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1,
+              report: Path | None = None) -> list[dict[str, Any]]:
+    """Run the grid of ``path``; returns (and writes to ``sweep.csv``, and as a section of
+    ``report`` if given) the summary rows."""
+    base = load_experiment(path)
+    points = load_grid(path)
+    out = Path(out or Path("runs") / f"{base.name}-sweep")
+    done = _runs(base, points, out, jobs)
     rows = []
-    for point in points:
-        cfg = dataclasses.replace(base, **point)
-        for name in cfg.strategies:
-            runs = [run_summary(done[(_label(point), name, s)], cfg.target_accuracy)
-                    for s in range(cfg.seed, cfg.seed + cfg.seeds)]
-            row: dict[str, Any] = {**point, "strategy": name}
-            for figure in ("accuracy", "local_q1", "worst10_q1", "local_end"):
-                row[figure], row[f"{figure}_sd"] = mean_sd([float(r[figure]) for r in runs])
-            rows.append(row)
+    for name in base.strategies:
+        seeds = range(base.seed, base.seed + base.seeds)
+        first = None
+        for point in points:
+            runs = [done[(_label(point), name, s)] for s in seeds]
+            rows.append(_row(point, runs, first, base.target_accuracy))
+            first = first or runs
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "sweep.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
@@ -90,4 +139,11 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1) -> list[dic
         writer.writerows(rows)
     print(format_table(rows))
     print(f"wrote {out / 'sweep.csv'}")
+    if report:
+        settings = {k: v for k, v in vars(base).items()
+                    if k not in ("name", "strategies", "attacks", *points[0])}
+        section = markdown_section(f"{base.name}: sweep of {', '.join(points[0])}",
+                                   f"safl sweep {path} --jobs {jobs}", settings, rows,
+                                   sweep_claims(rows))
+        write_report(report, [section])
     return rows

@@ -124,7 +124,7 @@ def _experiment(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from lab.sweep import run_sweep
 
-    run_sweep(args.config, out=args.out, jobs=args.jobs)
+    run_sweep(args.config, out=args.out, jobs=args.jobs, report=args.report)
     return 0
 
 
@@ -230,7 +230,8 @@ def _add_lab(sub) -> None:
     exp.add_argument("--full", action="store_true",
                      help="the papers' unscaled settings (SPEC §5; hours on 2 cores)")
     exp.add_argument("--report", type=Path, default=None,
-                     help="write a results.md with tables and claim verdicts")
+                     help="write the tables and claim verdicts into a results.md (each "
+                     "experiment's own sections; the rest of the file is kept)")
     exp.add_argument("--fresh", action="store_true",
                      help="rerun every strategy instead of reusing finished runs in --out")
     exp.add_argument("--finished-only", action="store_true",
@@ -242,6 +243,8 @@ def _add_lab(sub) -> None:
     sweep.add_argument("config", type=Path)
     sweep.add_argument("--out", type=Path, default=None, help="default runs/<name>-sweep")
     sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel")
+    sweep.add_argument("--report", type=Path, default=None,
+                       help="write the sweep's table into a results.md as its own section")
     sweep.set_defaults(run=_sweep)
 
 

@@ -187,6 +187,39 @@ def test_a_sweep_runs_its_grid_and_resumes_from_finished_runs(tmp_path, capsys):
     assert "0 reused" in capsys.readouterr().err
 
 
+def test_a_sweep_of_update_stages_reports_what_they_cost_and_save(tmp_path, capsys):
+    config = tmp_path / "stages.toml"
+    config.write_text(open("experiments/quick.toml").read().replace("rounds = 6", "rounds = 2")
+                      + 'strategies = ["fedgs"]\nseeds = 2\n\n[sweep]\n'
+                        'update_stages = [[], ["int8:256"]]\n')
+    report = tmp_path / "results.md"
+    report.write_text("# old head\n\n## other\n\nkept\n")
+    assert main(["sweep", str(config), "--out", str(tmp_path / "s"), "--report", str(report)]) == 0
+    plain, int8 = list(csv.DictReader(open(tmp_path / "s" / "sweep.csv")))
+    assert (plain["update_stages"], int8["update_stages"]) == ("none", "int8:256")
+    assert plain["fewer_bytes"] == "1.00x" and not plain["vs_first"]
+    assert 3.5 < float(int8["fewer_bytes"].rstrip("x")) < 4  # the block scales and headers
+    effect, spread = map(float, int8["vs_first"].split(" +- "))
+    assert int8["within_spread"] == ("yes" if effect + spread >= 0 else "no")
+    text = report.read_text()
+    assert text.startswith("# Results") and "## other\n\nkept" in text  # the head is ours
+    assert "## quick: sweep of update_stages" in text and "| int8:256 | fedgs |" in text
+    assert "| 4x fewer bytes into stations at accuracy within the seed spread | " \
+           "**not reached** |" in text
+    capsys.readouterr()
+    assert main(["sweep", str(config), "--out", str(tmp_path / "s"), "--report", str(report)]) == 0
+    assert report.read_text() == text  # rewritten in place, from the finished runs
+
+
+def test_a_report_rewrites_its_own_sections_and_keeps_the_others(tmp_path):
+    from lab.results import REPORT_HEAD, write_report
+
+    report = tmp_path / "results.md"
+    write_report(report, ["## a\n\none\n", "## b\n\ntwo\n"])
+    write_report(report, ["## c\n\nthree\n", "## a\n\nuno\n"])
+    assert report.read_text() == REPORT_HEAD + "## a\n\nuno\n\n## b\n\ntwo\n\n## c\n\nthree\n"
+
+
 def test_a_sweep_names_a_bad_key(tmp_path):
     from lab.sweep import load_grid
     config = tmp_path / "sweep.toml"

@@ -16,7 +16,7 @@ from edge_client import messages as m
 from edge_client.config import DeviceConfig
 from edge_client.errors import ConfigError
 from edge_client.pipeline import UpdatePipeline
-from edge_client.privacy import PrivacyLedger, gaussian_epsilon
+from edge_client.privacy import PrivacyLedger, gaussian_epsilon, noise_for_epsilon
 from lab.experiment import ExperimentConfig
 from lab.simulation import run_federation
 from lab.strategies import build_strategy
@@ -207,21 +207,53 @@ def test_a_federation_with_central_dp_reports_its_epsilon(digits):
     assert run.final_accuracy > 1.5 * run.rows[0]["accuracy"]
 
 
-def test_experiments_switch_privacy_on_and_report_its_epsilon(tmp_path):
+def _dp_experiment(tmp_path, strategies: str, dp: str, **expect: float):
+    """The quick experiment, 2 rounds, with central DP ``dp`` (TOML lines): its runs."""
     from lab.experiment import load_experiment, run_experiment
-    from lab.summary import result_rows
 
     config = tmp_path / "dp.toml"
     config.write_text(open("experiments/quick.toml").read().replace("rounds = 6", "rounds = 2")
-                      + 'strategies = ["fedgs"]\ncentral_dp_clip = 1.0\n'
-                        'central_dp_noise = 5.0\n')
-    assert load_experiment(config).central_dp_noise == 5.0
-    _, runs, _ = run_experiment(config, out=tmp_path / "out")
+                      + f"strategies = {strategies}\ncentral_dp_clip = 1.0\n{dp}\n")
+    cfg = load_experiment(config)
+    assert {k: getattr(cfg, k) for k in expect} == expect
+    return run_experiment(config, out=tmp_path / "out")[1]
+
+
+def test_experiments_switch_privacy_on_and_report_its_epsilon(tmp_path):
+    from lab.summary import result_rows
+
+    runs = _dp_experiment(tmp_path, '["fedgs"]', "central_dp_noise = 5.0", central_dp_noise=5.0)
     row = result_rows(runs, 0.5)[0]
     assert 0 < row["epsilon"] == pytest.approx(runs[0].rows[-1]["epsilon_central"], abs=1e-3)
     assert "epsilon" not in result_rows([dataclasses.replace(
         runs[0], rows=[{k: v for k, v in runs[0].rows[-1].items()
                         if not k.startswith("epsilon")}])], 0.5)[0]
+
+
+@pytest.mark.parametrize(("epsilon", "releases"), [(1.0, 1), (4.0, 30), (8.0, 1570)])
+def test_a_budget_becomes_the_least_noise_that_keeps_it(epsilon, releases):
+    z = noise_for_epsilon(epsilon, releases, 1e-5)
+    assert gaussian_epsilon(z, releases, 1e-5) <= epsilon < gaussian_epsilon(0.995 * z,
+                                                                            releases, 1e-5)
+    with pytest.raises(ValueError, match="no noise"):
+        noise_for_epsilon(0.0, releases, 1e-5)
+
+
+def test_an_experiments_privacy_budget_sets_each_recipes_noise(tmp_path):
+    from lab.experiment import ExperimentConfig, _strategy
+    from lab.summary import result_rows
+
+    cfg = ExperimentConfig(name="x", rounds=6, sync_period=3, central_dp_clip=1.0,
+                           central_dp_epsilon=4.0)
+    flat, hier = (_strategy(cfg, n).station["central_dp_noise"] for n in ("fedavg", "fedgs"))
+    assert flat == noise_for_epsilon(4.0, 6, 1e-5)  # a release per round
+    assert hier == noise_for_epsilon(4.0, 18, 1e-5)  # one per internal synchronisation
+    with pytest.raises(ConfigError, match="central_dp_epsilon"):
+        dataclasses.replace(cfg, central_dp_noise=1.0)
+    runs = _dp_experiment(tmp_path, '["fedgs", "fedavg"]', "central_dp_epsilon = 4.0",
+                          central_dp_epsilon=4.0)
+    for row in result_rows(runs, 0.5):  # each device's spend, within the budget
+        assert 0.5 < row["epsilon"] <= 4.0
 
 
 def test_a_cloud_with_central_dp_accounts_each_stations_release():
