@@ -10,6 +10,7 @@ before the release leaves.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections import Counter
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from edge_client.config import check_range
 from edge_client.errors import ConfigError, ShapeError
 from edge_client.privacy import LedgerState, PrivacyLedger
 
+from .checkpoint import CheckpointError
 from .fusion import Fold, fold_weight, model_vector
 
 __all__ = ["CentralPrivacy", "CentralDP", "NoisedMean"]
@@ -117,6 +119,20 @@ class CentralDP:
         self.privacy = PrivacyLedger(settings.central_dp_noise, settings.privacy_delta)
         self.on_release: Callable[[LedgerState], None] | None = None  # keeps the ledger
         self.bound = settings.central_dp_clip  # moves with adaptive clipping
+
+    @property
+    def adaptive_bound(self) -> float | None:
+        """The bound a checkpoint keeps: only adaptive clipping moves it."""
+        return self.bound if self.settings.central_dp_quantile else None
+
+    def resume(self, bound: float | None) -> None:
+        """Continue adaptive clipping from a checkpoint's bound, not from its start (a fixed
+        bound, or a checkpoint without one, keeps ``central_dp_clip``)."""
+        if bound is None or not self.settings.central_dp_quantile:
+            return
+        if not (math.isfinite(bound) and bound > 0):
+            raise CheckpointError(f"the checkpoint's clip bound {bound} cannot be one")
+        self.bound = float(bound)
 
     def fold(self, start: np.ndarray, size: int) -> NoisedMean:
         return NoisedMean(start, bound=self.bound, noise=self.settings.central_dp_noise,

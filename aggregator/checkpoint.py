@@ -48,6 +48,8 @@ class RoleCheckpoint:
     round: int
     iteration: int
     counters: dict[str, int]
+    # Central DP's clip bound where it adapts (None: fixed, or an older checkpoint).
+    dp_bound: float | None = None
 
     @classmethod
     def from_doc(cls: type[R], doc: Mapping[str, Any]) -> R:

@@ -106,7 +106,8 @@ class Cloud(RoleBase[CloudState]):
         arrays = {"weights": self.weights, **grouped("opt", self.optimizer.state()),
                   **grouped("counts", self._counts)}
         meta = CloudCheckpoint(state=self.state, round=self.round, iteration=self.iteration,
-                               consumed=dict(self._consumed), counters=dict(self.counters))
+                               consumed=dict(self._consumed), counters=dict(self.counters),
+                               dp_bound=self.dp.adaptive_bound)
         return arrays, meta
 
     def restore(self, arrays: dict[str, np.ndarray], meta: CloudCheckpoint) -> None:
@@ -119,6 +120,7 @@ class Cloud(RoleBase[CloudState]):
                         if s in self.config.stations}
         self.state, self.round, self.iteration = _C(meta.state), meta.round, meta.iteration
         self._consumed = {k: int(v) for k, v in meta.consumed.items()}
+        self.dp.resume(meta.dp_bound)
         self.counters.update(meta.counters)
         self._updates, self._fold = {}, self._new_fold()
 

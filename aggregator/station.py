@@ -177,7 +177,8 @@ class Station(RoleBase[StationState]):
             upload_samples=None if self._upload is None else self._upload.num_samples,
             seen_at=dict(self._seen_at), sitting_out=dict(self._sitting_out),
             norms=self.guard.state(), recent=self.share.state(),
-            rng=dict(self.rng.bit_generator.state), counters=dict(self.counters))
+            rng=dict(self.rng.bit_generator.state), counters=dict(self.counters),
+            dp_bound=self.dp.adaptive_bound)
         return arrays, meta
 
     def restore(self, arrays: dict[str, np.ndarray], meta: StationCheckpoint) -> None:
@@ -204,6 +205,7 @@ class Station(RoleBase[StationState]):
         self.replay.restore({d: v for d, v in group(arrays, "replay").items()
                              if d in cfg.devices})
         self.share.restore(meta.recent)
+        self.dp.resume(meta.dp_bound)
         self.rng.bit_generator.state = meta.rng
         self.counters.update(meta.counters)
         if self.state == _S.WAITING and meta.upload_samples is not None:

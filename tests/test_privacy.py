@@ -307,6 +307,39 @@ def test_adaptive_clipping_follows_the_target_quantile_and_pays_for_its_count():
         CentralPrivacy(central_dp_quantile=1.5).check_privacy("fedavg")
 
 
+def test_a_restarted_station_keeps_its_adaptive_clip_bound(tmp_path):
+    from test_pipeline import _station
+
+    from aggregator.checkpoint import (
+        CheckpointError,
+        StationCheckpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
+
+    def station():
+        return _station(sync_period=100, central_dp_clip=1.0, central_dp_noise=1.5,
+                        central_dp_quantile=0.5, noise_seeded=True)
+
+    st = station()
+    for it in range(3):  # every step fits: the bound shrinks towards the median
+        for d in ("d0", "d1"):
+            st.handle(m.DeviceUpdate(fleet="t", sender=d, round=0, iteration=it, station="s",
+                                     weights=st.weights + np.float32(1e-3), num_samples=8), 1.0)
+    assert st.dp.bound < 1.0
+    save_checkpoint(tmp_path / "s.npz", *st.snapshot())
+    again = station()
+    arrays, doc = load_checkpoint(tmp_path / "s.npz")
+    again.restore(arrays, StationCheckpoint.from_doc(doc))
+    assert again.dp.bound == st.dp.bound
+    arrays, meta = st.snapshot()
+    with pytest.raises(CheckpointError, match="clip bound"):
+        station().restore(arrays, dataclasses.replace(meta, dp_bound=float("nan")))
+    fixed = _dp_station()  # a fixed bound is not the checkpoint's to move
+    fixed.restore(arrays, dataclasses.replace(meta, dp_bound=0.25))
+    assert fixed.dp.bound == 1.0 and fixed.snapshot()[1].dp_bound is None
+
+
 def test_safl_status_shows_what_privacy_has_spent_and_how_updates_travel():
     from aggregator.status import FleetStatus, format_status
     from edge_client.documents import (
