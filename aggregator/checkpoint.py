@@ -79,6 +79,7 @@ class StationCheckpoint(RoleCheckpoint):
     norms: list[float]  # the norm guard's history
     recent: list[list[str]]  # recent super nodes, for the seat cap
     rng: dict[str, Any]  # the generator's state
+    tally: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # per device
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -173,9 +173,9 @@ def _grant(access: str, below: str, leaves: tuple[str, ...]) -> list[str]:
 
 
 def _monitor_rules(fleet: str) -> list[str]:
-    """Presence, status summaries and the model manifest: never updates or models."""
+    """Presence, summaries (devices' too) and the model manifest: never updates or models."""
     return [*_grant("read", topics.prefix(fleet, _STATION, "+"), ("status", "summary")),
-            *_grant("read", topics.prefix(fleet, _DEV, "+"), ("status",)),
+            *_grant("read", topics.prefix(fleet, _DEV, "+"), ("status", "summary")),
             *_grant("read", topics.prefix(fleet, _CLOUD), ("status", "summary", "model/manifest"))]
 
 

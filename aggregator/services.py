@@ -24,8 +24,8 @@ from edge_client import messages as m
 from edge_client.codec import encode
 from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
 from edge_client.documents import (
+    ACCURACY_HISTORY,
     CloudSummary,
-    Document,
     ModelManifest,
     StationSummary,
     encode_document,
@@ -33,7 +33,7 @@ from edge_client.documents import (
 from edge_client.mqtt import MqttTransport
 from edge_client.privacy import keep_privacy_ledger
 from edge_client.runner import RoleRunner, StopFlag, serve
-from edge_client.service import model_trainer, role_transport, with_metrics
+from edge_client.service import model_trainer, role_transport, summaries, with_metrics
 from edge_client.sources.replay import load_arrays
 from edge_client.topics import CLOUD_ID, manifest_topic, summary_topic
 
@@ -46,18 +46,6 @@ from .station import Station, StationState
 __all__ = ["StationService", "CloudService"]
 
 log = logging.getLogger(__name__)
-
-
-def _summaries(transport: MqttTransport, topic: str, summary: Callable[[], Document],
-               every: float = 1.0) -> dict:
-    """``serve`` keywords that publish the retained summary every second and once at the end."""
-    last = [0.0]
-
-    def hook(now: float) -> None:
-        if now - last[0] >= every:
-            last[0] = now
-            transport.publish_document(topic, summary())
-    return {"hooks": (hook,), "on_stop": lambda: transport.publish_document(topic, summary())}
 
 
 def _checkpointing(role: Cloud | Station, state_dir: str, name: str, due) -> list:
@@ -147,7 +135,8 @@ class StationService:
                 devices=len(cfg.devices), online=role.online_devices, quorum=cfg.min_quorum,
                 missing=tuple(role.missing), **role.accuracy_summary(),
                 **role.privacy_summary(), update_stages=role.pipeline.id,
-                counters=dict(role.counters), transport=dict(transport.counters))
+                counters=dict(role.counters), transport=dict(transport.counters),
+                device_refused=dict(role.tally.refused), device_clipped=dict(role.tally.clipped))
 
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},
@@ -165,7 +154,7 @@ class StationService:
             topic = summary_topic(cfg.fleet, m.Participant.STATION, cfg.station_id)
             serve(runner, transport, stop=stop or StopFlag(),
                   done=lambda: role.state == StationState.DONE, metrics=metrics,
-                  **_summaries(transport, topic, summary))
+                  **summaries(transport, topic, summary))
         log.info("station %s finished: %s", cfg.station_id, summary())
         return role
 
@@ -223,9 +212,12 @@ class CloudService:
             log_rows.append(row)
 
         def summary() -> CloudSummary:
+            scored = [r for r in rows[-ACCURACY_HISTORY:] if "accuracy" in r]
             return CloudSummary(state=role.state, round=role.round, iteration=role.iteration,
                                 stations=tuple(cfg.stations), offline=tuple(sorted(role.offline)),
                                 accuracy=rows[-1].get("accuracy") if rows else None,
+                                accuracy_rounds=tuple(r["round"] for r in scored),
+                                accuracies=tuple(float(r["accuracy"]) for r in scored),
                                 **role.accuracy_summary(), **role.privacy_summary(),
                                 counters=dict(role.counters),
                                 transport=dict(transport.counters))
@@ -242,7 +234,7 @@ class CloudService:
         topic = summary_topic(cfg.fleet, m.Participant.CLOUD, CLOUD_ID)
         serve(runner, transport, stop=stop or StopFlag(),
               done=lambda: role.state == CloudState.DONE, linger=1.0, metrics=metrics,
-              **_summaries(transport, topic, summary))
+              **summaries(transport, topic, summary))
         if self.out:
             out = Path(self.out)
             out.mkdir(parents=True, exist_ok=True)

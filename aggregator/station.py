@@ -38,6 +38,7 @@ from .config import StationConfig
 from .fusion import Fold, fold_for
 from .selection import SelectorSettings, build_selector
 from .trust import (
+    ClaimTally,
     NormGuard,
     ReplayGuard,
     ShareCap,
@@ -132,10 +133,20 @@ class Station(RoleBase[StationState]):
                                   tolerance=config.replay_tolerance)
         self.pipeline = UpdatePipeline(config.update_stages)
         self.dp = CentralDP(config, config.seed)
+        self.tally = ClaimTally(config.devices)
 
     @property
     def id(self) -> str:
         return self.config.station_id
+
+    def _reject(self, reason: str, detail: str) -> list[m.Message]:
+        self.tally.count(self.tally.refused, self._sender)
+        return super()._reject(reason, detail)
+
+    def _clip(self, kind: str) -> None:
+        """A claim of the device whose message is being handled was trimmed and still used."""
+        self.counters[f"clipped.{kind}"] += 1
+        self.tally.count(self.tally.clipped, self._sender)
 
     @property
     def online_devices(self) -> int:
@@ -178,7 +189,7 @@ class Station(RoleBase[StationState]):
             seen_at=dict(self._seen_at), sitting_out=dict(self._sitting_out),
             norms=self.guard.state(), recent=self.share.state(),
             rng=dict(self.rng.bit_generator.state), counters=dict(self.counters),
-            dp_bound=self.dp.adaptive_bound)
+            dp_bound=self.dp.adaptive_bound, tally=self.tally.state())
         return arrays, meta
 
     def restore(self, arrays: dict[str, np.ndarray], meta: StationCheckpoint) -> None:
@@ -206,6 +217,7 @@ class Station(RoleBase[StationState]):
                              if d in cfg.devices})
         self.share.restore(meta.recent)
         self.dp.resume(meta.dp_bound)
+        self.tally.restore(meta.tally)
         self.rng.bit_generator.state = meta.rng
         self.counters.update(meta.counters)
         if self.state == _S.WAITING and meta.upload_samples is not None:
@@ -313,13 +325,13 @@ class Station(RoleBase[StationState]):
         # Only metrics, but metrics operators act on: an accuracy outside [0, 1] is dropped
         # (as not measured) and counted; the histograms still count.
         if msg.epsilon < 0:
-            self.counters["clipped.epsilon"] += 1
+            self._clip("epsilon")
             msg = dataclasses.replace(msg, epsilon=0.0)
         if not 0.0 <= msg.local_accuracy <= 1.0:
-            self.counters["clipped.local_accuracy"] += 1
+            self._clip("local_accuracy")
             msg = dataclasses.replace(msg, local_accuracy=0.0, local_samples=0)
         if not 0.0 <= msg.prequential_accuracy <= 1.0:
-            self.counters["clipped.prequential_accuracy"] += 1
+            self._clip("prequential_accuracy")
             msg = dataclasses.replace(msg, prequential_accuracy=0.0, prequential_samples=0)
         joined = msg.sender not in self.stats or msg.sender in self.offline
         reported = len(self.stats) + (msg.sender not in self.stats)
@@ -360,7 +372,7 @@ class Station(RoleBase[StationState]):
             per_iteration * elapsed, others, cfg.seen_share, per_iteration)
         if not clipped:
             return msg
-        self.counters["clipped.seen_counts"] += 1
+        self._clip("seen_counts")
         return dataclasses.replace(msg, seen_counts=counts)
 
     def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
@@ -431,7 +443,7 @@ class Station(RoleBase[StationState]):
             self._reject("update_norm", f"moved the model {bounded.distance:.4g} from w^m, the "
                          f"hard bound is {self.config.update_norm_hard_factor:g} x {limit:.4g}")
         elif bounded.clipped:
-            self.counters["clipped.update_norm"] += 1
+            self._clip("update_norm")
             log.debug("station %s: update of %s clipped from %.4g to %.4g", self.id, msg.sender,
                       bounded.distance, limit)
         return bounded.update

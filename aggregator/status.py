@@ -8,16 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edge_client import messages as m
 from edge_client.config import BrokerConfig
-from edge_client.documents import CloudSummary, Document, ModelManifest, StationSummary
+from edge_client.documents import (
+    CloudSummary,
+    DeviceSummary,
+    Document,
+    ModelManifest,
+    StationSummary,
+)
 from edge_client.mqtt import MqttTransport
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, document_filters, presence_filters
 
-__all__ = ["FleetStatus", "fleet_status", "format_status"]
+__all__ = ["FleetStatus", "fleet_status", "format_status", "observer"]
 
 
 @dataclass
@@ -27,32 +34,50 @@ class FleetStatus:
     stations: dict[str, StationSummary] = field(default_factory=dict)
     cloud: CloudSummary | None = None
     manifest: ModelManifest | None = None
+    devices: dict[str, DeviceSummary] = field(default_factory=dict)  # what each says of itself
+
+    def take(self, doc: Document) -> None:
+        """Keep a retained document (a prediction is not the fleet's state)."""
+        if isinstance(doc, StationSummary):
+            self.stations[doc.station] = doc
+        elif isinstance(doc, CloudSummary):
+            self.cloud = doc
+        elif isinstance(doc, ModelManifest):
+            self.manifest = doc
+        elif isinstance(doc, DeviceSummary):
+            self.devices[doc.device] = doc
+
+
+def observer(broker: BrokerConfig, fleet: str, found: FleetStatus, name: str = "status",
+             on_document: Callable[[Document], None] | None = None) -> MqttTransport:
+    """A transport (not yet connected) that keeps ``found`` up to date with the fleet's
+    presences and documents, as an observer: no presence, no session left on the broker,
+    nothing but what the monitor's credentials may read.  ``on_document`` sees each
+    document after ``found`` took it."""
+    def on_presence(topic: str, message: m.Message) -> None:
+        if isinstance(message, m.Presence):
+            found.presence[(message.role, message.sender)] = message.online
+
+    def on_doc(topic: str, doc: Document) -> None:
+        found.take(doc)
+        if on_document is not None:
+            on_document(doc)
+
+    transport = MqttTransport(broker, client_id=f"safl-{name}-{time.time_ns()}", fleet=fleet,
+                              persistent=False)
+    for topic_filter in presence_filters(fleet):
+        transport.subscribe(topic_filter, on_presence)
+    for topic_filter in document_filters(fleet):
+        transport.subscribe_documents(topic_filter, on_doc)
+    return transport
 
 
 def fleet_status(broker: BrokerConfig, fleet: str, wait: float = 1.5) -> FleetStatus:
     """Collect what is retained under ``safl/<fleet>/`` for ``wait`` seconds."""
     found = FleetStatus()
-
-    def on_presence(topic: str, message: m.Message) -> None:
-        if isinstance(message, m.Presence):
-            found.presence[(message.role, message.sender)] = message.online
-
-    def on_document(topic: str, doc: Document) -> None:
-        if isinstance(doc, StationSummary):
-            found.stations[doc.station] = doc
-        elif isinstance(doc, CloudSummary):
-            found.cloud = doc
-        elif isinstance(doc, ModelManifest):
-            found.manifest = doc
-
     # An operator's command should fail fast on a wrong address, not retry like a service.
     broker = dataclasses.replace(broker, connect_timeout=min(broker.connect_timeout, 10.0))
-    transport = MqttTransport(broker, client_id=f"safl-status-{time.time_ns()}", fleet=fleet,
-                              persistent=False)
-    for topic_filter in presence_filters(fleet):
-        transport.subscribe(topic_filter, on_presence)
-    for topic_filter in document_filters(fleet):
-        transport.subscribe_documents(topic_filter, on_document)
+    transport = observer(broker, fleet, found)
     transport.connect()
     try:
         end = time.monotonic() + wait

@@ -9,18 +9,20 @@ than the rest of its factory together in the label counts that feed ``P_real``
 (:func:`majority_capped`), and it may sit in at most a bounded share of recent
 super nodes, below all of them whenever there is a choice, and sits out a few after
 a refused reply (:class:`ShareCap`, :func:`fair_seat_share`, :func:`seat_candidates`).
-Pure numpy, no I/O; the station role applies them (``docs/reliability.md``).
+:class:`ClaimTally` keeps, per roster device, how many of its claims were refused or
+clipped, so an operator can see which device is the trouble.  Pure numpy, no I/O; the
+station role applies them (``docs/reliability.md``).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import NamedTuple
 
 import numpy as np
 
 __all__ = ["NormGuard", "Bounded", "ReplayGuard", "bound_seen_counts", "majority_capped",
-           "ShareCap", "fair_seat_share", "seat_candidates"]
+           "ShareCap", "fair_seat_share", "seat_candidates", "ClaimTally"]
 
 
 class NormGuard:
@@ -255,3 +257,24 @@ class ReplayGuard:
     def restore(self, recent: dict[str, np.ndarray]) -> None:
         for d, rows in recent.items():
             self.recent[d] = deque((np.array(r) for r in rows), maxlen=self.depth)
+
+
+class ClaimTally:
+    """Per roster device, its claims refused and clipped (senders off the roster are only
+    counted in the station's totals: an unknown id must not grow the station's memory)."""
+
+    def __init__(self, roster: tuple[str, ...] | list[str]) -> None:
+        self.roster = frozenset(roster)
+        self.refused: Counter[str] = Counter()
+        self.clipped: Counter[str] = Counter()
+
+    def count(self, tally: Counter[str], device: str) -> None:
+        if device in self.roster:
+            tally[device] += 1
+
+    def state(self) -> dict[str, dict[str, int]]:
+        return {"refused": dict(self.refused), "clipped": dict(self.clipped)}
+
+    def restore(self, state: dict[str, dict[str, int]]) -> None:
+        for name, tally in (("refused", self.refused), ("clipped", self.clipped)):
+            tally.update({d: int(n) for d, n in state.get(name, {}).items() if d in self.roster})

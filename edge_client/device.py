@@ -13,13 +13,14 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from . import messages as m
 from .buffer import StreamBuffer
 from .config import DeviceConfig, InferenceConfig
+from .documents import DeviceSummary
 from .inference import NOT_PREDICTED, Prequential, one_in, predict
 from .pipeline import UpdatePipeline
 from .privacy import LedgerState, PrivacyLedger
@@ -418,6 +419,18 @@ class Device(RoleBase[DeviceState]):
                 self.on_release(self.privacy.state())
         return update(encoding=self.pipeline.id, weights=enc.values, indices=enc.indices,
                       half=enc.half, codes=enc.codes, scales=enc.scales)
+
+    def summary(self, **extra: Mapping[str, int]) -> DeviceSummary:
+        """What the device says of itself for the monitor; ``extra``: its service's
+        ``transport`` and ``source`` counters."""
+        model, pre = self._model, self.prequential
+        acc, samples = self._local_acc
+        return DeviceSummary(device=self.id, station=self.config.station, state=self.state,
+                             round=model.round if model else 0,
+                             iteration=model.iteration if model else 0,
+                             local_accuracy=acc if samples else None,
+                             prequential_accuracy=pre.accuracy if pre and pre.samples else None,
+                             epsilon=self.epsilon or None, counters=dict(self.counters), **extra)
 
     @property
     def epsilon(self) -> float:

@@ -22,14 +22,16 @@ from typing import Any
 
 from .errors import MessageError
 from .messages import NamedEnum
-from .states import CloudState, StationState
+from .states import CloudState, DeviceState, StationState
 
-__all__ = ["ModelManifest", "StationSummary", "CloudSummary", "Prediction", "Document",
-           "DOCUMENT_VERSION",
+__all__ = ["ModelManifest", "StationSummary", "CloudSummary", "DeviceSummary", "Prediction",
+           "Document",
+           "DOCUMENT_VERSION", "ACCURACY_HISTORY",
            "encode_document", "decode_document"]
 
 DOCUMENT_VERSION = 1
 MAX_DOCUMENT = 1 << 16  # bytes: documents are small, and a retained one is read by all
+ACCURACY_HISTORY = 500  # rounds of accuracy a cloud summary carries (about 12 KB)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +68,29 @@ class StationSummary:
     update_stages: str = "model"  # what it decodes its devices' updates by (docs/protocol.md)
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
+    # The station's own view of each roster device: its claims refused and clipped.
+    device_refused: Mapping[str, int] = field(default_factory=dict)
+    device_clipped: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSummary:
+    """What a device says of itself, for the fleet's monitor: where it is, how its
+    deployable model does on its own stream, what it sent, and its source's counters
+    (frames dropped).  A claim like any report: the station's summary says what it
+    accepted and refused of it."""
+
+    device: str
+    station: str
+    state: DeviceState
+    round: int
+    iteration: int
+    local_accuracy: float | None = None  # held-out accuracy of its deployable model
+    prequential_accuracy: float | None = None  # test-then-train on its stream
+    epsilon: float | None = None  # what its local DP has spent
+    counters: Mapping[str, int] = field(default_factory=dict)
+    transport: Mapping[str, int] = field(default_factory=dict)
+    source: Mapping[str, int] = field(default_factory=dict)  # frames_dropped, wrong_shape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +108,10 @@ class CloudSummary:
     prequential_mean: float | None = None
     prequential_worst10: float | None = None
     epsilon_cloud: float | None = None  # the most a station's data spent (central DP)
+    # The global model's test accuracy over the last rounds evaluated (at most
+    # ACCURACY_HISTORY), so a monitor started late still draws the curve.
+    accuracy_rounds: tuple[int, ...] = ()
+    accuracies: tuple[float, ...] = ()
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
 
@@ -99,9 +128,10 @@ class Prediction:
     latency_ms: float  # from capture to the prediction
 
 
-Document = ModelManifest | StationSummary | CloudSummary | Prediction
+Document = ModelManifest | StationSummary | CloudSummary | DeviceSummary | Prediction
 _KINDS: dict[str, type] = {cls.__name__: cls for cls in (ModelManifest, StationSummary,
-                                                          CloudSummary, Prediction)}
+                                                          CloudSummary, DeviceSummary,
+                                                          Prediction)}
 
 
 def encode_document(doc: Document) -> bytes:
@@ -116,9 +146,9 @@ def _check(name: str, value: Any, hint: Any) -> Any:
             return None
         return _check(name, value, next(a for a in args if a is not type(None)))
     if origin is tuple:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise MessageError("document", f"{name!r} must be a list of strings")
-        return tuple(value)
+        if not isinstance(value, list):
+            raise MessageError("document", f"{name!r} must be a list")
+        return tuple(_check(name, v, args[0]) for v in value)
     if origin is Mapping:
         if not isinstance(value, dict) or not all(
                 isinstance(k, str) and type(v) is int for k, v in value.items()):

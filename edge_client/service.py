@@ -25,6 +25,7 @@ from .config import (
     load_config,
 )
 from .device import Device
+from .documents import Document
 from .errors import ConfigError
 from .metrics import Collect, MetricsServer
 from .mqtt import MqttTransport
@@ -33,7 +34,7 @@ from .runner import RoleRunner, StopFlag, pace_replay, serve
 from .serving import DeployableKeeper, StreamFeed
 from .sources import LiveLabels, SourcePump, build_source
 from .sources.replay import ReplaySource
-from .topics import predictions_topic
+from .topics import predictions_topic, summary_topic
 from .trainers import Trainer, build_trainer, layout_hash
 
 __all__ = ["DeviceService", "load_role_file", "with_metrics", "model_trainer",
@@ -70,6 +71,19 @@ def role_transport(broker: BrokerConfig, *, fleet: str, role: m.Participant, par
     return MqttTransport(broker, client_id=client_id or participant, fleet=fleet,
                          layout_hash=layout_hash(trainer.layout), presence=presence,
                          num_params=trainer.num_params)
+
+
+def summaries(transport: MqttTransport, topic: str, summary: Callable[[], Document],
+              every: float = 1.0) -> dict[str, Any]:
+    """``serve`` keywords that publish a retained summary every ``every`` seconds and once
+    at the end."""
+    last = [0.0]
+
+    def hook(now: float) -> None:
+        if now - last[0] >= every:
+            last[0] = now
+            transport.publish_document(topic, summary())
+    return {"hooks": (hook,), "on_stop": lambda: transport.publish_document(topic, summary())}
 
 
 def with_metrics(config: ServiceConfig, role: str, collect: Collect,
@@ -146,6 +160,14 @@ class DeviceService:
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
         runner, transport, hooks = self.build()
         device, pump = runner.role, self.pump
+        cfg = device.config
+        # Every 2 s, the pace the monitor's page redraws at: about 500 bytes, against an
+        # update's hundreds of kilobytes on the factory's Wi-Fi.
+        published = summaries(transport, summary_topic(cfg.fleet, m.Participant.DEVICE,
+                                                       device.id), lambda: device.summary(
+            transport=dict(transport.counters),
+            source={k: int(v) for k, v in (pump.metrics() if pump else {}).items()
+                    if k != "queued"}), every=2.0)
         metrics = with_metrics(self.service, "device", lambda: (
             {**device.counters, **transport.counters,
              **({f"source.{k}": v for k, v in pump.metrics().items() if k != "queued"}
@@ -155,10 +177,16 @@ class DeviceService:
                                     else {})}),
             labels={"fleet": device.config.fleet, "station": device.config.station,
                     "device": device.id})
+        keeper, last_summary = self.keeper, published["on_stop"]
+
+        def on_stop() -> None:
+            if keeper is not None:
+                keeper.save()
+            last_summary()
         try:
-            serve(runner, transport, stop=stop or StopFlag(), metrics=metrics, hooks=hooks,
-                  done=(lambda: device.finished) if exit_when_done else (lambda: False),
-                  on_stop=self.keeper.save if self.keeper else None)
+            serve(runner, transport, stop=stop or StopFlag(), metrics=metrics,
+                  hooks=(*hooks, *published["hooks"]), on_stop=on_stop,
+                  done=(lambda: device.finished) if exit_when_done else (lambda: False))
         finally:
             if self.feed is not None:
                 self.feed.close()

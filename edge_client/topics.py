@@ -35,7 +35,7 @@ __all__ = [
 
 # The leaves below each participant's prefix: everything it publishes (broker ACLs grant
 # them one by one, ``aggregator/provision.py``).
-DEVICE_LEAVES = ("stats", "update", "status", "predictions")
+DEVICE_LEAVES = ("stats", "update", "status", "summary", "predictions")
 STATION_LEAVES = ("model", "select", "update", "stats", "status", "summary")
 CLOUD_LEAVES = ("model", "model/manifest", "status", "summary")
 
@@ -107,7 +107,7 @@ def status_topic(fleet: str, role: Participant | str, participant: str) -> str:
 
 
 def summary_topic(fleet: str, role: Participant | str, participant: str) -> str:
-    """Retained JSON summary a station or the cloud publishes for ``safl status``."""
+    """Retained JSON summary a participant publishes for ``safl status`` and the monitor."""
     return status_topic(fleet, role, participant).removesuffix("/status") + "/summary"
 
 

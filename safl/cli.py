@@ -113,6 +113,19 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _monitor(args: argparse.Namespace) -> int:
+    from aggregator.monitor import run_monitor
+    from edge_client.config import BrokerConfig, load_config
+    from edge_client.errors import ConfigError
+
+    host, _, port = args.http.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError("--http", f"must be HOST:PORT, got {args.http!r}")
+    broker = load_config(BrokerConfig, "broker", args.config, {"url": args.broker})
+    run_monitor(broker, args.fleet, host, int(port))
+    return 0
+
+
 def _experiment(args: argparse.Namespace) -> int:
     from lab.results import run_experiments
 
@@ -211,13 +224,19 @@ def _add_roles(sub) -> None:
 
 
 def _add_status(sub) -> None:
-    """``safl status``: what the fleet's retained documents say."""
+    """``safl status`` and ``safl monitor``: what the fleet's retained documents say."""
     status = sub.add_parser("status", help="print the fleet: stations, devices online, round")
-    status.add_argument("--broker", default=None, help="mqtt://host:port")
-    status.add_argument("--config", type=Path, default=None, help="a TOML file with [broker]")
-    status.add_argument("--fleet", default="default")
+    monitor = sub.add_parser("monitor", help="serve a live page of the fleet (read-only)")
+    for p in (status, monitor):
+        p.add_argument("--broker", default=None, help="mqtt://host:port")
+        p.add_argument("--config", type=Path, default=None,
+                       help="a TOML file with [broker] (provisioning writes monitor/status-*.toml)")
+        p.add_argument("--fleet", default="default")
     status.add_argument("--wait", type=float, default=1.5, help="seconds to collect retained state")
     status.set_defaults(run=_status)
+    monitor.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT",
+                         help="where to serve the page (default 127.0.0.1:8080)")
+    monitor.set_defaults(run=_monitor)
 
 
 def _add_lab(sub) -> None:

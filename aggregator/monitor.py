@@ -1,0 +1,263 @@
+"""``safl monitor --http HOST:PORT``: a live page of the fleet for a field test.
+
+The monitor reads what ``safl status`` reads (presences, the stations', cloud's and devices'
+retained summaries, the manifest; never an update or a model), keeps a short history of it
+(:class:`FleetHistory`: the global model's accuracy per round, each device's accuracy over
+time, the bytes the devices and stations sent and received), and serves it read-only over
+HTTP (:class:`MonitorServer`): ``/`` the page, ``/monitor.js`` its script, ``/api/fleet``
+the JSON the script redraws from every two seconds.  Everything the page needs is in
+:mod:`aggregator.monitor_page`; nothing is fetched from elsewhere.  Bad requests (unknown
+paths, oversized or malformed request lines, more connections than it serves at once) get
+an error answer and a counter, and never stop it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections import Counter, deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from edge_client import messages as m
+from edge_client.config import BrokerConfig
+from edge_client.documents import CloudSummary, DeviceSummary, Document, StationSummary
+from edge_client.errors import SaflError
+from edge_client.runner import StopFlag
+from edge_client.topics import CLOUD_ID
+
+from .monitor_page import PAGE, SCRIPT
+from .status import FleetStatus, observer
+
+__all__ = ["FleetHistory", "MonitorServer", "run_monitor"]
+
+log = logging.getLogger(__name__)
+
+MAX_POINTS = 600  # per series: ten minutes of a device reporting every second
+MAX_PATH = 2048  # bytes of a request target; the page's own are short
+MAX_CLIENTS = 16  # requests served at once; more are told to come back
+
+
+def _sum(counters: Any, prefix: str) -> int:
+    return sum(v for k, v in counters.items() if k.startswith(prefix))
+
+
+class FleetHistory:
+    """The fleet as the monitor has seen it: the latest documents and presences
+    (:class:`FleetStatus`), with series of what changed since the monitor started."""
+
+    def __init__(self, fleet: str, clock=time.monotonic) -> None:
+        self.fleet, self.clock, self.started = fleet, clock, clock()
+        self.status = FleetStatus()
+        self.global_accuracy: dict[int, float] = {}  # round -> accuracy of its global model
+        self.device_accuracy: dict[str, deque[tuple[float, float | None, float | None]]] = {}
+        self._device_at: dict[str, tuple[int, int]] = {}
+        self.traffic: deque[tuple[float, int, int]] = deque(maxlen=MAX_POINTS)
+        self.lock = threading.Lock()
+
+    def take(self, doc: Document) -> None:
+        """A document arrived (``status`` has already kept it): extend the series."""
+        now = round(self.clock() - self.started, 2)
+        if isinstance(doc, CloudSummary):
+            self.global_accuracy.update(zip(doc.accuracy_rounds, doc.accuracies, strict=False))
+        elif isinstance(doc, DeviceSummary):
+            at = (doc.round, doc.iteration)
+            if self._device_at.get(doc.device) != at and (
+                    doc.local_accuracy is not None or doc.prequential_accuracy is not None):
+                self._device_at[doc.device] = at
+                self.device_accuracy.setdefault(doc.device, deque(maxlen=MAX_POINTS)).append(
+                    (now, doc.local_accuracy, doc.prequential_accuracy))
+        if not isinstance(doc, (DeviceSummary, StationSummary)):
+            return
+        sent, received = self._bytes()
+        if self.traffic and now - self.traffic[-1][0] < 1.0:
+            self.traffic[-1] = (self.traffic[-1][0], sent, received)
+        else:
+            self.traffic.append((now, sent, received))
+
+    def _bytes(self) -> tuple[int, int]:
+        """Bytes the devices and stations have sent and received, by their own count."""
+        counts = [d.transport for d in self.status.devices.values()] + \
+            [s.transport for s in self.status.stations.values()]
+        return (sum(c.get("bytes_out", 0) for c in counts),
+                sum(c.get("bytes_in", 0) for c in counts))
+
+    def _online(self, role: m.Participant, ident: str) -> bool | None:
+        return self.status.presence.get((role, ident))
+
+    def _station_row(self, sid: str) -> dict[str, Any]:
+        doc = self.status.stations.get(sid)
+        row: dict[str, Any] = {"id": sid, "presence": self._online(m.Participant.STATION, sid)}
+        if doc is None:
+            return row
+        counters = {**doc.counters, **doc.transport}
+        return {**row, **{k: v for k, v in dataclasses.asdict(doc).items()
+                          if k not in ("counters", "transport", "station")},
+                "uploads": doc.counters.get("received_updates", 0),
+                "skips": doc.counters.get("received_skips", 0),
+                "refused": _sum(counters, "rejected."), "clipped": _sum(counters, "clipped."),
+                "bytes_out": doc.transport.get("bytes_out", 0),
+                "bytes_in": doc.transport.get("bytes_in", 0)}
+
+    def _device_row(self, did: str) -> dict[str, Any]:
+        doc = self.status.devices.get(did)
+        row: dict[str, Any] = {"id": did, "presence": self._online(m.Participant.DEVICE, did)}
+        if doc is None:
+            return row
+        seen_by = self.status.stations.get(doc.station)
+        return {**row, "station": doc.station, "state": doc.state.value, "round": doc.round,
+                "iteration": doc.iteration, "local_accuracy": doc.local_accuracy,
+                "prequential_accuracy": doc.prequential_accuracy, "epsilon": doc.epsilon,
+                "uploads": doc.counters.get("uploads", 0),
+                "skips": _sum(doc.counters, "skipped."),
+                "refused": seen_by.device_refused.get(did, 0) if seen_by else None,
+                "clipped": seen_by.device_clipped.get(did, 0) if seen_by else None,
+                "frames_dropped": doc.source.get("frames_dropped", 0),
+                "bytes_out": doc.transport.get("bytes_out", 0),
+                "bytes_in": doc.transport.get("bytes_in", 0)}
+
+    def snapshot(self, served: Counter[str]) -> dict[str, Any]:
+        """The page's JSON: the tables now, and the series so far."""
+        st = self.status
+        stations = sorted({s for (r, s) in st.presence if r == m.Participant.STATION}
+                          | set(st.stations))
+        devices = sorted({d for (r, d) in st.presence if r == m.Participant.DEVICE}
+                         | set(st.devices))
+        cloud = dataclasses.asdict(st.cloud) if st.cloud else {}
+        return {"fleet": self.fleet, "seconds": round(self.clock() - self.started, 1),
+                "cloud": {**cloud, "presence": self._online(m.Participant.CLOUD, CLOUD_ID)},
+                "stations": [self._station_row(s) for s in stations],
+                "devices": [self._device_row(d) for d in devices],
+                "global_accuracy": sorted(self.global_accuracy.items()),
+                "device_accuracy": {d: list(v) for d, v in sorted(self.device_accuracy.items())},
+                "traffic": list(self.traffic), "monitor": dict(served)}
+
+
+class MonitorServer:
+    """The page and its JSON over HTTP, from daemon threads; :meth:`close` stops it."""
+
+    def __init__(self, history: FleetHistory, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.history, self.counters = history, Counter[str]()
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        handler = type("MonitorHandler", (_Handler,), {"monitor": self})
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            raise SaflError(f"cannot serve the monitor on {host}:{port}: {exc.strerror} (is "
+                            "the port taken? choose another with --http)") from exc
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True,
+                         name="safl-monitor").start()
+        log.info("monitor on http://%s:%d/", host, self.port)
+
+    def answer(self, path: str) -> tuple[int, str, bytes]:
+        """Status, content type and body for a GET of ``path``."""
+        target = path.split("?", 1)[0]
+        if target in ("/", "/index.html"):
+            return 200, "text/html; charset=utf-8", PAGE.encode()
+        if target == "/monitor.js":
+            return 200, "text/javascript; charset=utf-8", SCRIPT.encode()
+        if target == "/api/fleet":
+            with self.history.lock:
+                doc = self.history.snapshot(self.counters)
+            return 200, "application/json", json.dumps(doc).encode()
+        if target == "/healthz":
+            return 200, "application/json", b'{"status": "ok"}'
+        self.counters["http.not_found"] += 1
+        return 404, "application/json", json.dumps(
+            {"error": f"no such page {target[:80]!r}: the monitor serves /, /api/fleet and "
+                      "/healthz"}).encode()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    monitor: MonitorServer
+    timeout = 10  # seconds a client may take to send its request: a stalled one lets go
+    server_version = "safl-monitor"
+
+    def handle_one_request(self) -> None:
+        if not self.monitor._slots.acquire(blocking=False):
+            self.monitor.counters["http.busy"] += 1
+            try:
+                self._send(503, "application/json", b'{"error": "busy: too many requests at '
+                           b'once, try again"}', close=True)
+            except OSError:
+                self.close_connection = True
+            return
+        try:
+            super().handle_one_request()
+        except (OSError, ValueError) as exc:  # a client that hung up or sent garbage
+            self.monitor.counters["http.broken"] += 1
+            log.debug("monitor: a request failed: %s", exc)
+            self.close_connection = True
+        finally:
+            self.monitor._slots.release()
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        if len(self.path) > MAX_PATH:
+            self.monitor.counters["http.too_long"] += 1
+            self._send(414, "application/json", b'{"error": "request target too long"}')
+            return
+        self._send(*self.monitor.answer(self.path))
+
+    def send_error(self, code: int, message: str | None = None,
+                   explain: str | None = None) -> None:
+        self.monitor.counters[f"http.error_{code}"] += 1  # malformed, unsupported method
+        self._send(code, "application/json",
+                   json.dumps({"error": message or "bad request"}).encode(), close=True)
+
+    def _send(self, code: int, kind: str, body: bytes, close: bool = False) -> None:
+        # Every answer has a status line, also to a request too broken to name its version
+        # (http.server would answer those as HTTP/0.9: a bare body).
+        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        # The page runs its own script and nothing else; it fetches only from here.
+        self.send_header("Content-Security-Policy", "default-src 'self'; style-src 'self' "
+                         "'unsafe-inline'; img-src 'self' data:")
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        if getattr(self, "command", "") != "HEAD":
+            self.wfile.write(body)
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        pass  # a busy answer goes out before any request line was read
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def run_monitor(broker: BrokerConfig, fleet: str, host: str, port: int,
+                stop: StopFlag | None = None) -> None:
+    """Watch ``fleet`` and serve its page until ``stop`` (Ctrl-C) is set."""
+    stop = stop or StopFlag()
+    history = FleetHistory(fleet)
+    history.status = found = FleetStatus()
+
+    def on_document(doc: Document) -> None:
+        history.take(doc)
+
+    transport = observer(broker, fleet, found, name="monitor", on_document=on_document)
+    server = MonitorServer(history, host, port)
+    print(f"monitor of fleet {fleet}: http://{host}:{server.port}/", flush=True)
+    transport.connect()
+    try:
+        while not stop:
+            with history.lock:
+                transport.deliver()
+            transport.wait(0.2)
+    finally:
+        transport.close()
+        server.close()

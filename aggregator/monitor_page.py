@@ -1,0 +1,194 @@
+"""The monitor's page and script, shipped in the wheel as text: no framework, no CDN.
+
+The script fetches ``/api/fleet`` every two seconds and redraws the tables and three charts
+(inline SVG drawn here): the global model's accuracy per round, each device's accuracy over
+time (held-out solid, prequential dashed) and the bytes sent and received.  Every value goes
+into the page as text (``textContent``), never as markup, since device ids and states come
+from the fleet.  Each chart's lines carry their values in ``data-values`` so a test (or a
+curious user) can read the series off the rendered page.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PAGE", "SCRIPT"]
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>safl-edge monitor</title>
+<style>
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.2em; color: #1b1f24; background: #fff; }
+h1 { font-size: 1.3em; margin: 0 0 .3em; } h2 { font-size: 1.05em; margin: 1.2em 0 .4em; }
+#summary span { margin-right: 1.4em; }
+table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
+th, td { padding: 2px 9px; border-bottom: 1px solid #d8dee4; text-align: right; }
+th { background: #f3f5f7; } td:first-child, th:first-child { text-align: left; }
+.on { color: #116329; font-weight: 600; } .off { color: #b3261e; font-weight: 600; }
+.charts { display: flex; flex-wrap: wrap; gap: 1.2em; }
+figure { margin: 0; } figcaption { font-weight: 600; margin-bottom: .2em; }
+svg text { font-size: 11px; fill: #57606a; } .muted { color: #57606a; }
+</style></head>
+<body>
+<h1>safl-edge fleet <span id="fleet">?</span></h1>
+<div id="summary" class="muted">waiting for the fleet's retained state...</div>
+<div class="charts">
+<figure><figcaption>Global model accuracy, by round</figcaption>
+<svg id="global-accuracy" width="420" height="240"></svg></figure>
+<figure><figcaption>Device accuracy over time (solid: held-out, dashed: prequential)</figcaption>
+<svg id="device-accuracy" width="420" height="240"></svg></figure>
+<figure><figcaption>Bytes sent and received by devices and stations (MB)</figcaption>
+<svg id="traffic" width="420" height="240"></svg></figure>
+</div>
+<h2>Stations</h2><table id="stations"></table>
+<h2>Devices</h2><table id="devices"></table>
+<p class="muted" id="footer"></p>
+<script src="/monitor.js"></script>
+</body></html>
+"""
+
+SCRIPT = r"""'use strict';
+const COLORS = ['#0969da', '#cf222e', '#1a7f37', '#8250df', '#bc4c00', '#1b7c83', '#d4a72c',
+                '#57606a', '#e85aad', '#4d2d00'];
+const SVGNS = 'http://www.w3.org/2000/svg';
+
+function fmt(v, digits) {
+  if (v === null || v === undefined) return '-';
+  if (typeof v === 'number') return digits === undefined ? String(v) : v.toFixed(digits);
+  return String(v);
+}
+
+function el(tag, attrs, text, ns) {
+  const e = ns ? document.createElementNS(SVGNS, tag) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+function draw(svg, tag, attrs, text) {
+  svg.appendChild(el(tag, attrs, text, true));
+}
+
+function presence(online) {
+  const span = el('span', {class: online ? 'on' : online === false ? 'off' : ''},
+                  online ? 'online' : online === false ? 'offline' : '?');
+  return span;
+}
+
+function table(id, columns, rows) {
+  const t = document.getElementById(id);
+  t.replaceChildren();
+  const head = el('tr');
+  for (const [, label] of columns) head.appendChild(el('th', {}, label));
+  t.appendChild(head);
+  for (const row of rows) {
+    const tr = el('tr', {id: id + '-' + row.id});
+    for (const [key, , digits] of columns) {
+      const td = el('td');
+      if (key === 'presence') td.appendChild(presence(row.presence));
+      else td.textContent = fmt(row[key], digits);
+      tr.appendChild(td);
+    }
+    t.appendChild(tr);
+  }
+}
+
+function niceTicks(lo, hi, count, integer) {
+  if (hi <= lo) hi = lo + 1;
+  let step = (hi - lo) / count;
+  const mag = Math.pow(10, Math.floor(Math.log10(step)));
+  step = [1, 2, 5, 10].map(f => f * mag).find(s => s >= step);
+  if (integer) step = Math.max(1, Math.round(step));
+  const ticks = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi + 1e-9; v += step) ticks.push(v);
+  return ticks;
+}
+
+// series: [{name, points: [[x, y], ...], color, dash}]
+function chart(id, series, opts) {
+  const svg = document.getElementById(id);
+  svg.replaceChildren();
+  const W = +svg.getAttribute('width'), H = +svg.getAttribute('height');
+  const L = 46, R = 10, T = 10, B = 34;
+  const xs = series.flatMap(s => s.points.map(p => p[0]));
+  const ys = series.flatMap(s => s.points.map(p => p[1])).filter(y => y !== null);
+  if (!xs.length) {
+    draw(svg, 'text', {x: L, y: H / 2}, 'no data yet');
+    return;
+  }
+  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
+  const y0 = opts.yMin !== undefined ? opts.yMin : Math.min(...ys, 0);
+  const y1 = opts.yMax !== undefined ? opts.yMax : Math.max(...ys, y0 + 1e-9) * 1.05;
+  const X = x => L + (x - x0) / (x1 - x0) * (W - L - R);
+  const Y = y => H - B - (y - y0) / (y1 - y0) * (H - T - B);
+  draw(svg, 'line', {x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: '#8c959f'});
+  draw(svg, 'line', {x1: L, y1: T, x2: L, y2: H - B, stroke: '#8c959f'});
+  for (const v of niceTicks(x0, x1, 6, opts.xInteger)) {
+    draw(svg, 'text', {x: X(v), y: H - B + 14, 'text-anchor': 'middle'},
+         opts.xInteger ? String(Math.round(v)) : String(+v.toFixed(1)));
+  }
+  for (const v of niceTicks(y0, y1, 4, false)) {
+    draw(svg, 'line', {x1: L, y1: Y(v), x2: W - R, y2: Y(v), stroke: '#eaeef2'});
+    draw(svg, 'text', {x: L - 4, y: Y(v) + 4, 'text-anchor': 'end'}, String(+v.toFixed(3)));
+  }
+  draw(svg, 'text', {x: (L + W - R) / 2, y: H - 4, 'text-anchor': 'middle'}, opts.xLabel);
+  for (const s of series) {
+    const pts = s.points.filter(p => p[1] !== null);
+    if (!pts.length) continue;
+    const line = el('polyline', {
+      points: pts.map(p => X(p[0]).toFixed(1) + ',' + Y(p[1]).toFixed(1)).join(' '),
+      fill: 'none', stroke: s.color, 'stroke-width': 2, 'data-name': s.name,
+      'data-values': pts.map(p => p[1]).join(',')}, undefined, true);
+    if (s.dash) line.setAttribute('stroke-dasharray', '5 3');
+    line.appendChild(el('title', {}, s.name, true));
+    svg.appendChild(line);
+  }
+}
+
+function render(doc) {
+  document.getElementById('fleet').textContent = doc.fleet;
+  const c = doc.cloud || {};
+  const online = doc.devices.filter(d => d.presence).length;
+  const summary = document.getElementById('summary');
+  summary.replaceChildren(
+    el('span', {}, 'cloud: '), presence(c.presence),
+    el('span', {}, ' state ' + fmt(c.state) + ', round ' + fmt(c.round) +
+       ', accuracy ' + fmt(c.accuracy, 4)),
+    el('span', {id: 'devices-online'}, 'devices online: ' + online + ' of ' + doc.devices.length));
+  table('stations', [['id', 'station'], ['presence', 'presence'], ['state', 'state'],
+    ['round', 'round'], ['iteration', 'iter'], ['online', 'online'], ['devices', 'roster'],
+    ['uploads', 'uploads'], ['skips', 'skips'], ['refused', 'refused'], ['clipped', 'clipped'],
+    ['local_mean', 'held-out', 3], ['prequential_mean', 'prequential', 3],
+    ['bytes_in', 'bytes in'], ['bytes_out', 'bytes out']], doc.stations);
+  table('devices', [['id', 'device'], ['station', 'station'], ['presence', 'presence'],
+    ['state', 'state'], ['round', 'round'], ['iteration', 'iter'],
+    ['local_accuracy', 'held-out', 3], ['prequential_accuracy', 'prequential', 3],
+    ['uploads', 'uploads'], ['skips', 'skips'], ['refused', 'refused'], ['clipped', 'clipped'],
+    ['frames_dropped', 'frames dropped'], ['bytes_out', 'bytes out'], ['bytes_in', 'bytes in']],
+    doc.devices);
+  chart('global-accuracy', [{name: 'global', color: COLORS[0], points: doc.global_accuracy}],
+        {xInteger: true, xLabel: 'round', yMin: 0, yMax: 1});
+  const devs = Object.entries(doc.device_accuracy);
+  chart('device-accuracy', devs.flatMap(([d, pts], i) => [
+    {name: d + ' held-out', color: COLORS[i % COLORS.length], points: pts.map(p => [p[0], p[1]])},
+    {name: d + ' prequential', color: COLORS[i % COLORS.length], dash: true,
+     points: pts.map(p => [p[0], p[2]])}]), {xLabel: 'seconds', yMin: 0, yMax: 1});
+  chart('traffic', [
+    {name: 'sent', color: COLORS[0], points: doc.traffic.map(p => [p[0], p[1] / 1e6])},
+    {name: 'received', color: COLORS[1], points: doc.traffic.map(p => [p[0], p[2] / 1e6])}],
+    {xLabel: 'seconds'});
+  document.getElementById('footer').textContent = 'monitor up ' + doc.seconds +
+    ' s; updated ' + new Date().toLocaleTimeString();
+  document.body.setAttribute('data-rendered', String(doc.seconds));
+}
+
+async function refresh() {
+  try {
+    const r = await fetch('/api/fleet', {cache: 'no-store'});
+    if (r.ok) render(await r.json());
+  } catch (e) {
+    document.getElementById('footer').textContent = 'monitor unreachable: ' + e;
+  }
+  setTimeout(refresh, 2000);
+}
+refresh();
+"""

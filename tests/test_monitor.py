@@ -1,0 +1,174 @@
+"""The live monitor: its history of the fleet, its HTTP answers to good and bad requests,
+and its page rendered by a real browser (headless Chromium) over a real fleet."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from aggregator.monitor import MAX_CLIENTS, FleetHistory, MonitorServer
+from edge_client import messages as m
+from edge_client.documents import CloudSummary, DeviceSummary, StationSummary
+from edge_client.runner import StopFlag
+from edge_client.states import CloudState, DeviceState, StationState
+
+
+def _history() -> FleetHistory:
+    clock = iter(np.arange(0.0, 1000.0, 1.5))
+    history = FleetHistory("f", clock=lambda: float(next(clock)))
+    st = history.status
+    st.presence[(m.Participant.DEVICE, "d0")] = True
+    st.presence[(m.Participant.DEVICE, "d1")] = False
+    st.presence[(m.Participant.STATION, "st0")] = True
+    for k in range(1, 4):
+        for doc in (
+                DeviceSummary(device="d0", station="st0", state=DeviceState.READY, round=k,
+                              iteration=3 * k, local_accuracy=0.2 * k, counters={"uploads": k},
+                              transport={"bytes_out": 1000 * k, "bytes_in": 4000 * k},
+                              source={"frames_dropped": 2}),
+                StationSummary(station="st0", state=StationState.COLLECTING, round=k,
+                               iteration=3 * k, devices=2, online=1, quorum=1,
+                               counters={"received_updates": 5, "rejected.update_norm": 1},
+                               device_refused={"d1": 1}, device_clipped={"d0": k}),
+                CloudSummary(state=CloudState.COLLECTING, round=k, iteration=3 * k,
+                             stations=("st0",), accuracy=0.3 + 0.1 * k,
+                             accuracy_rounds=tuple(range(1, k + 1)),
+                             accuracies=tuple(0.3 + 0.1 * r for r in range(1, k + 1)))):
+            st.take(doc)
+            history.take(doc)
+    return history
+
+
+def test_the_history_keeps_each_series_and_the_tables():
+    doc = _history().snapshot(Counter())
+    assert [(r, round(a, 6)) for r, a in doc["global_accuracy"]] == [(1, 0.4), (2, 0.5),
+                                                                     (3, 0.6)]
+    assert [p[1] for p in doc["device_accuracy"]["d0"]] == pytest.approx([0.2, 0.4, 0.6])
+    d0, d1 = doc["devices"]
+    assert (d0["presence"], d0["uploads"], d0["clipped"], d0["frames_dropped"]) == \
+        (True, 3, 3, 2)
+    assert (d1["id"], d1["presence"]) == ("d1", False)  # seen only by its presence
+    (st0,) = doc["stations"]
+    assert (st0["presence"], st0["online"], st0["uploads"], st0["refused"]) == (True, 1, 5, 1)
+    sent = [p[1] for p in doc["traffic"]]
+    assert sent == sorted(sent) and sent[-1] == 3000
+    json.dumps(doc)  # the page's JSON
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        return s.recv(4096)
+
+
+def test_the_monitor_answers_bad_requests_and_keeps_serving():
+    server = MonitorServer(_history())
+    port = server.port
+    try:
+        status, page = _get(port, "/")
+        assert status == 200 and b"/monitor.js" in page and b"http" not in page.split(
+            b"<body>")[1].replace(b"http://www.w3.org", b"")  # nothing from elsewhere
+        status, body = _get(port, "/api/fleet")
+        assert status == 200 and json.loads(body)["fleet"] == "f"
+        status, body = _get(port, "/etc/passwd")
+        assert status == 404 and b"no such page" in body
+        assert _get(port, "/api/fleet?" + "x" * 5000)[0] == 414
+        assert _get(port, "/api/fleet?%zz&&==%%")[0] == 200  # a query is not parsed
+        assert b" 400 " in _raw(port, b"GET /\x00\xff HTTP/x.y\r\n\r\n")
+        assert b" 501 " in _raw(port, b"DELETE / HTTP/1.1\r\nHost: x\r\n\r\n")
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CLIENTS)]
+        time.sleep(0.5)  # each holds a slot, waiting for a request line
+        assert _get(port, "/api/fleet")[0] == 503
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 10
+        while _get(port, "/api/fleet")[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        counters = json.loads(_get(port, "/api/fleet")[1])["monitor"]
+        assert counters["http.not_found"] == 1 and counters["http.too_long"] == 1
+        assert counters["http.busy"] >= 1 and counters["http.error_400"] == 1
+        with pytest.raises(Exception, match="cannot serve the monitor"):
+            MonitorServer(_history(), port=port)
+    finally:
+        server.close()
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _chromium(*args: str) -> str:
+    out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+                          "--virtual-time-budget=8000", *args],
+                         capture_output=True, text=True, timeout=120)
+    return out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None or shutil.which("mosquitto") is None,
+                    reason="Chromium and Mosquitto are installed by .ci/run")
+def test_a_browser_shows_the_running_fleet(tmp_path, digits):
+    from brokers import Mosquitto, free_port
+    from PIL import Image
+    from test_mqtt import STRATEGY, _creds, _mosquitto, _spec
+
+    from aggregator.monitor import run_monitor
+    from edge_client.config import BrokerConfig
+    from lab.launch import launch_fleet
+    from lab.simulation import plan_fleet
+
+    spec = _spec(digits, rounds=8)
+    plan = plan_fleet(STRATEGY, spec)
+    server = _mosquitto(tmp_path, spec)
+    port = free_port()
+    stop = StopFlag(install=False)
+    broker = BrokerConfig(url=server.url, username="tester", password=Mosquitto.PASSWORD)
+    watcher = threading.Thread(target=run_monitor, args=(broker, plan.fleet, "127.0.0.1", port,
+                                                         stop), daemon=True)
+    watcher.start()
+    try:
+        rows = launch_fleet(tmp_path / "run", digits, STRATEGY, spec, server.url,
+                            credentials=_creds, timeout=240)
+        time.sleep(4)  # the devices' last summaries
+        url = f"http://127.0.0.1:{port}/"
+        dom = _chromium("--dump-dom", url)
+        shot = tmp_path / "run" / "monitor.png"
+        _chromium(f"--screenshot={shot}", "--window-size=1400,1100", url)
+    finally:
+        stop.event.set()
+        server.stop()
+    assert rows[-1]["round"] == spec.rounds
+    devices = [d for s in plan.stations for d in s["devices"]]
+    for sid in (s["station_id"] for s in plan.stations):
+        assert f'id="stations-{sid}"' in dom, sid
+    for did in devices:
+        assert f'id="devices-{did}"' in dom, did
+    assert f"of {len(devices)}</span>" in dom  # devices online: k of n
+    start = dom.index('id="global-accuracy"')
+    values = dom[dom.index('data-values="', start) + 13:]
+    series = [float(v) for v in values[:values.index('"')].split(",")]
+    assert len(series) >= spec.rounds - 1 and series[-1] > series[0] + 0.2  # it learned
+    start = dom.index('id="device-accuracy"')
+    lines = dom[start:dom.index("</svg>", start)].count("<polyline")
+    assert lines >= len(devices)  # a held-out accuracy line per device, at least
+    picture = np.asarray(Image.open(shot).convert("RGB"))
+    assert picture.shape[0] > 500 and len(np.unique(picture.reshape(-1, 3), axis=0)) > 50
