@@ -64,6 +64,23 @@ def test_the_history_keeps_each_series_and_the_tables():
     json.dumps(doc)  # the page's JSON
 
 
+def test_a_station_counts_each_devices_refused_and_clipped_claims():
+    from test_pipeline import _station
+
+    st = _station()
+    for sender, weights in (("d0", np.ones(5)), ("intruder", np.ones(8)), ("d1", np.ones(8))):
+        st.handle(m.DeviceUpdate(fleet="t", sender=sender, round=0, iteration=0, station="s",
+                                 weights=weights, num_samples=8), 1.0)
+    st.handle(m.DeviceStats(fleet="t", sender="d1", round=0, iteration=1, station="s",
+                            seen_counts=np.array([9, 9]), next_batch_counts=np.array([4, 4]),
+                            local_accuracy=1.5), 1.0)  # not an accuracy: dropped, counted
+    assert dict(st.tally.refused) == {"d0": 1}  # the intruder is only in the totals
+    assert dict(st.tally.clipped) == {"d1": 1}
+    again = _station()
+    again.restore(*st.snapshot())
+    assert again.tally.state() == st.tally.state()
+
+
 def _get(port: int, path: str) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
