@@ -8,11 +8,13 @@ HTTP (:class:`MonitorServer`): ``/`` the page, ``/monitor.js`` its script, ``/ap
 the JSON the script redraws from every two seconds.  Everything the page needs is in
 :mod:`aggregator.monitor_page`; nothing is fetched from elsewhere.  Bad requests (unknown
 paths, oversized or malformed request lines, more connections than it serves at once) get
-an error answer and a counter, and never stop it.
+an error answer and a counter, and never stop it.  With ``--out`` it records the field test
+for ``safl report`` (``devices.csv``, ``metrics.csv``, ``fleet.json``).
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import logging
@@ -20,12 +22,14 @@ import threading
 import time
 from collections import Counter, deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from edge_client import messages as m
 from edge_client.config import BrokerConfig
 from edge_client.documents import CloudSummary, DeviceSummary, Document, StationSummary
 from edge_client.errors import SaflError
+from edge_client.files import write_atomic
 from edge_client.runner import StopFlag
 from edge_client.topics import CLOUD_ID
 
@@ -39,6 +43,9 @@ log = logging.getLogger(__name__)
 MAX_POINTS = 600  # per series: ten minutes of a device reporting every second
 MAX_PATH = 2048  # bytes of a request target; the page's own are short
 MAX_CLIENTS = 16  # requests served at once; more are told to come back
+DEVICE_COLUMNS = ["seconds", "round", "iteration", "device", "station", "local_accuracy",
+                  "prequential_accuracy", "uploads", "skips", "refused", "clipped",
+                  "frames_dropped", "bytes_out", "bytes_in"]
 
 
 def _sum(counters: Any, prefix: str) -> int:
@@ -56,6 +63,7 @@ class FleetHistory:
         self.device_accuracy: dict[str, deque[tuple[float, float | None, float | None]]] = {}
         self._device_at: dict[str, tuple[int, int]] = {}
         self.traffic: deque[tuple[float, int, int]] = deque(maxlen=MAX_POINTS)
+        self.recorded: list[dict[str, Any]] = []  # device rows not yet written to devices.csv
         self.lock = threading.Lock()
 
     def take(self, doc: Document) -> None:
@@ -70,6 +78,8 @@ class FleetHistory:
                 self._device_at[doc.device] = at
                 self.device_accuracy.setdefault(doc.device, deque(maxlen=MAX_POINTS)).append(
                     (now, doc.local_accuracy, doc.prequential_accuracy))
+                self.recorded.append({**self._device_row(doc.device), "seconds": now,
+                                      "device": doc.device})
         if not isinstance(doc, (DeviceSummary, StationSummary)):
             return
         sent, received = self._bytes()
@@ -118,6 +128,27 @@ class FleetHistory:
                 "frames_dropped": doc.source.get("frames_dropped", 0),
                 "bytes_out": doc.transport.get("bytes_out", 0),
                 "bytes_in": doc.transport.get("bytes_in", 0)}
+
+    def save(self, folder: Path) -> None:
+        """Record the run for ``safl report``: the device rows since the last save appended
+        to ``devices.csv``, the global model's accuracy by round in ``metrics.csv``, and the
+        tables as last seen in ``fleet.json``."""
+        folder.mkdir(parents=True, exist_ok=True)
+        rows, self.recorded = self.recorded, []
+        path = folder / "devices.csv"
+        if rows:
+            new = not path.exists()
+            with open(path, "a", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=DEVICE_COLUMNS, extrasaction="ignore")
+                if new:
+                    writer.writeheader()
+                writer.writerows(rows)
+        lines = ["round,accuracy"] + [f"{r},{a}" for r, a in sorted(self.global_accuracy.items())]
+        write_atomic(folder / "metrics.csv", ("\n".join(lines) + "\n").encode())
+        doc = self.snapshot(Counter())
+        write_atomic(folder / "fleet.json", json.dumps(
+            {k: doc[k] for k in ("fleet", "seconds", "cloud", "stations", "devices")},
+            indent=1).encode())
 
     def snapshot(self, served: Counter[str]) -> dict[str, Any]:
         """The page's JSON: the tables now, and the series so far."""
@@ -240,8 +271,10 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def run_monitor(broker: BrokerConfig, fleet: str, host: str, port: int,
-                stop: StopFlag | None = None) -> None:
-    """Watch ``fleet`` and serve its page until ``stop`` (Ctrl-C) is set."""
+                stop: StopFlag | None = None, out: Path | None = None,
+                save_every: float = 5.0) -> None:
+    """Watch ``fleet`` and serve its page until ``stop`` (Ctrl-C) is set; with ``out``,
+    record it there for ``safl report`` every ``save_every`` seconds and at the end."""
     stop = stop or StopFlag()
     history = FleetHistory(fleet)
     history.status = found = FleetStatus()
@@ -253,11 +286,18 @@ def run_monitor(broker: BrokerConfig, fleet: str, host: str, port: int,
     server = MonitorServer(history, host, port)
     print(f"monitor of fleet {fleet}: http://{host}:{server.port}/", flush=True)
     transport.connect()
+    saved = time.monotonic()
     try:
         while not stop:
             with history.lock:
                 transport.deliver()
+                if out is not None and time.monotonic() - saved >= save_every:
+                    history.save(out)
+                    saved = time.monotonic()
             transport.wait(0.2)
     finally:
         transport.close()
         server.close()
+        if out is not None:
+            with history.lock:
+                history.save(out)

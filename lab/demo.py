@@ -25,6 +25,7 @@ from edge_client.errors import ConfigError, SaflError
 
 from .datasets import assign_groups, dirichlet_label_skew, load_default
 from .report import Progress, format_table, plot_accuracy, summary_rows, write_metrics
+from .run_report import write_run_report
 from .simulation import FleetSpec, RunResult, Strategy, plan_fleet, run_federation
 
 __all__ = ["demo_strategies", "run_demo", "DEFAULT_ROUNDS"]
@@ -191,6 +192,7 @@ def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 
         written.append(str(plot_accuracy(results, out / "accuracy.png",
                                          f"{data.name}: {stations}x{devices_per_station} "
                                          f"devices, Dirichlet({alpha})")))
+        written.append(str(write_run_report(out)))
     print(format_table(summary_rows(results)))
     print(f"\nwrote {', '.join(written)}" + ("" if plotting else
                                               " (no plot: pip install 'safl-edge[plot]')"))

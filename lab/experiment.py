@@ -8,7 +8,6 @@ per strategy), ``metrics.csv`` (per round), ``accuracy.png`` (accuracy vs round)
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
 import hashlib
@@ -38,7 +37,8 @@ from .datasets import (
     load_dataset,
     safl_split,
 )
-from .report import Progress, format_table, plot_accuracy, write_metrics
+from .report import Progress, format_table, plot_accuracy, write_csv, write_metrics
+from .run_report import write_run_report
 from .simulation import FleetSpec, RunResult, Strategy, run_federation
 from .strategies import RECIPES, RecipeSettings, build_strategy
 from .summary import merge_seeds, result_rows
@@ -297,7 +297,7 @@ class _RunCache:
         if doc.get("key") != self._key(name, seed, attack):
             return None
         return RunResult(doc["strategy"], doc["rows"], doc["counters"], doc["wall_s"],
-                         p_real=doc.get("p_real", []))
+                         p_real=doc.get("p_real", []), devices=doc.get("devices", []))
 
     def put(self, result: RunResult, seed: int, attack: str) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -383,15 +383,13 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     per_seed = [r for r in (done[t.key] for t in tasks) if r is not None]  # all done by now
     results = merge_seeds(per_seed)
     rows = result_rows(per_seed, cfg.target_accuracy)
-    with open(out / "results.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "results.csv", rows)
     write_metrics(results, out)
     title = f"{label}: {cfg.dataset}, {cfg.partition}"
     plot_accuracy(results, out / "accuracy.png", title)
     _plot_vs_bytes(results, out / "accuracy_vs_bytes.png", title)
     (out / "config.toml").write_text(Path(path).read_text())
+    write_run_report(out)
     print(format_table(rows))
     return cfg, per_seed, out
 

@@ -8,13 +8,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from edge_client.errors import SaflError
 
 from .simulation import RunResult
 
-__all__ = ["Progress", "summary_rows", "format_table", "write_metrics", "plot_accuracy"]
+__all__ = ["Progress", "summary_rows", "format_table", "write_csv", "write_metrics",
+           "plot_accuracy"]
 
 
 class Progress:
@@ -69,16 +70,24 @@ def format_table(rows: Sequence[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def write_metrics(results: Sequence[RunResult], out: Path) -> tuple[Path, Path]:
-    """Write per-round ``metrics.csv`` and the ``summary.json`` of a run."""
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path = out / "metrics.csv", out / "summary.json"
-    rows = [row for r in results for row in r.rows]
-    with open(csv_path, "w", newline="") as fh:
-        fields = list(dict.fromkeys(k for row in rows for k in row))
-        writer = csv.DictWriter(fh, fieldnames=fields)
+def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
+    """``rows`` as CSV, with every key any row has as a column."""
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
+    return path
+
+
+def write_metrics(results: Sequence[RunResult], out: Path) -> tuple[Path, Path]:
+    """Write per-round ``metrics.csv``, per-device ``devices.csv`` (where the run recorded
+    its devices) and the ``summary.json`` of a run."""
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path = out / "metrics.csv", out / "summary.json"
+    write_csv(csv_path, [row for r in results for row in r.rows])
+    devices = [row for r in results for row in r.devices]
+    if devices:
+        write_csv(out / "devices.csv", devices)
     summary = {"strategies": summary_rows(results),
                "counters": {r.strategy: r.counters for r in results}}
     json_path.write_text(json.dumps(summary, indent=2) + "\n")
@@ -92,6 +101,7 @@ def plot_accuracy(results: Sequence[RunResult], path: Path, title: str) -> Path:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
         raise SaflError("matplotlib is needed for plots: pip install 'safl-edge[plot]'") from exc
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -107,6 +117,8 @@ def plot_accuracy(results: Sequence[RunResult], path: Path, title: str) -> Path:
                             color=line.get_color(), alpha=0.15)
     ax.set_xlabel("samples trained (all devices)" if by_samples
                   else "round (external synchronisation)")
+    if not by_samples:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 2.5
     ax.set_ylabel("test accuracy of the global model")
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -63,8 +63,8 @@ def run_experiments(configs: list[Path], *, out: Path | None, jobs: int, full: b
                         if k not in ("name", "strategies", "attacks")}
             title = cfg.name + ("" if attack == "none" else f": attack '{attack}'")
             sections.append(markdown_section(title, command, settings, rows, claims))
-            print(f"wrote {folder}/results.csv, metrics.csv, accuracy.png, "
-                  "accuracy_vs_bytes.png")
+            print(f"wrote {folder}/results.csv, metrics.csv, devices.csv, accuracy.png, "
+                  "accuracy_vs_bytes.png, report.html")
     if report:
         write_report(report, sections)
 

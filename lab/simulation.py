@@ -93,6 +93,9 @@ class RunResult:
     counters: dict[str, int]
     wall_s: float
     p_real: list[float] = field(default_factory=list)  # the cloud's estimate at the end
+    # Each device at each evaluation, as it says of itself (DeviceSummary) with what its
+    # station refused and clipped of it: the report's per-device figures.
+    devices: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def final_accuracy(self) -> float:
@@ -187,9 +190,11 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
                                       for role in (cloud, *stations)]
     devices, admissions = _devices(data, spec, plan, bus, trainer, evaluator)
     rows: list[dict[str, Any]] = []
+    per_device: list[dict[str, Any]] = []
     bus.subscribe(global_model_topic(plan.fleet),
                   _recorder(data, strategy, spec, bus, evaluator, cloud, stations,
-                            [sim.device for sim in devices], rows, started, progress))
+                            [sim.device for sim in devices], (rows, per_device), started,
+                            progress))
     for sim in devices:
         # Each new iteration, the sensors of that factory have produced fresh samples.
         pace_replay(sim.runner, sim.source, plan.stream_rates[sim.partition])
@@ -207,7 +212,7 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
                  *(sim.device.counters for sim in devices), *(a.counters for a in admissions)):
         counters.update(kept)
     return RunResult(strategy.name, rows, dict(counters), time.perf_counter() - started,
-                     p_real=[float(p) for p in cloud.p_real])
+                     p_real=[float(p) for p in cloud.p_real], devices=per_device)
 
 
 class _SimDevice(NamedTuple):
@@ -269,11 +274,13 @@ def _devices(data: Dataset, spec: FleetSpec, plan: FleetPlan, bus: LocalBus,
 
 def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, bus: LocalBus, evaluator: Any,
               cloud: Cloud, stations: list[Station], devices: list[Device],
-              rows: list[dict[str, Any]],
+              tables: tuple[list[dict[str, Any]], list[dict[str, Any]]],
               started: float, progress: Callable[[int, float], None] | None
               ) -> Callable[[str, m.Message], None]:
     """What watches the global model: it stops the bus once the sample budget is spent, and
-    every ``eval_every`` rounds (and at the end) scores the model and appends a row."""
+    every ``eval_every`` rounds (and at the end) scores the model and appends a row, and a
+    row per device."""
+    rows, per_device = tables
     x_eval, y_eval = data.x_test[:spec.eval_samples], data.y_test[:spec.eval_samples]
 
     def record(topic: str, message: m.Message) -> None:
@@ -309,7 +316,28 @@ def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, bus: LocalBus,
             "wall_s": time.perf_counter() - started,
             **_privacy_columns(devices, stations, cloud),
         })
+        per_device.extend(_device_rows(strategy.name, message.round, trained, devices,
+                                       stations))
     return record
+
+
+def _device_rows(strategy: str, round_: int, samples: int, devices: list[Device],
+                 stations: list[Station]) -> list[dict[str, Any]]:
+    """Each device now: what it says of itself, and what its station refused and clipped."""
+    tally = {s.id: s.tally for s in stations}
+    out = []
+    for d in devices:
+        doc = d.summary()
+        seen_by = tally.get(doc.station)
+        out.append({"strategy": strategy, "round": round_, "samples": samples,
+                    "device": doc.device, "station": doc.station,
+                    "local_accuracy": doc.local_accuracy,
+                    "prequential_accuracy": doc.prequential_accuracy,
+                    "uploads": doc.counters.get("uploads", 0),
+                    "skips": sum(v for k, v in doc.counters.items() if k.startswith("skipped.")),
+                    "refused": seen_by.refused[doc.device] if seen_by else 0,
+                    "clipped": seen_by.clipped[doc.device] if seen_by else 0})
+    return out
 
 
 def _privacy_columns(devices: list[Device], stations: list[Station],

@@ -35,7 +35,9 @@ def merge_seeds(results: list[RunResult]) -> list[RunResult]:
         for r in runs:
             for key, value in r.counters.items():
                 counters[key] = counters.get(key, 0) + value
-        merged.append(RunResult(name, rows, counters, sum(r.wall_s for r in runs)))
+        # Per-device figures are one fleet's: the first seed's.
+        merged.append(RunResult(name, rows, counters, sum(r.wall_s for r in runs),
+                                devices=runs[0].devices))
     return merged
 
 

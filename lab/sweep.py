@@ -12,7 +12,6 @@ per setting, so an interrupted sweep resumes.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import itertools
 import os
@@ -28,7 +27,7 @@ from edge_client.errors import ConfigError
 
 from .claims import markdown_section, paired_points, sweep_claims
 from .experiment import ExperimentConfig, RunTask, _RunCache, load_experiment, run_task
-from .report import format_table
+from .report import format_table, write_csv
 from .results import write_report
 from .simulation import RunResult
 from .summary import epsilon_column, mean_sd, per_run, run_summary
@@ -133,10 +132,7 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1,
             rows.append(_row(point, runs, first, base.target_accuracy))
             first = first or runs
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "sweep.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "sweep.csv", rows)
     print(format_table(rows))
     print(f"wrote {out / 'sweep.csv'}")
     if report:

@@ -122,7 +122,7 @@ def _monitor(args: argparse.Namespace) -> int:
     if not host or not port.isdigit() or int(port) > 65535:
         raise ConfigError("--http", f"must be HOST:PORT, got {args.http!r}")
     broker = load_config(BrokerConfig, "broker", args.config, {"url": args.broker})
-    run_monitor(broker, args.fleet, host, int(port))
+    run_monitor(broker, args.fleet, host, int(port), out=args.out)
     return 0
 
 
@@ -131,6 +131,13 @@ def _experiment(args: argparse.Namespace) -> int:
 
     run_experiments(args.configs, out=args.out, jobs=args.jobs, full=args.full,
                     fresh=args.fresh, finished_only=args.finished_only, report=args.report)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from lab.run_report import write_run_report
+
+    print(f"wrote {write_run_report(args.run_dir)}")
     return 0
 
 
@@ -236,6 +243,8 @@ def _add_status(sub) -> None:
     status.set_defaults(run=_status)
     monitor.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT",
                          help="where to serve the page (default 127.0.0.1:8080)")
+    monitor.add_argument("--out", type=Path, default=None, help="record the field test here "
+                         "for `safl report` (devices.csv, metrics.csv, fleet.json)")
     monitor.set_defaults(run=_monitor)
 
 
@@ -256,6 +265,12 @@ def _add_lab(sub) -> None:
     exp.add_argument("--finished-only", action="store_true",
                      help="report the runs already finished in --out, run nothing")
     exp.set_defaults(run=_experiment)
+
+    report = sub.add_parser("report", help="a finished run or field test as one HTML file "
+                            "with pictures (report.html, report_*.png)")
+    report.add_argument("run_dir", type=Path, help="the run's folder (metrics.csv, and "
+                        "devices.csv, fleet.json and *.toml where it has them)")
+    report.set_defaults(run=_report)
 
     sweep = sub.add_parser("sweep", help="an experiment's strategies over the grid in its "
                            "[sweep] table, to choose defaults")

@@ -138,9 +138,36 @@ def test_quick_experiment_writes_results_and_report(tmp_path, capsys):
     assert [r["strategy"] for r in rows] == list(DEFAULT_STRATEGIES)
     for name in ("metrics.csv", "accuracy.png", "accuracy_vs_bytes.png", "config.toml"):
         assert (tmp_path / "run" / name).stat().st_size > 0
+    page = (tmp_path / "run" / "report.html").read_text()
+    # accuracy against samples and bytes; per strategy its devices (too little held out on
+    # digits to score them: their uploads and refusals only)
+    assert page.count("data:image/png;base64,") == 2 + len(DEFAULT_STRATEGIES)
+    devices = list(csv.DictReader(open(tmp_path / "run" / "devices.csv")))
+    assert {r["strategy"] for r in devices} == set(DEFAULT_STRATEGIES)
     text = report.read_text()
     assert "safl experiment experiments/quick.toml" in text and "| claim | verdict |" in text
     assert "FedGS: +3.5 points" in text
+
+
+def test_a_field_tests_folder_makes_a_report_and_a_wrong_one_says_what_it_lacks(tmp_path):
+    from lab.run_report import write_run_report
+
+    (tmp_path / "metrics.csv").write_text("round,iteration,wall_s,loss,accuracy\n"
+                                          "1,3,1.0,2.1,0.31\n2,6,2.0,1.7,0.52\n")
+    (tmp_path / "cloud.toml").write_text('[cloud]\nrounds = 2\n')
+    page = write_run_report(tmp_path).read_text()
+    assert page.count("data:image/png;base64,") == 1 and "No devices.csv" in page
+    assert "rounds = 2" in page and (tmp_path / "report_accuracy.png").stat().st_size > 0
+    (tmp_path / "devices.csv").write_text(
+        "seconds,round,device,station,local_accuracy,prequential_accuracy,uploads,refused\n"
+        "1.0,1,d<0>,s,0.2,,3,0\n2.0,2,d<0>,s,0.4,0.5,5,1\n")
+    page = write_run_report(tmp_path).read_text()
+    assert page.count("data:image/png;base64,") == 3  # and the device's accuracy, uploads
+    (tmp_path / "fleet.json").write_text('{"stations": [], "devices": [{"id": "d<0>"}]}')
+    assert "d&lt;0&gt;" in write_run_report(tmp_path).read_text()  # text, never markup
+    (tmp_path / "metrics.csv").write_text("round\n1\n")
+    with pytest.raises(ConfigError, match="RUN_DIR"):
+        write_run_report(tmp_path)
 
 
 def test_bad_experiment_configs_name_the_key(tmp_path):

@@ -159,8 +159,9 @@ def test_a_browser_shows_the_running_fleet(tmp_path, digits):
     port = free_port()
     stop = StopFlag(install=False)
     broker = BrokerConfig(url=server.url, username="tester", password=Mosquitto.PASSWORD)
+    record = tmp_path / "field-test"
     watcher = threading.Thread(target=run_monitor, args=(broker, plan.fleet, "127.0.0.1", port,
-                                                         stop), daemon=True)
+                                                         stop, record, 1.0), daemon=True)
     watcher.start()
     try:
         rows = launch_fleet(tmp_path / "run", digits, STRATEGY, spec, server.url,
@@ -172,6 +173,7 @@ def test_a_browser_shows_the_running_fleet(tmp_path, digits):
         _chromium(f"--screenshot={shot}", "--window-size=1400,1100", url)
     finally:
         stop.event.set()
+        watcher.join(10)
         server.stop()
     assert rows[-1]["round"] == spec.rounds
     devices = [d for s in plan.stations for d in s["devices"]]
@@ -189,3 +191,10 @@ def test_a_browser_shows_the_running_fleet(tmp_path, digits):
     assert lines >= len(devices)  # a held-out accuracy line per device, at least
     picture = np.asarray(Image.open(shot).convert("RGB"))
     assert picture.shape[0] > 500 and len(np.unique(picture.reshape(-1, 3), axis=0)) > 50
+
+    # What the monitor recorded makes a report with every device in it.
+    from lab.run_report import write_run_report
+
+    page = write_run_report(record).read_text()
+    assert page.count("data:image/png;base64,") >= 3  # accuracy, devices, uploads
+    assert all(d in page for d in devices)  # the devices as last seen
