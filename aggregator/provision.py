@@ -39,6 +39,7 @@ from edge_client.pipeline import UpdatePipeline
 from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES
 
 from .pki import issue, make_ca, serial_of, write_crl, write_private
+from .prometheus import ALERT_RULES, scrape_config
 
 __all__ = ["FleetFile", "load_fleet_file", "provision", "kick", "MAX_PACKET"]
 
@@ -69,6 +70,11 @@ class FleetFile:
     # What every device's update passes through (edge_client/pipeline.py): written into each
     # device.toml and station.toml alike, so a station decodes what its devices send.
     update_stages: tuple[str, ...] = ()
+    # Prometheus: every service serves /metrics on this port (0: none), and provisioning
+    # writes a scrape configuration; devices are reached at their ``host`` from the fleet
+    # file, or at their id as a host name.
+    metrics_port: int = 0
+    device_hosts: tuple[tuple[str, str], ...] = ()
 
 
 def load_fleet_file(path: str | Path) -> FleetFile:
@@ -122,8 +128,14 @@ def load_fleet_file(path: str | Path) -> FleetFile:
     if lines:
         raise ConfigError("stations.id", f"{lines[0]!r}: ids beginning 'line-' are the "
                           "factory lines' logins")
+    metrics_port = fleet.get("metrics_port", 0)
+    if type(metrics_port) is not int or not 0 <= metrics_port <= 65535:
+        raise ConfigError("fleet.metrics_port", f"must be a port number (0: none), got "
+                          f"{metrics_port!r}")
+    hosts = tuple((str(raw["id"]), str(raw["host"])) for raw in doc.get("devices", [])
+                  if raw.get("host"))
     return FleetFile(fleet["name"], fleet["cloud_host"], int(fleet.get("cloud_port", 8883)),
-                     tuple(stations), tuple(stages))
+                     tuple(stations), tuple(stages), metrics_port, hosts)
 
 
 # Every frame travels in chunks of at most this size; brokers refuse packets much larger.
@@ -216,6 +228,8 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
                                               for s in stations)):
         (out / "monitor" / f"status-{name}.toml").write_text(toml_text(
             {"broker": run.broker_section(MONITOR, url)}))
+    if fleet.metrics_port:
+        run.prometheus(stations, revoked)
     run.state.save()
     for folder in [out, *(p for p in out.rglob("*") if p.is_dir())]:
         folder.chmod(0o700)  # the provisioned tree holds every private key of the fleet
@@ -275,6 +289,26 @@ class _Provisioner:
                 if did not in revoked:
                     self.credential(out / "devices" / did, did)
 
+    def service_section(self) -> dict:
+        """The ``[service]`` table: metrics for the fleet's Prometheus, where it has one."""
+        port = self.fleet.metrics_port
+        return {"service": {"metrics_port": port, "metrics_host": "0.0.0.0"}} if port else {}
+
+    def prometheus(self, stations: list[StationEntry], revoked: set[str]) -> None:
+        """``prometheus/prometheus.yml`` (a job per role) and its ``alerts.yml``: the cloud
+        aggregator is scraped on the cloud broker's host, each station on its factory
+        broker's."""
+        fleet, port = self.fleet, self.fleet.metrics_port
+        hosts = dict(fleet.device_hosts)
+        targets = {"cloud": [("cloud", f"{fleet.cloud_host}:{port}")],
+                   "station": [(s.id, f"{s.host}:{port}") for s in stations],
+                   "device": [(d, f"{hosts.get(d, d)}:{port}") for s in stations
+                              for d in s.devices if d not in revoked]}
+        folder = self.out / "prometheus"
+        folder.mkdir(exist_ok=True)
+        (folder / "prometheus.yml").write_text(scrape_config(fleet.name, targets))
+        (folder / "alerts.yml").write_text(ALERT_RULES)
+
     def broker_section(self, user: str, url: str) -> dict:
         """The ``[broker]`` table of ``user``'s config: its certificate is its login."""
         folder = self.prefix / _rel(self.out, self.credential_dirs[user])
@@ -306,7 +340,8 @@ class _Provisioner:
         url = f"mqtts://{fleet.cloud_host}:{fleet.cloud_port}"
         (self.out / "cloud" / "cloud.toml").write_text(toml_text({
             "cloud": {"fleet": name, "stations": [s.id for s in stations], "rounds": 100},
-            "model": {"name": "mlp"}, "broker": self.broker_section("cloud", url)}))
+            "model": {"name": "mlp"}, "broker": self.broker_section("cloud", url),
+            **self.service_section()}))
         return url
 
     def station_broker(self, s: StationEntry, devices: list[str]) -> None:
@@ -347,13 +382,14 @@ class _Provisioner:
         (self.out / "stations" / s.id / "station.toml").write_text(toml_text({
             "station": {"fleet": name, "station_id": s.id, "devices": devices,
                         "super_node_size": max(1, min(4, len(devices))), **stages},
-            "model": {"name": "mlp"}, "broker": self.broker_section(s.id, url)}))
+            "model": {"name": "mlp"}, "broker": self.broker_section(s.id, url),
+            **self.service_section()}))
         for did in devices:
             (self.credential_dirs[did] / "device.toml").write_text(toml_text({
                 "device": {"fleet": name, "device_id": did, "station": s.id, **stages},
                 "model": {"name": "mlp"},
                 "source": {"kind": "camera", "uri": "0", "label": 0},
-                "broker": self.broker_section(did, url)}))
+                "broker": self.broker_section(did, url), **self.service_section()}))
         (self.out / "stations" / s.id / "line" / "line.toml").write_text(toml_text(
             {"broker": self.broker_section(line_id(s.id), url)}))
 

@@ -129,12 +129,14 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
                  progress: Callable[[int, float], None] | None = None,
                  during: Callable[[Fleet], None] | None = None,
                  commands: dict[str, list[str]] | None = None,
+                 extra_args: dict[str, list[str]] | None = None,
                  ) -> list[dict[str, Any]]:
     """Run one strategy as separate processes; returns the cloud's per-round metrics.
 
     ``during`` is called every poll with a :class:`Fleet` (tests use it to inject
     faults: kill a process, restart it).  ``commands`` replaces the command line of
-    named participants (tests run hostile devices that way).
+    named participants (tests run hostile devices that way); ``extra_args`` are added to
+    named participants' command lines (each its own ``--metrics-port``, say).
     """
     paths = write_fleet(run_dir, data, strategy, spec, broker_url, credentials, broker_extra)
     # A launch is a new run: checkpoints and metrics of an earlier one in this folder go.
@@ -146,6 +148,8 @@ def launch_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSp
     argv = fleet_commands(paths, program=(sys.executable, "-m", "safl"))
     for name, command in (commands or {}).items():
         argv[name] = [*command, "--config", str(paths[name])]
+    for name, args in (extra_args or {}).items():
+        argv[name] += args
 
     def start(name: str) -> None:
         with open(logs / f"{name}.log", "a") as log:  # a restart appends
