@@ -36,7 +36,7 @@ from edge_client.topics import CLOUD_ID
 from .monitor_page import PAGE, SCRIPT
 from .status import FleetStatus, observer
 
-__all__ = ["FleetHistory", "MonitorServer", "run_monitor"]
+__all__ = ["FleetHistory", "MonitorServer", "run_monitor", "watch"]
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ class FleetHistory:
                 self._device_at[doc.device] = at
                 self.device_accuracy.setdefault(doc.device, deque(maxlen=MAX_POINTS)).append(
                     (now, doc.local_accuracy, doc.prequential_accuracy))
-                self.recorded.append({**self._device_row(doc.device), "seconds": now,
-                                      "device": doc.device})
+                row = {**self._device_row(doc.device), "seconds": now, "device": doc.device}
+                self.recorded.append({k: row.get(k) for k in DEVICE_COLUMNS})
         if not isinstance(doc, (DeviceSummary, StationSummary)):
             return
         sent, received = self._bytes()
@@ -128,6 +128,15 @@ class FleetHistory:
                 "frames_dropped": doc.source.get("frames_dropped", 0),
                 "bytes_out": doc.transport.get("bytes_out", 0),
                 "bytes_in": doc.transport.get("bytes_in", 0)}
+
+    def forget(self) -> None:
+        """Drop the series so far (what a broker still retained from an earlier run)."""
+        self.global_accuracy.clear()
+        self.device_accuracy.clear()
+        self._device_at.clear()
+        self.traffic.clear()
+        self.recorded = []
+        self.started = self.clock()
 
     def save(self, folder: Path) -> None:
         """Record the run for ``safl report``: the device rows since the last save appended
@@ -270,21 +279,12 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def run_monitor(broker: BrokerConfig, fleet: str, host: str, port: int,
-                stop: StopFlag | None = None, out: Path | None = None,
-                save_every: float = 5.0) -> None:
-    """Watch ``fleet`` and serve its page until ``stop`` (Ctrl-C) is set; with ``out``,
-    record it there for ``safl report`` every ``save_every`` seconds and at the end."""
-    stop = stop or StopFlag()
-    history = FleetHistory(fleet)
-    history.status = found = FleetStatus()
-
-    def on_document(doc: Document) -> None:
-        history.take(doc)
-
-    transport = observer(broker, fleet, found, name="monitor", on_document=on_document)
-    server = MonitorServer(history, host, port)
-    print(f"monitor of fleet {fleet}: http://{host}:{server.port}/", flush=True)
+def watch(broker: BrokerConfig, history: FleetHistory, stop: StopFlag,
+          out: Path | None = None, save_every: float = 5.0) -> None:
+    """Keep ``history`` up to date with its fleet until ``stop``; with ``out``, record it
+    there for ``safl report`` every ``save_every`` seconds and at the end."""
+    transport = observer(broker, history.fleet, history.status, name="monitor",
+                         on_document=history.take)
     transport.connect()
     saved = time.monotonic()
     try:
@@ -297,7 +297,20 @@ def run_monitor(broker: BrokerConfig, fleet: str, host: str, port: int,
             transport.wait(0.2)
     finally:
         transport.close()
-        server.close()
         if out is not None:
             with history.lock:
                 history.save(out)
+
+
+def run_monitor(broker: BrokerConfig, fleet: str, host: str, port: int,
+                stop: StopFlag | None = None, out: Path | None = None,
+                save_every: float = 5.0) -> None:
+    """Watch ``fleet`` and serve its page until ``stop`` (Ctrl-C) is set; with ``out``,
+    record it there for ``safl report``."""
+    history = FleetHistory(fleet)
+    server = MonitorServer(history, host, port)
+    print(f"monitor of fleet {fleet}: http://{host}:{server.port}/", flush=True)
+    try:
+        watch(broker, history, stop or StopFlag(), out, save_every)
+    finally:
+        server.close()

@@ -14,19 +14,26 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_client.config import BrokerConfig, check_range
 from edge_client.errors import ConfigError, SaflError
+from edge_client.runner import StopFlag
 
 from .datasets import assign_groups, dirichlet_label_skew, load_default
 from .report import Progress, format_table, plot_accuracy, summary_rows, write_metrics
 from .run_report import write_run_report
 from .simulation import FleetSpec, RunResult, Strategy, plan_fleet, run_federation
+
+if TYPE_CHECKING:
+    from aggregator.monitor import FleetHistory
 
 __all__ = ["demo_strategies", "run_demo", "DEFAULT_ROUNDS"]
 
@@ -61,9 +68,11 @@ def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
     from .launch import launch_fleet
 
     started = time.perf_counter()
-    rows = launch_fleet(out / strategy.name, data, strategy, spec, url,
-                        progress=Progress(strategy.name, rounds))
     fleet = strategy.device.get("fleet", "sim")
+    with _watching(BrokerConfig(url=url), fleet) as history:
+        rows = launch_fleet(out / strategy.name, data, strategy, spec, url,
+                            progress=Progress(strategy.name, rounds))
+        time.sleep(2.5)  # the devices' last summaries
     found = fleet_status(BrokerConfig(url=url), fleet, wait=1.0)
     # Retained status of an earlier recipe's stations may linger on the broker (a flat fleet
     # has one station, a hierarchical one a station per factory): count this fleet's only.
@@ -82,7 +91,27 @@ def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
         bytes_device_down=total(stations, "transport", "bytes_out"),
         bytes_station_up=cloud_transport.get("bytes_in", 0),
         bytes_station_down=cloud_transport.get("bytes_out", 0))
-    return RunResult(strategy.name, result_rows, {}, time.perf_counter() - started)
+    return RunResult(strategy.name, result_rows, {}, time.perf_counter() - started,
+                     devices=[{"strategy": strategy.name, **row} for row in history.recorded])
+
+
+@contextlib.contextmanager
+def _watching(broker: BrokerConfig, fleet: str) -> Iterator[FleetHistory]:
+    """What the fleet's devices report while the block runs, as a monitor sees it (what the
+    broker retained from the recipe before is forgotten once delivered)."""
+    from aggregator.monitor import FleetHistory, watch
+
+    history, stop = FleetHistory(fleet), StopFlag(install=False)
+    thread = threading.Thread(target=watch, args=(broker, history, stop), daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    with history.lock:
+        history.forget()
+    try:
+        yield history
+    finally:
+        stop.event.set()
+        thread.join(10)
 
 
 @contextlib.contextmanager
