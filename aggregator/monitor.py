@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 MAX_POINTS = 600  # per series: ten minutes of a device reporting every second
 MAX_PATH = 2048  # bytes of a request target; the page's own are short
 MAX_CLIENTS = 16  # requests served at once; more are told to come back
-DEVICE_COLUMNS = ["seconds", "round", "iteration", "device", "station", "local_accuracy",
+DEVICE_COLUMNS = ["t", "round", "iteration", "device", "station", "local_accuracy",
                   "prequential_accuracy", "uploads", "skips", "refused", "clipped",
                   "frames_dropped", "bytes_out", "bytes_in"]
 
@@ -78,7 +78,9 @@ class FleetHistory:
                 self._device_at[doc.device] = at
                 self.device_accuracy.setdefault(doc.device, deque(maxlen=MAX_POINTS)).append(
                     (now, doc.local_accuracy, doc.prequential_accuracy))
-                row = {**self._device_row(doc.device), "seconds": now, "device": doc.device}
+                # Wall-clock time: a restarted monitor appends to the same record.
+                row = {**self._device_row(doc.device), "t": round(time.time(), 2),
+                       "device": doc.device}
                 self.recorded.append({k: row.get(k) for k in DEVICE_COLUMNS})
         if not isinstance(doc, (DeviceSummary, StationSummary)):
             return

@@ -131,6 +131,10 @@ function chart(id, series, opts) {
     draw(svg, 'text', {x: L - 4, y: Y(v) + 4, 'text-anchor': 'end'}, String(+v.toFixed(3)));
   }
   draw(svg, 'text', {x: (L + W - R) / 2, y: H - 4, 'text-anchor': 'middle'}, opts.xLabel);
+  if (opts.legend) {
+    series.forEach((s, i) => draw(svg, 'text', {x: L + 8, y: T + 12 + 13 * i, fill: s.color,
+                                              style: 'fill: ' + s.color}, s.name));
+  }
   for (const s of series) {
     const pts = s.points.filter(p => p[1] !== null);
     if (!pts.length) continue;
@@ -175,7 +179,7 @@ function render(doc) {
   chart('traffic', [
     {name: 'sent', color: COLORS[0], points: doc.traffic.map(p => [p[0], p[1] / 1e6])},
     {name: 'received', color: COLORS[1], points: doc.traffic.map(p => [p[0], p[2] / 1e6])}],
-    {xLabel: 'seconds'});
+    {xLabel: 'seconds', legend: true});
   document.getElementById('footer').textContent = 'monitor up ' + doc.seconds +
     ' s; updated ' + new Date().toLocaleTimeString();
   document.body.setAttribute('data-rendered', String(doc.seconds));

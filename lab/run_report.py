@@ -115,7 +115,11 @@ def _device_figures(devices: Rows, folder: Path) -> list[tuple[str, Path]]:
         slug = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
         per = _by(rows, "device")
         x = "samples" if all(r.get("samples") is not None for r in rows) else \
-            "seconds" if all(r.get("seconds") is not None for r in rows) else "round"
+            "seconds" if all(r.get("t") is not None for r in rows) else "round"
+        if x == "seconds":  # a monitor's record: unix time, shown from its first row
+            t0 = min(r["t"] for r in rows)
+            rows = [{**r, "seconds": r["t"] - t0} for r in rows]
+            per = _by(rows, "device")
         if all(r.get("local_accuracy") is None and r.get("prequential_accuracy") is None
                for r in rows):  # too little held out to measure, and no prequential scoring
             out.append((f"{name}: what each device sent, and what its station refused or "
@@ -130,9 +134,9 @@ def _device_figures(devices: Rows, folder: Path) -> list[tuple[str, Path]]:
                 pts = [(r[x], r[key]) for r in series if r.get(key) is not None]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), style, color=color, lw=1.2,
-                            label=device if style == "-" or len(per) <= 10 else None)
-        ax.set_xlabel({"samples": "samples trained (all devices)", "seconds": "seconds",
-                       "round": "round"}[x])
+                            label=device if style == "-" else None)
+        ax.set_xlabel({"samples": "samples trained (all devices)",
+                       "seconds": "seconds since the record began", "round": "round"}[x])
         if x == "round":
             ax.xaxis.set_major_locator(integer(integer=True))
         ax.set_ylabel("device accuracy")

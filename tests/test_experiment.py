@@ -159,8 +159,8 @@ def test_a_field_tests_folder_makes_a_report_and_a_wrong_one_says_what_it_lacks(
     assert page.count("data:image/png;base64,") == 1 and "No devices.csv" in page
     assert "rounds = 2" in page and (tmp_path / "report_accuracy.png").stat().st_size > 0
     (tmp_path / "devices.csv").write_text(
-        "seconds,round,device,station,local_accuracy,prequential_accuracy,uploads,refused\n"
-        "1.0,1,d<0>,s,0.2,,3,0\n2.0,2,d<0>,s,0.4,0.5,5,1\n")
+        "t,round,device,station,local_accuracy,prequential_accuracy,uploads,refused\n"
+        "1764669600.5,1,d<0>,s,0.2,,3,0\n1764669602.5,2,d<0>,s,0.4,0.5,5,1\n")
     page = write_run_report(tmp_path).read_text()
     assert page.count("data:image/png;base64,") == 3  # and the device's accuracy, uploads
     (tmp_path / "fleet.json").write_text('{"stations": [], "devices": [{"id": "d<0>"}]}')
