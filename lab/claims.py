@@ -196,12 +196,12 @@ def sweep_claims(rows: Sequence[dict[str, object]]) -> list[Claim]:
 
 def markdown_section(title: str, command: str, config: dict[str, object],
                      rows: Sequence[dict[str, object]], claims: Sequence[Claim]) -> str:
-    """One experiment's part of ``docs/results.md``."""
-    keys = list(rows[0])
+    """One experiment's part of ``docs/results.md`` (a column for every key any row has)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = [f"## {title}", "", "Regenerate with:", "", "```sh", command, "```", "",
              "Settings: " + ", ".join(f"`{k} = {v}`" for k, v in config.items()), "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join("-" if r[k] in (None, "") else str(r[k]) for k in keys) + " |"
+    lines += ["| " + " | ".join("-" if r.get(k) in (None, "") else str(r[k]) for k in keys) + " |"
               for r in rows]
     if claims:
         lines += ["", "| claim | verdict | evidence |", "|---|---|---|"]

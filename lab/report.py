@@ -59,11 +59,11 @@ def summary_rows(results: Sequence[RunResult]) -> list[dict[str, object]]:
 
 
 def format_table(rows: Sequence[dict[str, object]]) -> str:
-    """Fixed-width text table of :func:`summary_rows`."""
+    """Fixed-width text table of :func:`summary_rows` (a column for every key any row has)."""
     if not rows:
         return ""
-    keys = list(rows[0])
-    cells = [keys] + [[str(r[k]) for k in keys] for r in rows]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [keys] + [[str(r.get(k, "")) for k in keys] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(keys))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
