@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 MAX_POINTS = 600  # per series: ten minutes of a device reporting every second
 MAX_PATH = 2048  # bytes of a request target; the page's own are short
 MAX_CLIENTS = 16  # requests served at once; more are told to come back
+MAX_DEVICES = 10_000  # devices with a series: an open broker's flood of ids stops there
 DEVICE_COLUMNS = ["t", "round", "iteration", "device", "station", "local_accuracy",
                   "prequential_accuracy", "uploads", "skips", "refused", "clipped",
                   "frames_dropped", "bytes_out", "bytes_in"]
@@ -65,6 +66,7 @@ class FleetHistory:
         self.traffic: deque[tuple[float, int, int]] = deque(maxlen=MAX_POINTS)
         self.recorded: list[dict[str, Any]] = []  # device rows not yet written to devices.csv
         self.lock = threading.Lock()
+        self.counters: Counter[str] = Counter()  # what the fleet sent that it did not show
 
     def take(self, doc: Document) -> None:
         """A document arrived (``status`` has already kept it): extend the series."""
@@ -72,6 +74,11 @@ class FleetHistory:
         if isinstance(doc, CloudSummary):
             self.global_accuracy.update(zip(doc.accuracy_rounds, doc.accuracies, strict=False))
         elif isinstance(doc, DeviceSummary):
+            if doc.device not in self.device_accuracy and len(self.device_accuracy) >= \
+                    MAX_DEVICES:
+                self.counters["fleet.too_many_devices"] += 1
+                return
+            doc = self._plausible(doc)
             at = (doc.round, doc.iteration)
             if self._device_at.get(doc.device) != at and (
                     doc.local_accuracy is not None or doc.prequential_accuracy is not None):
@@ -89,6 +96,19 @@ class FleetHistory:
             self.traffic[-1] = (self.traffic[-1][0], sent, received)
         else:
             self.traffic.append((now, sent, received))
+
+    def _plausible(self, doc: DeviceSummary) -> DeviceSummary:
+        """A device's claimed accuracies outside [0, 1] are shown as not measured, counted."""
+        def fraction(key: str, value: float | None) -> float | None:
+            if value is None or 0.0 <= value <= 1.0:
+                return value
+            self.counters[f"fleet.implausible_{key}"] += 1
+            return None
+        checked = dataclasses.replace(
+            doc, local_accuracy=fraction("local_accuracy", doc.local_accuracy),
+            prequential_accuracy=fraction("prequential_accuracy", doc.prequential_accuracy))
+        self.status.devices[doc.device] = checked
+        return checked
 
     def _bytes(self) -> tuple[int, int]:
         """Bytes the devices and stations have sent and received, by their own count."""
@@ -175,7 +195,7 @@ class FleetHistory:
                 "devices": [self._device_row(d) for d in devices],
                 "global_accuracy": sorted(self.global_accuracy.items()),
                 "device_accuracy": {d: list(v) for d, v in sorted(self.device_accuracy.items())},
-                "traffic": list(self.traffic), "monitor": dict(served)}
+                "traffic": list(self.traffic), "monitor": {**served, **self.counters}}
 
 
 class MonitorServer:

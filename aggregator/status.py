@@ -22,7 +22,14 @@ from edge_client.documents import (
 )
 from edge_client.mqtt import MqttTransport
 from edge_client.states import StationState
-from edge_client.topics import CLOUD_ID, document_filters, presence_filters
+from edge_client.topics import (
+    CLOUD_ID,
+    document_filters,
+    manifest_topic,
+    participant_of,
+    presence_filters,
+    summary_topic,
+)
 
 __all__ = ["FleetStatus", "fleet_status", "format_status", "observer"]
 
@@ -59,6 +66,9 @@ def observer(broker: BrokerConfig, fleet: str, found: FleetStatus, name: str = "
             found.presence[(message.role, message.sender)] = message.online
 
     def on_doc(topic: str, doc: Document) -> None:
+        if not _from_its_subject(topic, fleet, doc):
+            transport.counters["rejected.document_sender"] += 1
+            return
         found.take(doc)
         if on_document is not None:
             on_document(doc)
@@ -70,6 +80,17 @@ def observer(broker: BrokerConfig, fleet: str, found: FleetStatus, name: str = "
     for topic_filter in document_filters(fleet):
         transport.subscribe_documents(topic_filter, on_doc)
     return transport
+
+
+def _from_its_subject(topic: str, fleet: str, doc: Document) -> bool:
+    """Whether ``doc`` came on its subject's own topic (which the broker lets only that
+    participant write): a device's summary may not speak for another device."""
+    who = participant_of(topic, fleet)
+    if isinstance(doc, DeviceSummary):
+        return who is not None and who[:2] == (m.Participant.DEVICE, doc.device)
+    if isinstance(doc, StationSummary):
+        return who is not None and who[:2] == (m.Participant.STATION, doc.station)
+    return topic in (summary_topic(fleet, m.Participant.CLOUD, CLOUD_ID), manifest_topic(fleet))
 
 
 def fleet_status(broker: BrokerConfig, fleet: str, wait: float = 1.5) -> FleetStatus:

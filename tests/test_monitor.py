@@ -3,6 +3,7 @@ and its page rendered by a real browser (headless Chromium) over a real fleet.""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import shutil
@@ -62,6 +63,36 @@ def test_the_history_keeps_each_series_and_the_tables():
     sent = [p[1] for p in doc["traffic"]]
     assert sent == sorted(sent) and sent[-1] == 3000
     json.dumps(doc)  # the page's JSON
+
+
+def test_what_devices_claim_is_checked_before_it_is_shown(monkeypatch):
+    from aggregator import monitor
+    from aggregator.status import _from_its_subject
+
+    history = _history()
+    liar = DeviceSummary(device="d0", station="st0", state=DeviceState.READY, round=4,
+                         iteration=12, local_accuracy=5.0, prequential_accuracy=-1.0)
+    history.status.take(liar)
+    history.take(liar)
+    doc = history.snapshot(Counter())
+    assert doc["devices"][0]["local_accuracy"] is None  # shown as not measured, and counted
+    assert doc["monitor"]["fleet.implausible_local_accuracy"] == 1
+    assert doc["monitor"]["fleet.implausible_prequential_accuracy"] == 1
+    monkeypatch.setattr(monitor, "MAX_DEVICES", 1)
+    for k in range(3):  # an open broker's flood of made-up ids
+        history.take(dataclasses.replace(liar, device=f"x{k}", local_accuracy=0.5))
+    assert set(history.device_accuracy) == {"d0"}
+    assert history.counters["fleet.too_many_devices"] == 3
+    # A summary counts only on its subject's own topic (the broker lets only it write there).
+    assert _from_its_subject("safl/f/dev/d0/summary", "f", liar)
+    assert not _from_its_subject("safl/f/dev/d1/summary", "f", liar)
+    station = StationSummary(station="st0", state=StationState.COLLECTING, round=1,
+                             iteration=1, devices=1, online=1, quorum=1)
+    assert _from_its_subject("safl/f/station/st0/summary", "f", station)
+    assert not _from_its_subject("safl/f/dev/st0/summary", "f", station)
+    cloud = CloudSummary(state=CloudState.COLLECTING, round=1, iteration=1, stations=())
+    assert _from_its_subject("safl/f/cloud/summary", "f", cloud)
+    assert not _from_its_subject("safl/f/station/st0/summary", "f", cloud)
 
 
 def test_a_station_counts_each_devices_refused_and_clipped_claims():
