@@ -77,6 +77,7 @@ class FleetHistory:
             if doc.device not in self.device_accuracy and len(self.device_accuracy) >= \
                     MAX_DEVICES:
                 self.counters["fleet.too_many_devices"] += 1
+                self.status.devices.pop(doc.device, None)
                 return
             doc = self._plausible(doc)
             at = (doc.round, doc.iteration)

@@ -80,8 +80,10 @@ def test_what_devices_claim_is_checked_before_it_is_shown(monkeypatch):
     assert doc["monitor"]["fleet.implausible_prequential_accuracy"] == 1
     monkeypatch.setattr(monitor, "MAX_DEVICES", 1)
     for k in range(3):  # an open broker's flood of made-up ids
-        history.take(dataclasses.replace(liar, device=f"x{k}", local_accuracy=0.5))
-    assert set(history.device_accuracy) == {"d0"}
+        flood = dataclasses.replace(liar, device=f"x{k}", local_accuracy=0.5)
+        history.status.take(flood)
+        history.take(flood)
+    assert set(history.device_accuracy) == set(history.status.devices) == {"d0"}
     assert history.counters["fleet.too_many_devices"] == 3
     # A summary counts only on its subject's own topic (the broker lets only it write there).
     assert _from_its_subject("safl/f/dev/d0/summary", "f", liar)
