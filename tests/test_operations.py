@@ -87,7 +87,7 @@ def test_prometheus_scrapes_every_role_and_the_dashboard_reads_real_series(tmp_p
     from lab.launch import launch_fleet
     from lab.simulation import plan_fleet
 
-    spec = _spec(digits, rounds=40)
+    spec = _spec(digits, rounds=200)  # about 20 s: long enough for scrapes every second
     plan = plan_fleet(STRATEGY, spec)
     server = _mosquitto(tmp_path, spec)
     names = ["cloud", *(s["station_id"] for s in plan.stations),
@@ -119,22 +119,21 @@ def test_prometheus_scrapes_every_role_and_the_dashboard_reads_real_series(tmp_p
         client.disconnect()
 
     def watch(fleet) -> None:
+        """While every service runs (scraped each second): its series, under its job."""
         if found or fleet.last_round < 4:
             return
         garbage()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            time.sleep(1.5)
-            rounds = _query(web, "safl_round")
-            jobs = {r["metric"]["job"] for r in rounds}
-            refused = _query(web, "safl_rejected_total")
-            if jobs == set(JOBS.values()) and refused:
+        deadline = time.monotonic() + 60
+        while not found and time.monotonic() < deadline:
+            time.sleep(1.0)
+            rounds = _query(web, "last_over_time(safl_round[5m])")
+            refused = _query(web, "last_over_time(safl_rejected_total[5m])")
+            if len(rounds) == len(names) and refused:
                 found.update(rounds=rounds, refused=refused,
-                             up=_query(web, 'up{job=~"safl-.*"}'))
+                             up=_query(web, 'max_over_time(up{job=~"safl-.*"}[5m])'))
                 with urllib.request.urlopen(f"http://127.0.0.1:{web}/api/v1/label/__name__/"
                                             "values", timeout=5) as r:
                     found["names"] = json.loads(r.read())["data"]
-                return
 
     try:
         rows = launch_fleet(tmp_path / "run", digits, STRATEGY, spec, server.url,
