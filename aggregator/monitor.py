@@ -30,6 +30,7 @@ from edge_client.config import BrokerConfig
 from edge_client.documents import CloudSummary, DeviceSummary, Document, StationSummary
 from edge_client.errors import SaflError
 from edge_client.files import write_atomic
+from edge_client.metrics import counted
 from edge_client.runner import StopFlag
 from edge_client.topics import CLOUD_ID
 
@@ -49,10 +50,6 @@ DEVICE_COLUMNS = ["t", "round", "iteration", "device", "station", "local_accurac
                   "frames_dropped", "bytes_out", "bytes_in"]
 
 
-def _sum(counters: Any, prefix: str) -> int:
-    return sum(v for k, v in counters.items() if k.startswith(prefix))
-
-
 class FleetHistory:
     """The fleet as the monitor has seen it: the latest documents and presences
     (:class:`FleetStatus`), with series of what changed since the monitor started."""
@@ -64,6 +61,8 @@ class FleetHistory:
         self.device_accuracy: dict[str, deque[tuple[float, float | None, float | None]]] = {}
         self._device_at: dict[str, tuple[int, int]] = {}
         self.traffic: deque[tuple[float, int, int]] = deque(maxlen=MAX_POINTS)
+        self._bytes_of: dict[str, tuple[int, int]] = {}  # each participant's last count
+        self._sent = self._received = 0
         self.recorded: list[dict[str, Any]] = []  # device rows not yet written to devices.csv
         self.lock = threading.Lock()
         self.counters: Counter[str] = Counter()  # what the fleet sent that it did not show
@@ -90,13 +89,8 @@ class FleetHistory:
                 row = {**self._device_row(doc.device), "t": round(time.time(), 2),
                        "device": doc.device}
                 self.recorded.append({k: row.get(k) for k in DEVICE_COLUMNS})
-        if not isinstance(doc, (DeviceSummary, StationSummary)):
-            return
-        sent, received = self._bytes()
-        if self.traffic and now - self.traffic[-1][0] < 1.0:
-            self.traffic[-1] = (self.traffic[-1][0], sent, received)
-        else:
-            self.traffic.append((now, sent, received))
+        if isinstance(doc, (DeviceSummary, StationSummary)):
+            self._count_bytes(doc, now)
 
     def _plausible(self, doc: DeviceSummary) -> DeviceSummary:
         """A device's claimed accuracies outside [0, 1] are shown as not measured, counted."""
@@ -111,12 +105,20 @@ class FleetHistory:
         self.status.devices[doc.device] = checked
         return checked
 
-    def _bytes(self) -> tuple[int, int]:
-        """Bytes the devices and stations have sent and received, by their own count."""
-        counts = [d.transport for d in self.status.devices.values()] + \
-            [s.transport for s in self.status.stations.values()]
-        return (sum(c.get("bytes_out", 0) for c in counts),
-                sum(c.get("bytes_in", 0) for c in counts))
+    def _count_bytes(self, doc: DeviceSummary | StationSummary, now: float) -> None:
+        """Bytes the devices and stations have sent and received, by their own count: the
+        totals move by what this participant's count moved (one summary, not the fleet,
+        each time), and the series keeps a point a second."""
+        who = doc.device if isinstance(doc, DeviceSummary) else f"station/{doc.station}"
+        count = (doc.transport.get("bytes_out", 0), doc.transport.get("bytes_in", 0))
+        before = self._bytes_of.get(who, (0, 0))
+        self._bytes_of[who] = count
+        self._sent += count[0] - before[0]
+        self._received += count[1] - before[1]
+        if self.traffic and now - self.traffic[-1][0] < 1.0:
+            self.traffic[-1] = (self.traffic[-1][0], self._sent, self._received)
+        else:
+            self.traffic.append((now, self._sent, self._received))
 
     def _online(self, role: m.Participant, ident: str) -> bool | None:
         return self.status.presence.get((role, ident))
@@ -131,7 +133,7 @@ class FleetHistory:
                           if k not in ("counters", "transport", "station")},
                 "uploads": doc.counters.get("received_updates", 0),
                 "skips": doc.counters.get("received_skips", 0),
-                "refused": _sum(counters, "rejected."), "clipped": _sum(counters, "clipped."),
+                "refused": counted(counters, "rejected."), "clipped": counted(counters, "clipped."),
                 "bytes_out": doc.transport.get("bytes_out", 0),
                 "bytes_in": doc.transport.get("bytes_in", 0)}
 
@@ -145,7 +147,7 @@ class FleetHistory:
                 "iteration": doc.iteration, "local_accuracy": doc.local_accuracy,
                 "prequential_accuracy": doc.prequential_accuracy, "epsilon": doc.epsilon,
                 "uploads": doc.counters.get("uploads", 0),
-                "skips": _sum(doc.counters, "skipped."),
+                "skips": counted(doc.counters, "skipped."),
                 "refused": seen_by.device_refused.get(did, 0) if seen_by else None,
                 "clipped": seen_by.device_clipped.get(did, 0) if seen_by else None,
                 "frames_dropped": doc.source.get("frames_dropped", 0),
@@ -153,7 +155,9 @@ class FleetHistory:
                 "bytes_in": doc.transport.get("bytes_in", 0)}
 
     def forget(self) -> None:
-        """Drop the series so far (what a broker still retained from an earlier run)."""
+        """Drop the series so far and the devices' summaries (what a broker still retained
+        from an earlier run)."""
+        self.status.devices.clear()
         self.global_accuracy.clear()
         self.device_accuracy.clear()
         self._device_at.clear()

@@ -20,6 +20,7 @@ from edge_client.documents import (
     ModelManifest,
     StationSummary,
 )
+from edge_client.metrics import counted
 from edge_client.mqtt import MqttTransport
 from edge_client.states import StationState
 from edge_client.topics import (
@@ -150,8 +151,7 @@ def format_status(found: FleetStatus, fleet: str) -> str:
             lines.append(f"{sid:<10} {('online' if presence else 'offline'):<9} {'?':<11} "
                          f"{'?':>5} {'?':>5} {'?':>7} {0:>8} {0:>6} {0:>9}")
             continue
-        rejected = sum(v for k, v in {**doc.counters, **doc.transport}.items()
-                       if k.startswith("rejected."))
+        rejected = counted({**doc.counters, **doc.transport}, "rejected.")
         lines.append(f"{sid:<10} {('online' if presence else 'offline'):<9} "
                      f"{doc.state:<11} {doc.round:>5} {doc.iteration:>5} "
                      f"{f'{doc.online}/{doc.devices}':>7} "

@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import SaflError
 
-__all__ = ["MetricsServer", "render", "HELP"]
+__all__ = ["MetricsServer", "render", "HELP", "counted"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,12 @@ def _name(key: str, labelled: bool) -> tuple[str, str]:
         label = "reason" if base in ("rejected", "skipped") else "kind"
         return base, f'{{{label}="{reason}"}}'
     return base, ""
+
+
+def counted(counters: Mapping[str, float], prefix: str) -> int:
+    """All counts of one kind, whatever their reason: ``counted(c, "rejected.")`` sums
+    ``rejected.bad_checksum``, ``rejected.stale_iteration``, ..."""
+    return int(sum(v for k, v in counters.items() if k.startswith(prefix)))
 
 
 # What the common metrics mean; any other is described by its name.

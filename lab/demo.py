@@ -26,6 +26,7 @@ import numpy as np
 from edge_client.config import BrokerConfig, check_range
 from edge_client.errors import ConfigError, SaflError
 from edge_client.runner import StopFlag
+from edge_client.states import DeviceState
 
 from .datasets import assign_groups, dirichlet_label_skew, load_default
 from .report import Progress, format_table, plot_accuracy, summary_rows, write_metrics
@@ -69,10 +70,10 @@ def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
 
     started = time.perf_counter()
     fleet = strategy.device.get("fleet", "sim")
-    with _watching(BrokerConfig(url=url), fleet) as history:
+    devices = [values["device_id"] for values in plan_fleet(strategy, spec).devices]
+    with _watching(BrokerConfig(url=url), fleet, devices) as history:
         rows = launch_fleet(out / strategy.name, data, strategy, spec, url,
                             progress=Progress(strategy.name, rounds))
-        time.sleep(2.5)  # the devices' last summaries
     found = fleet_status(BrokerConfig(url=url), fleet, wait=1.0)
     # Retained status of an earlier recipe's stations may linger on the broker (a flat fleet
     # has one station, a hierarchical one a station per factory): count this fleet's only.
@@ -95,10 +96,18 @@ def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
                      devices=[{"strategy": strategy.name, **row} for row in history.recorded])
 
 
+def _all_done(history: FleetHistory, devices: list[str]) -> bool:
+    with history.lock:
+        found = history.status.devices
+        return all(d in found and found[d].state == DeviceState.DONE for d in devices)
+
+
 @contextlib.contextmanager
-def _watching(broker: BrokerConfig, fleet: str) -> Iterator[FleetHistory]:
+def _watching(broker: BrokerConfig, fleet: str,
+              devices: list[str]) -> Iterator[FleetHistory]:
     """What the fleet's devices report while the block runs, as a monitor sees it (what the
-    broker retained from the recipe before is forgotten once delivered)."""
+    broker retained from the recipe before is forgotten once delivered), up to each
+    device's last summary, which says it is done (or 10 s after the block)."""
     from aggregator.monitor import FleetHistory, watch
 
     history, stop = FleetHistory(fleet), StopFlag(install=False)
@@ -109,6 +118,9 @@ def _watching(broker: BrokerConfig, fleet: str) -> Iterator[FleetHistory]:
         history.forget()
     try:
         yield history
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _all_done(history, devices):
+            time.sleep(0.2)
     finally:
         stop.event.set()
         thread.join(10)

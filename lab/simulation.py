@@ -28,6 +28,7 @@ from edge_client.admission import Admission
 from edge_client.config import DeviceConfig, InferenceConfig, TrainingSettings, from_mapping
 from edge_client.device import Device
 from edge_client.errors import SaflError
+from edge_client.metrics import counted
 from edge_client.runner import RoleRunner, StopFlag, pace_replay, serve
 from edge_client.sources.replay import ReplaySource
 from edge_client.topics import global_model_topic
@@ -334,7 +335,7 @@ def _device_rows(strategy: str, round_: int, samples: int, devices: list[Device]
                     "local_accuracy": doc.local_accuracy,
                     "prequential_accuracy": doc.prequential_accuracy,
                     "uploads": doc.counters.get("uploads", 0),
-                    "skips": sum(v for k, v in doc.counters.items() if k.startswith("skipped.")),
+                    "skips": counted(doc.counters, "skipped."),
                     "refused": seen_by.refused[doc.device] if seen_by else 0,
                     "clipped": seen_by.clipped[doc.device] if seen_by else 0})
     return out

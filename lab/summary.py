@@ -9,6 +9,8 @@ from typing import Any, TypedDict
 
 import numpy as np
 
+from edge_client.metrics import counted
+
 from .simulation import RunResult
 
 __all__ = ["merge_seeds", "by_strategy", "run_summary", "samples_to", "result_rows", "per_run",
@@ -126,8 +128,7 @@ def _prequential_columns(sums: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def per_run(runs: list[RunResult], prefix: str) -> int:
     """Counted events of one kind per run: ``rejected.`` (claims refused, each a reply or
     report lost) or ``clipped.`` (claims trimmed to their bound, and still used)."""
-    return sum(v for r in runs for k, v in r.counters.items() if k.startswith(prefix)) \
-        // len(runs)
+    return sum(counted(r.counters, prefix) for r in runs) // len(runs)
 
 
 def epsilon_column(runs: list[RunResult]) -> dict[str, float]:

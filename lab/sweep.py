@@ -92,25 +92,24 @@ def _bytes_in(r: RunResult) -> float:
     return float(r.rows[-1]["bytes_device_up"])
 
 
-def _row(point: dict[str, Any], runs: list[RunResult], first: list[RunResult] | None,
-         target: float) -> dict[str, Any]:
+def _row(point: dict[str, Any], runs: list[RunResult],
+         first: tuple[list[float], float] | None, target: float) -> dict[str, Any]:
     """One setting's figures for one strategy, beside the same strategy at the first
-    setting: the paired per-seed accuracy effect (points, mean and sd) and how many times
-    fewer bytes went into the stations."""
+    setting (``first``: its accuracy per seed and mean bytes into the stations; None for
+    the first setting itself): the paired per-seed accuracy effect (points, mean and sd)
+    and how many times fewer bytes went into the stations."""
     sums = [run_summary(r, target) for r in runs]
     row: dict[str, Any] = {**{k: _text(v) for k, v in point.items()},
                            "strategy": runs[0].strategy}
     for figure in ("accuracy", "local_q1", "worst10_q1", "local_end"):
         row[figure], row[f"{figure}_sd"] = mean_sd([float(s[figure]) for s in sums])
-    first = first or runs  # the first setting is its own reference
-    if first is not runs:
-        effect, spread = paired_points([s["accuracy"] for s in sums],
-                                       [run_summary(r, target)["accuracy"] for r in first])
+    mb = float(np.mean([_bytes_in(r) for r in runs]))
+    if first is not None:
+        effect, spread = paired_points([s["accuracy"] for s in sums], first[0])
         row["vs_first"] = f"{effect:+.2f} +- {spread:.2f}"
         row["within_spread"] = "yes" if effect + spread >= 0 else "no"
-    mb = float(np.mean([_bytes_in(r) for r in runs]))
     row["mb_into_stations"] = round(mb / 1e6, 1)
-    row["fewer_bytes"] = f"{np.mean([_bytes_in(r) for r in first]) / mb:.2f}x" if mb else "-"
+    row["fewer_bytes"] = f"{(first[1] if first else mb) / mb:.2f}x" if mb else "-"
     row["refused"], row["clipped"] = per_run(runs, "rejected."), per_run(runs, "clipped.")
     return {**row, **epsilon_column(runs)}
 
@@ -130,7 +129,9 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1,
         for point in points:
             runs = [done[(_label(point), name, s)] for s in seeds]
             rows.append(_row(point, runs, first, base.target_accuracy))
-            first = first or runs
+            if first is None:
+                first = ([run_summary(r, base.target_accuracy)["accuracy"] for r in runs],
+                         float(np.mean([_bytes_in(r) for r in runs])))
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "sweep.csv", rows)
     print(format_table(rows))
