@@ -88,10 +88,12 @@ class LocalBus:
         else:
             self._exact.setdefault(topic_filter, []).append((self._count, handler))
 
-    def deliver(self) -> int:
-        """Deliver queued messages, and those they cause, until the queue is empty."""
+    def deliver(self, limit: int | None = None) -> int:
+        """Deliver queued messages, and those they cause, until the queue is empty, or until
+        ``limit`` have reached their subscribers (a simulated factory takes the cloud's model
+        and pauses while the driver records the round, ``lab/factory.py``)."""
         count = 0
-        while self._queue and not self._stopping:
+        while self._queue and not self._stopping and (limit is None or count < limit):
             topic, message = self._queue.popleft()
             handlers = list(self._exact.get(topic, ()))
             handlers += [(i, h) for i, f, h in self._wild if matches(f, topic)]

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +38,15 @@ from .datasets import (
     load_dataset,
     safl_split,
 )
+from .engine import SimulationConfig
 from .report import Progress, format_table, plot_accuracy, write_csv, write_metrics
 from .run_report import write_run_report
 from .simulation import FleetSpec, RunResult, Strategy, run_federation
 from .strategies import RECIPES, RecipeSettings, build_strategy
 from .summary import merge_seeds, result_rows
 
-__all__ = ["ExperimentConfig", "RunTask", "run_task", "run_experiment", "load_experiment",
+__all__ = ["ExperimentConfig", "RunTask", "run_task", "run_tasks", "run_experiment",
+           "load_experiment", "load_simulation",
            "FULL_SCALE"]
 
 log = logging.getLogger(__name__)
@@ -221,6 +224,7 @@ class RunTask:
     attack: str = "none"
     threads: int = 1
     show_progress: bool = False
+    engine: SimulationConfig = SimulationConfig()  # where its federation runs
 
     @property
     def key(self) -> tuple[str, int]:
@@ -241,7 +245,32 @@ def run_task(task: RunTask) -> RunResult:
         progress = Progress(f"{task.strategy}/{task.seed}", cfg.rounds) \
             if task.show_progress else None
         return run_federation(data, _strategy(cfg, task.strategy),
-                              _fleet(cfg, data, task.seed, task.attack), progress)
+                              _fleet(cfg, data, task.seed, task.attack), progress,
+                              engine=task.engine)
+
+
+def run_tasks(tasks: list[RunTask], jobs: int, ray: str | None,
+              finished: Callable[[RunTask, RunResult], None]) -> None:
+    """Run ``tasks`` here one after another, in ``jobs`` processes, or as Ray tasks on the
+    cluster at ``ray`` (each declaring its engine's ``cpus_per_run`` and ``gpus_per_run``),
+    calling ``finished`` as each ends (so its result is cached at once)."""
+    if ray:
+        from .ray_engine import run_tasks as on_ray
+        sim = dataclasses.replace(tasks[0].engine, address=ray) if tasks else None
+        if sim is not None:
+            on_ray(tasks, run_task, sim, finished)
+        return
+    if jobs == 1:
+        for t in tasks:
+            finished(t, run_task(t))
+        return
+    if tasks and tasks[0].engine.engine == "ray" and tasks[0].engine.address == "local":
+        raise ConfigError("address", "each of --jobs processes would start a Ray instance of "
+                          "its own: start one (`ray start --head`) and give address 'auto'")
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_task, t): t for t in tasks}
+        for future in as_completed(futures):  # cached as each finishes
+            finished(futures[future], future.result())
 
 
 # Settings that shape no single run: the list of runs, the report, and the recipe knobs
@@ -334,12 +363,19 @@ def load_experiment(path: str | Path, full: bool = False) -> ExperimentConfig:
     return load_config(ExperimentConfig, "experiment", path, dict(FULL_SCALE) if full else {})
 
 
+def load_simulation(path: str | Path, ray: str | None = None) -> SimulationConfig:
+    """The ``[simulation]`` table of ``path`` (where each run's federation runs), with the
+    ``--ray`` cluster's address, if given, as its Ray address."""
+    return load_config(SimulationConfig, "simulation", path, {"address": ray})
+
+
 def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
                    full: bool = False, attack: str | None = None, fresh: bool = False,
-                   finished_only: bool = False,
+                   finished_only: bool = False, ray: str | None = None,
                    ) -> tuple[ExperimentConfig, list[RunResult], Path]:
     """Run every strategy of an experiment file (over its seeds, under one ``attack``, by
-    default its first); returns the config, every run (per strategy and seed), the folder."""
+    default its first) here, or as Ray tasks on the cluster at ``ray``; returns the config,
+    every run (per strategy and seed), the folder."""
     cfg = load_experiment(path, full)
     attack = attack or cfg.attacks[0]
     label = cfg.name + ("" if attack == "none" else f" under attack '{attack}'")
@@ -348,10 +384,13 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     length = f"{cfg.samples:,} samples trained each" if cfg.samples else f"{cfg.rounds} rounds"
     print(f"experiment {label}: {len(cfg.strategies)} strategies x {cfg.seeds} seed(s), "
           f"{cfg.factories} factories x {cfg.devices_per_factory} devices, {length}, "
-          f"{cfg.model} on {cfg.dataset}, {jobs} job(s)", file=sys.stderr)
+          f"{cfg.model} on {cfg.dataset}, "
+          + (f"as Ray tasks on {ray}" if ray else f"{jobs} job(s)"), file=sys.stderr)
     cache = _RunCache(out, cfg, fresh)
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    tasks = [RunTask(cfg, name, cfg.seed + k, attack, threads, show_progress=jobs == 1)
+    engine = load_simulation(path, ray)
+    threads = int(engine.cpus_per_run) if ray else max(1, (os.cpu_count() or 1) // jobs)
+    tasks = [RunTask(cfg, name, cfg.seed + k, attack, max(1, threads),
+                     show_progress=jobs == 1 and not ray, engine=engine)
              for name in cfg.strategies for k in range(cfg.seeds)]
     done = {t.key: cache.get(t.strategy, t.seed, attack) for t in tasks}
     todo = [t for t in tasks if done[t.key] is None]
@@ -372,14 +411,7 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
         print(f"{r.strategy:<14} seed {task.seed} final {r.final_accuracy:.4f} "
               f"({r.wall_s:.0f} s)", file=sys.stderr)
 
-    if jobs == 1:
-        for t in todo:
-            finished(t, run_task(t))
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(run_task, t): t for t in todo}
-            for future in as_completed(futures):  # cached as each finishes
-                finished(futures[future], future.result())
+    run_tasks(todo, jobs, ray, finished)
     per_seed = [r for r in (done[t.key] for t in tasks) if r is not None]  # all done by now
     results = merge_seeds(per_seed)
     rows = result_rows(per_seed, cfg.target_accuracy)

@@ -42,7 +42,8 @@ is at least 0, `mb_into_stations` the bytes the devices sent their stations, and
 
 
 def run_experiments(configs: list[Path], *, out: Path | None, jobs: int, full: bool,
-                    fresh: bool, finished_only: bool, report: Path | None) -> None:
+                    fresh: bool, finished_only: bool, report: Path | None,
+                    ray: str | None = None) -> None:
     """Run (or reuse) every run of ``configs``; print verdicts; write ``report`` if given."""
     sections = []
     for config in configs:
@@ -52,13 +53,13 @@ def run_experiments(configs: list[Path], *, out: Path | None, jobs: int, full: b
             folder_out = base / attack if base and len(attacks) > 1 else base
             cfg, results, folder = run_experiment(config, out=folder_out, jobs=jobs, full=full,
                                                   attack=attack, fresh=fresh,
-                                                  finished_only=finished_only)
+                                                  finished_only=finished_only, ray=ray)
             rows = result_rows(results, cfg.target_accuracy)
             claims = assess_claims(results, cfg.target_accuracy) if attack == "none" else []
             for c in claims:
                 print(f"{c.verdict:>15}: {c.claim} ({c.evidence})")
             command = f"safl experiment {config}" + (" --full" if full else "") + (
-                f" --jobs {jobs}" if jobs > 1 else "")
+                f" --jobs {jobs}" if jobs > 1 and not ray else "")
             settings = {k: v for k, v in vars(cfg).items()
                         if k not in ("name", "strategies", "attacks")}
             title = cfg.name + ("" if attack == "none" else f": attack '{attack}'")

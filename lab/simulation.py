@@ -15,34 +15,35 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import numpy as np
 
 from aggregator.accuracy import device_accuracy_summary
 from aggregator.cloud import Cloud, CloudState
-from aggregator.config import CloudConfig, StationConfig
-from aggregator.station import Station
+from aggregator.config import CloudConfig
 from edge_client import messages as m
-from edge_client.admission import Admission
-from edge_client.config import DeviceConfig, InferenceConfig, TrainingSettings, from_mapping
-from edge_client.device import Device
+from edge_client.config import DeviceConfig, TrainingSettings
 from edge_client.errors import SaflError
-from edge_client.metrics import counted
-from edge_client.runner import RoleRunner, StopFlag, pace_replay, serve
-from edge_client.sources.replay import ReplaySource
+from edge_client.runner import RoleRunner
 from edge_client.topics import global_model_topic
-from edge_client.trainers import build_trainer, layout_hash
+from edge_client.trainers import layout_hash
 from edge_client.transport import LocalBus
 
-from .attacks import install
 from .datasets import Dataset
+from .engine import Factories, SimulationConfig, open_factories
+from .factory import (
+    SIM_CLOCK,
+    Outbox,
+    factory_plans,
+    merged_privacy,
+    public_settings,
+    simulated,
+    trainer_maker,
+)
 
 __all__ = ["Strategy", "FleetSpec", "FleetPlan", "RunResult", "plan_fleet", "run_federation",
            "public_settings"]
-
-# Simulated time does not pass inside one synchronous delivery; deadlines never fire.
-_SIM_CLOCK: Callable[[], float] = lambda: 0.0  # noqa: E731
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class FleetSpec:
     # Prequential accuracy: each device predicts one arriving sample in this many with its
     # deployable model before it may be trained on (0: off; each prediction is a forward pass).
     prequential_every: int = 0
+    # Where the torch backend trains: "auto" (CUDA where torch sees one), "cpu", "cuda:N".
+    torch_device: str = "auto"
 
 
 @dataclass
@@ -97,6 +100,7 @@ class RunResult:
     # Each device at each evaluation, as it says of itself (DeviceSummary) with what its
     # station refused and clipped of it: the report's per-device figures.
     devices: list[dict[str, Any]] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)  # the node each factory ran on (Ray)
 
     @property
     def final_accuracy(self) -> float:
@@ -105,15 +109,6 @@ class RunResult:
     @property
     def best_accuracy(self) -> float:
         return max(r["accuracy"] for r in self.rows)
-
-
-C = TypeVar("C")
-
-
-def _simulated(cls: type[C], values: dict[str, Any]) -> C:
-    """A role's config for the simulator: reproducible, so its privacy noise is seeded too
-    (never so on a board, a station or the cloud)."""
-    return from_mapping(cls, {"noise_seeded": True, **values})
 
 
 def _device_id(k: int) -> str:
@@ -170,136 +165,125 @@ def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
     return FleetPlan(fleet, cloud, stations, devices, replay, [float(r) for r in rates])
 
 
-def public_settings(values: dict[str, Any]) -> dict[str, Any]:
-    """A plan entry's config keys, without the plan's own ``_``-prefixed bookkeeping."""
-    return {k: v for k, v in values.items() if not k.startswith("_")}
-
-
 def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
-                   progress: Callable[[int, float], None] | None = None) -> RunResult:
-    """Run one strategy to completion; same ``spec`` gives same data, weights and seeds."""
+                   progress: Callable[[int, float], None] | None = None,
+                   engine: SimulationConfig | None = None) -> RunResult:
+    """Run one strategy to completion; same ``spec`` gives same data, weights and seeds,
+    on either engine (``engine``: the ``[simulation]`` table; default, this process)."""
     started = time.perf_counter()
     plan = plan_fleet(strategy, spec)
-    bus = LocalBus()
-    evaluator, trainer = _trainers(data, spec)
-    cloud = Cloud(_simulated(CloudConfig, plan.cloud),
-                  initial_weights=evaluator.get_flat(), num_classes=data.num_classes)
-    configs = [_simulated(StationConfig, values) for values in plan.stations]
-    stations = [Station(cfg, num_params=evaluator.num_params, num_classes=data.num_classes,
-                        rng=np.random.default_rng(cfg.seed)) for cfg in configs]
-    runners: list[RoleRunner[Any]] = [RoleRunner(role, bus, _SIM_CLOCK)
-                                      for role in (cloud, *stations)]
-    devices, admissions = _devices(data, spec, plan, bus, trainer, evaluator)
-    rows: list[dict[str, Any]] = []
-    per_device: list[dict[str, Any]] = []
-    bus.subscribe(global_model_topic(plan.fleet),
-                  _recorder(data, strategy, spec, bus, evaluator, cloud, stations,
-                            [sim.device for sim in devices], (rows, per_device), started,
-                            progress))
-    for sim in devices:
-        # Each new iteration, the sensors of that factory have produced fresh samples.
-        pace_replay(sim.runner, sim.source, plan.stream_rates[sim.partition])
-
-    def budget_spent() -> bool:
-        return bool(spec.samples and rows and rows[-1]["samples"] >= spec.samples)
-
-    serve([*runners, *(sim.runner for sim in devices)], bus, stop=StopFlag(install=False),
-          done=lambda: cloud.state == CloudState.DONE or budget_spent() or bus.idle, linger=0.0)
-    if cloud.state != CloudState.DONE and not budget_spent():
-        raise SaflError(f"federation stalled in round {cloud.round} (cloud {cloud.state}); "
-                        f"station states {[st.state for st in stations]}")
-    counters: Counter[str] = Counter()
-    for kept in (cloud.counters, *(st.counters for st in stations),
-                 *(sim.device.counters for sim in devices), *(a.counters for a in admissions)):
-        counters.update(kept)
-    return RunResult(strategy.name, rows, dict(counters), time.perf_counter() - started,
-                     p_real=[float(p) for p in cloud.p_real], devices=per_device)
-
-
-class _SimDevice(NamedTuple):
-    """A simulated device: the role, its replayed stream (partition ``partition``), its runner."""
-
-    device: Device
-    source: ReplaySource
-    runner: RoleRunner
-    partition: int
-
-
-def _trainers(data: Dataset, spec: FleetSpec) -> tuple[Any, Callable[[str], Any]]:
-    """The cloud's evaluator, and a maker of trainers on each backend that checks they lay
-    the model out as the evaluator does (a mixed fleet is one fleet)."""
-    def make(backend: str, layout: str | None) -> Any:
-        return build_trainer(spec.model, backend=backend, input_shape=data.sample_shape,
-                             num_classes=data.num_classes, lr=spec.lr, seed=spec.seed,
-                             artifacts=spec.artifacts, expected_layout_hash=layout)
-
+    make = trainer_maker(spec, data.sample_shape, data.num_classes)
     evaluator = make(spec.backends[0], None)
     layout = layout_hash(evaluator.layout)
-    return evaluator, lambda backend: make(backend, layout)
+    cloud = Cloud(simulated(CloudConfig, plan.cloud),
+                  initial_weights=evaluator.get_flat(), num_classes=data.num_classes)
+    plans = factory_plans(plan, spec, data.x_train, data.y_train, num_classes=data.num_classes,
+                          num_params=evaluator.num_params, layout=layout)
+    factories = open_factories(plans, engine or SimulationConfig(),
+                               lambda backend: make(backend, layout))
+    try:
+        rows, per_device, counters = _drive(data, strategy, spec, cloud, factories, evaluator,
+                                            started, progress)
+    finally:
+        factories.close()
+    return RunResult(strategy.name, rows, counters, time.perf_counter() - started,
+                     p_real=[float(p) for p in cloud.p_real], devices=per_device,
+                     nodes=factories.nodes)
 
 
-def _devices(data: Dataset, spec: FleetSpec, plan: FleetPlan, bus: LocalBus,
-             trainer: Callable[[str], Any], evaluator: Any
-             ) -> tuple[list[_SimDevice], list[Admission]]:
-    """Every device of the plan with its replayed stream and runner (the compromised ones
-    sending what their attack makes), and the admissions their forged frames go through."""
-    devices: list[_SimDevice] = []
-    admissions: list[Admission] = []
-    shared: dict[str, Any] = {}
-    for values in plan.devices:
-        cfg = _simulated(DeviceConfig, public_settings(values))
-        k = values["_k"]
-        backend = values["_backend"]
-        if spec.share_trainers:
-            shared.setdefault(backend, trainer(backend))
-        dev = Device(cfg, shared[backend] if spec.share_trainers else trainer(backend),
-                     num_classes=data.num_classes,
-                     sample_shape=data.sample_shape, rng=np.random.default_rng(cfg.seed),
-                     inference=InferenceConfig(every=spec.prequential_every, publish=False)
-                     if spec.prequential_every else None)
-        idx = spec.partitions[k]
-        source = ReplaySource(data.x_train[idx], data.y_train[idx],
-                              np.random.default_rng(plan.replay_seeds[k]))
-        dev.buffer.push(*source.read(spec.initial_samples))
-        runner = RoleRunner(dev, bus, _SIM_CLOCK)
-        if k in spec.attackers and spec.attack != "none":
-            # What the station's transport does with a forged frame (counted with the roles).
-            admission = Admission(fleet=plan.fleet, layout_hash=layout_hash(evaluator.layout),
-                                  num_params=evaluator.num_params, max_message=1 << 30,
-                                  reassembly_memory=1 << 30, chunk_timeout=60.0)
-            install(runner, spec.attack, admission, bus)
-            admissions.append(admission)
-        devices.append(_SimDevice(dev, source, runner, k))
-    return devices, admissions
+def _drive(data: Dataset, strategy: Strategy, spec: FleetSpec, cloud: Cloud,
+           factories: Factories, evaluator: Any, started: float,
+           progress: Callable[[int, float], None] | None
+           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
+    """The cloud on this process's bus, the factories wherever they run: each global model
+    goes to every factory, the round is recorded, then the factories run until their
+    stations report, and their reports reach the cloud in the factories' order."""
+    bus = LocalBus()
+    runner = RoleRunner(cloud, bus, SIM_CLOCK)
+    rows: list[dict[str, Any]] = []
+    per_device: list[dict[str, Any]] = []
+    record = _recorder(data, strategy, spec, evaluator, _FleetView(factories, bus, cloud),
+                       (rows, per_device), started, progress)
+
+    def to_cloud(outboxes: list[Outbox]) -> None:
+        for outbox in outboxes:
+            for topic, message in outbox:
+                bus.publish(topic, message)
+
+    def on_global(topic: str, message: m.Message) -> None:
+        if not isinstance(message, m.GlobalModel):
+            return  # only global models travel on this topic
+        trained = sum(factories.call("receive", topic, message))
+        if record(message, trained):  # the sample budget is spent: the run ends here
+            factories.call("drop")
+            bus.stop()
+            return
+        to_cloud(factories.call("resume"))
+
+    bus.subscribe(global_model_topic(cloud.config.fleet), on_global)
+    runner.start()
+    to_cloud(factories.call("start"))
+    bus.deliver()
+    if cloud.state != CloudState.DONE and not (spec.samples and rows
+                                               and rows[-1]["samples"] >= spec.samples):
+        raise SaflError(f"federation stalled in round {cloud.round} (cloud {cloud.state})")
+    runner.tick()  # the last tick every role gets as its loop ends
+    counters: Counter[str] = Counter(cloud.counters)
+    for part in factories.call("finish"):
+        counters.update(part)
+    return rows, per_device, dict(counters)
 
 
-def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, bus: LocalBus, evaluator: Any,
-              cloud: Cloud, stations: list[Station], devices: list[Device],
-              tables: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+class _FleetView:
+    """The whole fleet as the recorder reads it: every factory's figures, merged."""
+
+    def __init__(self, factories: Factories, bus: LocalBus, cloud: Cloud) -> None:
+        self.factories, self.bus, self.cloud = factories, bus, cloud
+
+    def accuracies(self) -> tuple[list[float], list[float]]:
+        parts = self.factories.call("accuracies")
+        return [a for local, _ in parts for a in local], [a for _, pre in parts for a in pre]
+
+    def traffic(self) -> tuple[Counter[str], Counter[str]]:
+        """Messages and bytes by type; the global model counted once, as the cloud sent it
+        (each factory's bus carried a copy)."""
+        messages: Counter[str] = Counter()
+        payload: Counter[str] = Counter()
+        for sent, size in self.factories.call("traffic"):
+            messages.update(sent)
+            payload.update(size)
+        messages["GlobalModel"] = self.bus.messages["GlobalModel"]
+        payload["GlobalModel"] = self.bus.payload_bytes["GlobalModel"]
+        return messages, payload
+
+    def privacy(self) -> dict[str, float]:
+        return {**self.cloud.privacy_summary(), **merged_privacy(self.factories.call("privacy"))}
+
+    def device_rows(self, strategy: str, round_: int, samples: int) -> list[dict[str, Any]]:
+        return [row for part in self.factories.call("device_rows", strategy, round_, samples)
+                for row in part]
+
+
+def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, evaluator: Any,
+              view: _FleetView, tables: tuple[list[dict[str, Any]], list[dict[str, Any]]],
               started: float, progress: Callable[[int, float], None] | None
-              ) -> Callable[[str, m.Message], None]:
-    """What watches the global model: it stops the bus once the sample budget is spent, and
-    every ``eval_every`` rounds (and at the end) scores the model and appends a row, and a
-    row per device."""
+              ) -> Callable[[m.GlobalModel, int], bool]:
+    """What watches the global model: every ``eval_every`` rounds (and at the end) it scores
+    the model and appends a row, and a row per device; it says when the sample budget is
+    spent (given the samples the devices have trained)."""
     rows, per_device = tables
     x_eval, y_eval = data.x_test[:spec.eval_samples], data.y_test[:spec.eval_samples]
 
-    def record(topic: str, message: m.Message) -> None:
-        if not isinstance(message, m.GlobalModel):
-            return  # only global models travel on this topic
+    def record(message: m.GlobalModel, trained: int) -> bool:
         if progress:
             progress(message.round, rows[-1]["accuracy"] if rows else float("nan"))
-        trained = sum(d.counters["samples_trained"] for d in devices)
         spent = 0 < spec.samples <= trained
-        if spent:
-            bus.stop()
         if message.round % spec.eval_every and not (message.final or spent):
-            return
+            return spent
         evaluator.set_flat(message.weights)
         loss, acc = evaluator.evaluate(x_eval, y_eval)
-        local = device_accuracy_summary(
-            [a for s in stations for a in s.local_accuracies()],
-            [a for s in stations for a in s.prequential_accuracies()])
+        local = device_accuracy_summary(*view.accuracies())
+        messages, payload = view.traffic()
         rows.append({
             "strategy": strategy.name, "round": message.round, "iteration": message.iteration,
             "samples": trained,
@@ -308,47 +292,15 @@ def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, bus: LocalBus,
             "local_worst10": local.get("local_worst10", float("nan")),
             "prequential_mean": local.get("prequential_mean", float("nan")),
             "prequential_worst10": local.get("prequential_worst10", float("nan")),
-            "uploads": bus.messages["DeviceUpdate"], "skips": bus.messages["SkipNotice"],
+            "uploads": messages["DeviceUpdate"], "skips": messages["SkipNotice"],
             # Device links stay inside the factory; station links cross the WAN to the cloud.
-            "bytes_device_up": bus.payload_bytes["DeviceUpdate"],
-            "bytes_device_down": bus.payload_bytes["StationModel"],
-            "bytes_station_up": bus.payload_bytes["StationUpdate"],
-            "bytes_station_down": bus.payload_bytes["GlobalModel"],
+            "bytes_device_up": payload["DeviceUpdate"],
+            "bytes_device_down": payload["StationModel"],
+            "bytes_station_up": payload["StationUpdate"],
+            "bytes_station_down": payload["GlobalModel"],
             "wall_s": time.perf_counter() - started,
-            **_privacy_columns(devices, stations, cloud),
+            **view.privacy(),
         })
-        per_device.extend(_device_rows(strategy.name, message.round, trained, devices,
-                                       stations))
+        per_device.extend(view.device_rows(strategy.name, message.round, trained))
+        return spent
     return record
-
-
-def _device_rows(strategy: str, round_: int, samples: int, devices: list[Device],
-                 stations: list[Station]) -> list[dict[str, Any]]:
-    """Each device now: what it says of itself, and what its station refused and clipped."""
-    tally = {s.id: s.tally for s in stations}
-    out = []
-    for d in devices:
-        doc = d.summary()
-        seen_by = tally.get(doc.station)
-        out.append({"strategy": strategy, "round": round_, "samples": samples,
-                    "device": doc.device, "station": doc.station,
-                    "local_accuracy": doc.local_accuracy,
-                    "prequential_accuracy": doc.prequential_accuracy,
-                    "uploads": doc.counters.get("uploads", 0),
-                    "skips": counted(doc.counters, "skipped."),
-                    "refused": seen_by.refused[doc.device] if seen_by else 0,
-                    "clipped": seen_by.clipped[doc.device] if seen_by else 0})
-    return out
-
-
-def _privacy_columns(devices: list[Device], stations: list[Station],
-                     cloud: Cloud) -> dict[str, float]:
-    """The most epsilon any device's local DP has spent, where any adds noise, the most any
-    device's data has spent in its station's noised syncs, and any station's in the cloud's,
-    where those add noise."""
-    out = cloud.privacy_summary()
-    if any(d.pipeline.noise for d in devices):
-        out["epsilon_local"] = max(d.epsilon for d in devices)
-    if any(s.config.central_dp_noise for s in stations):
-        out["epsilon_central"] = max(s.dp.privacy.worst() for s in stations)
-    return out

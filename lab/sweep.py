@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,15 @@ from edge_client.config import read_toml
 from edge_client.errors import ConfigError
 
 from .claims import markdown_section, paired_points, sweep_claims
-from .experiment import ExperimentConfig, RunTask, _RunCache, load_experiment, run_task
+from .engine import SimulationConfig
+from .experiment import (
+    ExperimentConfig,
+    RunTask,
+    _RunCache,
+    load_experiment,
+    load_simulation,
+    run_tasks,
+)
 from .report import format_table, write_csv
 from .results import write_report
 from .simulation import RunResult
@@ -60,10 +67,11 @@ def _label(point: dict[str, Any]) -> str:
     return "_".join(f"{k}={_text(v)}" for k, v in point.items()) or "base"
 
 
-def _runs(base: ExperimentConfig, points: list[dict[str, Any]], out: Path,
-          jobs: int) -> dict[tuple[str, str, int], RunResult]:
-    """Every run of the grid, finished ones from their cache, the rest in ``jobs`` workers."""
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+def _runs(base: ExperimentConfig, points: list[dict[str, Any]], out: Path, jobs: int,
+          engine: SimulationConfig, ray: str | None) -> dict[tuple[str, str, int], RunResult]:
+    """Every run of the grid, finished ones from their cache, the rest in ``jobs`` workers
+    (or as Ray tasks on the cluster at ``ray``)."""
+    threads = int(engine.cpus_per_run) if ray else (os.cpu_count() or 1) // jobs
     tasks, caches, results = [], {}, {}
     for point in points:
         cfg = dataclasses.replace(base, **point)
@@ -73,17 +81,21 @@ def _runs(base: ExperimentConfig, points: list[dict[str, Any]], out: Path,
                 key = (_label(point), name, seed)
                 results[key] = cache.get(name, seed, "none")
                 if results[key] is None:
-                    tasks.append((key, RunTask(cfg, name, seed, threads=threads)))
+                    tasks.append((key, RunTask(cfg, name, seed, threads=max(1, threads),
+                                                engine=engine)))
     print(f"sweep {base.name}: {len(points)} settings, {len(results)} runs, "
-          f"{len(results) - len(tasks)} reused, {jobs} job(s)", file=sys.stderr)
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(run_task, task): key for key, task in tasks}
-        for future in as_completed(futures):
-            key = futures[future]
-            results[key] = r = future.result()
-            caches[key[0]].put(r, key[2], "none")
-            print(f"{key[0]} {key[1]} seed {key[2]}: {r.rows[-1]['accuracy']:.4f} "
-                  f"({r.wall_s:.0f} s)", file=sys.stderr)
+          f"{len(results) - len(tasks)} reused, "
+          + (f"as Ray tasks on {ray}" if ray else f"{jobs} job(s)"), file=sys.stderr)
+    keys = {id(task): key for key, task in tasks}
+
+    def finished(task: RunTask, r: RunResult) -> None:
+        key = keys[id(task)]
+        results[key] = r
+        caches[key[0]].put(r, key[2], "none")
+        print(f"{key[0]} {key[1]} seed {key[2]}: {r.rows[-1]['accuracy']:.4f} "
+              f"({r.wall_s:.0f} s)", file=sys.stderr)
+
+    run_tasks([task for _, task in tasks], jobs, ray, finished)
     return {key: r for key, r in results.items() if r is not None}  # every run, by now
 
 
@@ -115,13 +127,13 @@ def _row(point: dict[str, Any], runs: list[RunResult],
 
 
 def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1,
-              report: Path | None = None) -> list[dict[str, Any]]:
+              report: Path | None = None, ray: str | None = None) -> list[dict[str, Any]]:
     """Run the grid of ``path``; returns (and writes to ``sweep.csv``, and as a section of
     ``report`` if given) the summary rows."""
     base = load_experiment(path)
     points = load_grid(path)
     out = Path(out or Path("runs") / f"{base.name}-sweep")
-    done = _runs(base, points, out, jobs)
+    done = _runs(base, points, out, jobs, load_simulation(path, ray), ray)
     rows = []
     for name in base.strategies:
         seeds = range(base.seed, base.seed + base.seeds)

@@ -130,7 +130,8 @@ def _experiment(args: argparse.Namespace) -> int:
     from lab.results import run_experiments
 
     run_experiments(args.configs, out=args.out, jobs=args.jobs, full=args.full,
-                    fresh=args.fresh, finished_only=args.finished_only, report=args.report)
+                    fresh=args.fresh, finished_only=args.finished_only, report=args.report,
+                    ray=args.ray)
     return 0
 
 
@@ -144,7 +145,7 @@ def _report(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from lab.sweep import run_sweep
 
-    run_sweep(args.config, out=args.out, jobs=args.jobs, report=args.report)
+    run_sweep(args.config, out=args.out, jobs=args.jobs, report=args.report, ray=args.ray)
     return 0
 
 
@@ -264,14 +265,6 @@ def _add_lab(sub) -> None:
                      help="rerun every strategy instead of reusing finished runs in --out")
     exp.add_argument("--finished-only", action="store_true",
                      help="report the runs already finished in --out, run nothing")
-    exp.set_defaults(run=_experiment)
-
-    report = sub.add_parser("report", help="a finished run or field test as one HTML file "
-                            "with pictures (report.html, report_*.png)")
-    report.add_argument("run_dir", type=Path, help="the run's folder (metrics.csv, and "
-                        "devices.csv, fleet.json and *.toml where it has them)")
-    report.set_defaults(run=_report)
-
     sweep = sub.add_parser("sweep", help="an experiment's strategies over the grid in its "
                            "[sweep] table, to choose defaults")
     sweep.add_argument("config", type=Path)
@@ -279,7 +272,20 @@ def _add_lab(sub) -> None:
     sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel")
     sweep.add_argument("--report", type=Path, default=None,
                        help="write the sweep's table into a results.md as its own section")
+    for p in (exp, sweep):
+        p.add_argument("--ray", default=None, metavar="ADDRESS",
+                       help="run each (strategy, seed) as a Ray task on the cluster at ADDRESS "
+                       "('auto': the one `ray start` began here, HOST:PORT, or 'local': a Ray "
+                       "instance for this command); needs the ray extra")
+    exp.set_defaults(run=_experiment)
     sweep.set_defaults(run=_sweep)
+
+    report = sub.add_parser("report", help="a finished run or field test as one HTML file "
+                            "with pictures (report.html, report_*.png)")
+    report.add_argument("run_dir", type=Path, help="the run's folder (metrics.csv, and "
+                        "devices.csv, fleet.json and *.toml where it has them)")
+    report.set_defaults(run=_report)
+
 
 
 def _add_provision(sub) -> None:

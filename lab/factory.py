@@ -1,0 +1,265 @@
+"""One factory of a simulated federation: its base station and devices on their own bus.
+
+Between two of the cloud's broadcasts a factory talks to nobody but the cloud, so the
+simulator runs each one as a :class:`Factory`: the driver hands it the global model, the
+factory's roles run until they are idle, and the driver collects what its station sent the
+cloud.  A factory lives in the driver's process (the local engine) or in a Ray actor on any
+node of a cluster (``lab/ray_engine.py``); both run the same roles in the same order, so a
+federation is the same bit for bit on either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+import numpy as np
+
+from aggregator.config import StationConfig
+from aggregator.station import Station
+from edge_client import messages as m
+from edge_client.admission import Admission
+from edge_client.config import DeviceConfig, InferenceConfig, from_mapping
+from edge_client.device import Device
+from edge_client.metrics import counted
+from edge_client.runner import RoleRunner, pace_replay
+from edge_client.sources.replay import ReplaySource
+from edge_client.topics import cloud_topics
+from edge_client.trainers import build_trainer
+from edge_client.transport import LocalBus
+
+from .attacks import install
+
+if TYPE_CHECKING:
+    from .simulation import FleetSpec
+
+__all__ = ["Factory", "FactoryPlan", "Outbox", "factory_plans", "merged_privacy",
+           "public_settings", "simulated", "trainer_maker", "SIM_CLOCK"]
+
+# Simulated time does not pass inside one synchronous delivery; deadlines never fire.
+SIM_CLOCK: Callable[[], float] = lambda: 0.0  # noqa: E731
+
+C = TypeVar("C")
+
+Outbox = list[tuple[str, m.Message]]  # what a factory's station sent the cloud, in order
+
+
+def simulated(cls: type[C], values: dict[str, Any]) -> C:
+    """A role's config for the simulator: reproducible, so its privacy noise is seeded too
+    (never so on a board, a station or the cloud)."""
+    return from_mapping(cls, {"noise_seeded": True, **values})
+
+
+def public_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """A plan entry's config keys, without the plan's own ``_``-prefixed bookkeeping."""
+    return {k: v for k, v in values.items() if not k.startswith("_")}
+
+
+@dataclass(frozen=True)
+class FactoryPlan:
+    """What one factory needs to run anywhere: its station's and devices' config values
+    (from the fleet's plan), each device's stream (partition samples, replay seed, rate),
+    and the fleet's model settings.  Plain values and arrays, so it travels to a Ray node."""
+
+    index: int
+    station: dict[str, Any]
+    devices: list[dict[str, Any]]  # each with its partition index "_k" and backend "_backend"
+    streams: list[tuple[np.ndarray, np.ndarray]]  # each device's partition, in devices' order
+    replay_seeds: list[int]
+    rates: list[float]
+    spec: FleetSpec  # model, seeds, attack; its partitions are not read here
+    sample_shape: tuple[int, ...]
+    num_classes: int
+    num_params: int
+    layout: str  # the evaluator's layout hash, which every trainer must match
+
+
+class _SimDevice(NamedTuple):
+    """A simulated device: the role, its replayed stream, its runner."""
+
+    device: Device
+    source: ReplaySource
+    runner: RoleRunner[Device]
+
+
+class Factory:
+    """A station and its devices on a bus of their own, run by the simulation's driver.
+
+    Per round the driver calls :meth:`receive` (the roles take the global model, nothing
+    else happens yet: the driver records the round as the local engine always did, reading
+    the views below), then :meth:`resume` (the roles run until idle; returns what the
+    station sent the cloud) or, once the sample budget is spent, :meth:`drop`.
+    """
+
+    def __init__(self, plan: FactoryPlan, trainer: Callable[[str], Any]) -> None:
+        self.plan = plan
+        self.bus = LocalBus()
+        cfg = simulated(StationConfig, plan.station)
+        self.stations = [Station(cfg, num_params=plan.num_params, num_classes=plan.num_classes,
+                                 rng=np.random.default_rng(cfg.seed))]
+        self.runners: list[RoleRunner[Any]] = [RoleRunner(s, self.bus, SIM_CLOCK)
+                                               for s in self.stations]
+        self.devices, self.admissions = self._devices(trainer)
+        self.runners += [sim.runner for sim in self.devices]
+        self._outbox: Outbox = []
+        for topic_filter in cloud_topics(cfg.fleet):
+            self.bus.subscribe(topic_filter, lambda topic, msg: self._outbox.append((topic, msg)))
+        for sim, rate in zip(self.devices, plan.rates, strict=True):
+            # Each new iteration, the sensors of that factory have produced fresh samples.
+            pace_replay(sim.runner, sim.source, rate)
+
+    def _devices(self, trainer: Callable[[str], Any]) -> tuple[list[_SimDevice], list[Admission]]:
+        """Every device of the plan with its replayed stream and runner (the compromised ones
+        sending what their attack makes), and the admissions their forged frames go through."""
+        plan, spec = self.plan, self.plan.spec
+        devices, admissions, shared = [], [], {}  # type: list[_SimDevice], list[Admission], dict[str, Any]
+        for values, (x, y), seed in zip(plan.devices, plan.streams, plan.replay_seeds,
+                                        strict=True):
+            cfg = simulated(DeviceConfig, public_settings(values))
+            backend = values["_backend"]
+            if spec.share_trainers:
+                shared.setdefault(backend, trainer(backend))
+            dev = Device(cfg, shared[backend] if spec.share_trainers else trainer(backend),
+                         num_classes=plan.num_classes, sample_shape=plan.sample_shape,
+                         rng=np.random.default_rng(cfg.seed),
+                         inference=InferenceConfig(every=spec.prequential_every, publish=False)
+                         if spec.prequential_every else None)
+            source = ReplaySource(x, y, np.random.default_rng(seed))
+            dev.buffer.push(*source.read(spec.initial_samples))
+            runner = RoleRunner(dev, self.bus, SIM_CLOCK)
+            if values["_k"] in spec.attackers and spec.attack != "none":
+                # What the station's transport does with a forged frame (counted with the roles).
+                admission = Admission(fleet=cfg.fleet, layout_hash=plan.layout,
+                                      num_params=plan.num_params, max_message=1 << 30,
+                                      reassembly_memory=1 << 30, chunk_timeout=60.0)
+                install(runner, spec.attack, admission, self.bus)
+                admissions.append(admission)
+            devices.append(_SimDevice(dev, source, runner))
+        return devices, admissions
+
+    def _sent(self) -> Outbox:
+        out, self._outbox = self._outbox, []
+        return out
+
+    def start(self) -> Outbox:
+        """Start the station, then the devices, and run them until they wait for the cloud."""
+        for runner in self.runners:
+            runner.start()
+        self.bus.deliver()
+        return self._sent()
+
+    def receive(self, topic: str, model: m.GlobalModel) -> int:
+        """Hand the roles the global model, and pause; returns the samples trained so far."""
+        self.bus.publish(topic, model)
+        self.bus.deliver(limit=1)
+        return self.trained()
+
+    def resume(self) -> Outbox:
+        """Run the round the global model began until the station reports to the cloud."""
+        self.bus.deliver()
+        return self._sent()
+
+    def drop(self) -> None:
+        """The run's sample budget is spent: what the global model set off never happens."""
+        self.bus.stop()
+        self.bus.deliver()
+
+    def finish(self) -> dict[str, int]:
+        """The roles' last tick (as a service's loop ends), then every counter summed."""
+        for runner in self.runners:
+            runner.tick()
+        counters: Counter[str] = Counter()
+        for kept in (*(s.counters for s in self.stations),
+                     *(sim.device.counters for sim in self.devices),
+                     *(a.counters for a in self.admissions)):
+            counters.update(kept)
+        return dict(counters)
+
+    # What the driver reads when it records a round.
+
+    def trained(self) -> int:
+        return sum(sim.device.counters["samples_trained"] for sim in self.devices)
+
+    def accuracies(self) -> tuple[list[float], list[float]]:
+        """The devices' held-out and prequential accuracies, as their stations know them."""
+        return ([a for s in self.stations for a in s.local_accuracies()],
+                [a for s in self.stations for a in s.prequential_accuracies()])
+
+    def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Messages and payload bytes published here, per message type."""
+        return dict(self.bus.messages), dict(self.bus.payload_bytes)
+
+    def privacy(self) -> dict[str, float]:
+        """The most epsilon any device's local DP has spent, where any adds noise, and the
+        most any device's data has spent in its station's noised syncs, where those do."""
+        out = {}
+        devices = [sim.device for sim in self.devices]
+        if any(d.pipeline.noise for d in devices):
+            out["epsilon_local"] = max(d.epsilon for d in devices)
+        if any(s.config.central_dp_noise for s in self.stations):
+            out["epsilon_central"] = max(s.dp.privacy.worst() for s in self.stations)
+        return out
+
+    def device_rows(self, strategy: str, round_: int, samples: int) -> list[dict[str, Any]]:
+        """Each device now: what it says of itself, and what its station refused and
+        clipped of it."""
+        tally = {s.id: s.tally for s in self.stations}
+        out = []
+        for sim in self.devices:
+            doc = sim.device.summary()
+            seen_by = tally.get(doc.station)
+            out.append({"strategy": strategy, "round": round_, "samples": samples,
+                        "device": doc.device, "station": doc.station,
+                        "local_accuracy": doc.local_accuracy,
+                        "prequential_accuracy": doc.prequential_accuracy,
+                        "uploads": doc.counters.get("uploads", 0),
+                        "skips": counted(doc.counters, "skipped."),
+                        "refused": seen_by.refused[doc.device] if seen_by else 0,
+                        "clipped": seen_by.clipped[doc.device] if seen_by else 0})
+        return out
+
+
+def trainer_maker(spec: FleetSpec, sample_shape: tuple[int, ...], num_classes: int
+                  ) -> Callable[[str, str | None], Any]:
+    """A maker of trainers on each backend that checks they lay the model out as the
+    evaluator does (a mixed fleet is one fleet): ``make(backend, layout_hash)``."""
+    def make(backend: str, layout: str | None) -> Any:
+        return build_trainer(spec.model, backend=backend, input_shape=sample_shape,
+                             num_classes=num_classes, lr=spec.lr, seed=spec.seed,
+                             artifacts=spec.artifacts, expected_layout_hash=layout,
+                             device=spec.torch_device)
+    return make
+
+
+def factory_plans(plan: Any, spec: FleetSpec, x_train: np.ndarray, y_train: np.ndarray,
+                  *, num_classes: int, num_params: int, layout: str) -> list[FactoryPlan]:
+    """The fleet's plan (:class:`~lab.simulation.FleetPlan`) cut into its factories, each
+    with its own devices' samples (what a Ray node is sent, and no more)."""
+    light = dataclasses.replace(spec, partitions=(), groups=())
+    by_station: dict[str, list[dict[str, Any]]] = {s["station_id"]: [] for s in plan.stations}
+    for values in plan.devices:
+        by_station[values["station"]].append(values)
+    out = []
+    for g, station in enumerate(plan.stations):
+        members = by_station[station["station_id"]]
+        ks = [v["_k"] for v in members]
+        out.append(FactoryPlan(
+            index=g, station=station, devices=members,
+            streams=[(x_train[spec.partitions[k]], y_train[spec.partitions[k]]) for k in ks],
+            replay_seeds=[plan.replay_seeds[k] for k in ks],
+            rates=[plan.stream_rates[k] for k in ks], spec=light,
+            sample_shape=tuple(x_train.shape[1:]), num_classes=num_classes,
+            num_params=num_params, layout=layout))
+    return out
+
+
+def merged_privacy(parts: list[Mapping[str, float]]) -> dict[str, float]:
+    """The factories' privacy figures as one fleet's: the most any of them spent."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = max(out.get(key, value), value)
+    return out

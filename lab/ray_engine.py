@@ -1,0 +1,199 @@
+"""The Ray engine: a federation's factories as Ray actors on a cluster's nodes, and an
+experiment's runs as Ray tasks.
+
+Imported only when a run asks for Ray (``[simulation] engine = "ray"``, ``--ray``); Ray is
+the optional ``ray`` extra.  Every node must have safl-edge (and the run's backend)
+installed, as each factory builds its roles there.  The driver keeps the cloud; a factory's
+actor keeps its station, devices and their streams (its devices' samples are all that is
+sent to its node).  The global model goes to the factories and their stations' reports come
+back as the wire's frames (:data:`TRANSFER`; ``bench/fleet_scale.py`` measures both ways).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from edge_client import codec
+from edge_client import messages as m
+from edge_client.errors import SaflError
+
+from .engine import SimulationConfig
+from .factory import Factory, FactoryPlan, trainer_maker
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine at run time
+try:
+    import ray
+    import ray.exceptions
+except ImportError as exc:  # pragma: no cover - exercised where the extra is missing
+    raise SaflError("the Ray engine needs Ray: pip install 'safl-edge[ray]'") from exc
+
+__all__ = ["RayFactories", "connect", "run_tasks", "TRANSFER"]
+
+# How messages cross between the driver and the factories' actors: "frames" (the wire's
+# encoding, bytes) or "objects" (the frozen messages, which Ray pickles with their arrays
+# out of band).  Frames were the faster at 1,000 devices (bench/fleet_scale.py).
+TRANSFER = "frames"
+_MAX_FRAME = 1 << 31
+
+
+def connect(address: str) -> None:
+    """Join the cluster at ``address`` ("auto", "HOST:PORT"), or start a Ray instance in
+    this process ("local"); once per process."""
+    if ray.is_initialized():
+        return
+    try:
+        if address == "local":
+            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        else:
+            ray.init(address=address, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise SaflError(f"cannot reach a Ray cluster at {address!r}: {exc} (start one with "
+                        "`ray start --head`, or use address 'local')") from exc
+
+
+def _pack(value: Any, transfer: str) -> Any:
+    """A message, or an outbox of them, as it crosses to or from an actor."""
+    if transfer != "frames":
+        return value
+    if isinstance(value, m.Message):
+        return codec.encode(value)
+    if isinstance(value, list) and value and isinstance(value[0], tuple) \
+            and isinstance(value[0][1], m.Message):
+        return [(topic, codec.encode(msg)) for topic, msg in value]
+    return value
+
+
+def _unpack(value: Any, transfer: str) -> Any:
+    if transfer != "frames":
+        return value
+    if isinstance(value, bytes):
+        return codec.decode(value, max_size=_MAX_FRAME).message
+    if isinstance(value, list) and value and isinstance(value[0], tuple) \
+            and isinstance(value[0][1], bytes):
+        return [(topic, codec.decode(frame, max_size=_MAX_FRAME).message)
+                for topic, frame in value]
+    return value
+
+
+class _FactoryActor:
+    """A factory in a Ray worker: its roles built here, from its plan."""
+
+    def __init__(self, plan: FactoryPlan, threads: int, transfer: str) -> None:
+        if "torch" in plan.spec.backends:
+            import torch
+            torch.set_num_threads(max(1, threads))
+        make = trainer_maker(plan.spec, plan.sample_shape, plan.num_classes)
+        self.factory = Factory(plan, lambda backend: make(backend, plan.layout))
+        self.transfer = transfer
+
+    def where(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def call(self, method: str, *args: Any) -> Any:
+        args = tuple(_unpack(a, self.transfer) for a in args)
+        return _pack(getattr(self.factory, method)(*args), self.transfer)
+
+
+class RayFactories:
+    """The run's factories, one actor each, spread over the cluster's nodes."""
+
+    def __init__(self, plans: list[FactoryPlan], sim: SimulationConfig,
+                 transfer: str | None = None) -> None:
+        connect(sim.address)
+        self.sim, self.transfer = sim, transfer or TRANSFER
+        self.stations = [p.station["station_id"] for p in plans]
+        cpus = _cpus_per_factory(sim, len(plans))
+        actor = ray.remote(_FactoryActor).options(
+            num_cpus=cpus, num_gpus=sim.gpus_per_factory, scheduling_strategy="SPREAD",
+            max_restarts=0)
+        self.actors: list[Any] = [actor.remote(ray.put(plan), max(1, int(cpus)), self.transfer)
+                       for plan in plans]
+        self.nodes: list[str] = []
+        placed, waiting = ray.wait([a.where.remote() for a in self.actors],
+                                   num_returns=len(plans), timeout=sim.placement_timeout)
+        if waiting:
+            self.close()
+            have = ray.cluster_resources()
+            raise SaflError(
+                f"the Ray cluster placed {len(placed)} of {len(plans)} factories in "
+                f"{sim.placement_timeout:.0f} s: each asks for {cpus:g} CPU and "
+                f"{sim.gpus_per_factory:g} GPU, the cluster has {have.get('CPU', 0):g} CPUs "
+                f"and {have.get('GPU', 0):g} GPUs ([simulation] cpus_per_factory, "
+                "gpus_per_factory)")
+        self.nodes = self._gather([a.where.remote() for a in self.actors], "start")
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        # One copy of a global model in the object store, whichever factories read it.
+        shared = [ray.put(_pack(a, self.transfer)) if isinstance(a, m.Message) else a
+                  for a in args]
+        answers = self._gather([a.call.remote(method, *shared) for a in self.actors], method)
+        return [_unpack(x, self.transfer) for x in answers]
+
+    def _gather(self, refs: list[Any], method: str) -> list[Any]:
+        """Every factory's answer, or a :class:`SaflError` naming the factory that failed:
+        its node died, its worker crashed, or it did not answer within ``round_timeout``."""
+        try:
+            return ray.get(refs, timeout=self.sim.round_timeout)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise SaflError(f"the factories did not finish {method!r} within "
+                            f"{self.sim.round_timeout:.0f} s ([simulation] round_timeout)"
+                            ) from exc
+        except ray.exceptions.RayError as exc:
+            raise self._failure(refs, method, exc) from exc
+
+    def _failure(self, refs: list[Any], method: str, exc: Exception) -> Exception:
+        for k, ref in enumerate(refs):
+            ready, _ = ray.wait([ref], timeout=0)
+            try:
+                ray.get(ready)
+            except ray.exceptions.RayTaskError as err:
+                cause = err.cause if isinstance(err.cause, SaflError) else None
+                return cause or SaflError(f"factory {self.stations[k]} failed in {method}: "
+                                          f"{err}")
+            except ray.exceptions.RayError as err:
+                node = self.nodes[k] if k < len(getattr(self, "nodes", [])) else "?"
+                return SaflError(f"factory {self.stations[k]} was lost in {method} (its actor "
+                                 f"on node {node} died: {type(err).__name__}); the run stops "
+                                 "and nothing of it is kept")
+        return SaflError(f"the factories failed in {method}: {exc}")
+
+    def close(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+def _cpus_per_factory(sim: SimulationConfig, factories: int) -> float:
+    """What each factory asks for: as configured, or an even share of the cluster's CPUs
+    (at most one), so that every factory of the run can be placed at once."""
+    if sim.cpus_per_factory:
+        return sim.cpus_per_factory
+    total = ray.cluster_resources().get("CPU", 1.0)
+    return math.floor(1e4 * min(1.0, total / max(1, factories))) / 1e4  # Ray's granularity
+
+
+def run_tasks(tasks: Iterable[Any], run: Callable[[Any], Any], sim: SimulationConfig,
+              finished: Callable[[Any, Any], None]) -> None:
+    """Run ``run(task)`` for each task as a Ray task declaring ``sim``'s CPUs and GPUs per
+    run, calling ``finished(task, result)`` as each ends.  A run is a pure function of its
+    task, so one whose node dies is run again elsewhere (Ray's retries on system failures)
+    and gives the same result; an error in the run itself is raised here."""
+    connect(sim.address)
+    remote = ray.remote(run).options(num_cpus=sim.cpus_per_run, num_gpus=sim.gpus_per_run,
+                                     max_retries=3)
+    pending = {remote.remote(task): task for task in tasks}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            task = pending.pop(ref)
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayTaskError as err:
+                raise (err.cause if isinstance(err.cause, Exception) else err) from None
+            except ray.exceptions.RayError as err:
+                raise SaflError(f"run {getattr(task, 'key', task)} was lost "
+                                f"({type(err).__name__}) after Ray's retries") from err
+            finished(task, result)
