@@ -85,7 +85,8 @@ def test_a_federation_is_the_same_on_ray_as_here(tmp_path, local_ray, transfer, 
 def test_an_experiment_as_ray_tasks_writes_what_a_local_one_writes(tmp_path, local_ray):
     path = tmp_path / "small.toml"
     path.write_text(SMALL)
-    _, local, _ = run_experiment(path, out=tmp_path / "local")
+    # One thread a run on both sides, as each Ray task has (tests/ray_cluster.py says why).
+    _, local, _ = run_experiment(path, out=tmp_path / "local", jobs=2)
     _, remote, _ = run_experiment(path, out=tmp_path / "ray", ray="local")
     assert [(r.strategy, len(r.rows)) for r in local] == [(r.strategy, len(r.rows))
                                                           for r in remote]
