@@ -14,7 +14,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from edge_client import codec
@@ -31,7 +36,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised where the extra is missing
     raise SaflError("the Ray engine needs Ray: pip install 'safl-edge[ray]'") from exc
 
-__all__ = ["RayFactories", "connect", "run_tasks", "TRANSFER"]
+__all__ = ["RayFactories", "LoopbackCluster", "connect", "run_tasks", "TRANSFER"]
 
 # How messages cross between the driver and the factories' actors: "frames" (the wire's
 # encoding, bytes) or "objects" (the frozen messages, which Ray pickles with their arrays
@@ -197,3 +202,79 @@ def run_tasks(tasks: Iterable[Any], run: Callable[[Any], Any], sim: SimulationCo
                 raise SaflError(f"run {getattr(task, 'key', task)} was lost "
                                 f"({type(err).__name__}) after Ray's retries") from err
             finished(task, result)
+
+
+class LoopbackCluster:
+    """A Ray cluster of ``nodes`` raylets on this machine, for trying the engine and for its
+    tests and benchmarks.  Run it inside a private network namespace (``unshare -n``, which
+    this brings ``lo`` up in): Ray registers a node under the machine's own address even when
+    told 127.0.0.1, and there 127.0.0.1 is the only address it has.  Each node is started in
+    its own session, so :meth:`kill` takes its raylet and workers down at once, as a lost
+    machine would be."""
+
+    def __init__(self, work: Path, *, nodes: int = 2, cpus: float = 1, port: int = 6391):
+        self.work, self.port = work, port
+        self.address = f"127.0.0.1:{port}"
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        # Alone in its namespace: another Ray instance's token files must not be mixed in.
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+        self.nodes = [self._node(0, ["--head", "--port", str(port), "--include-dashboard",
+                                     "false"], cpus)]
+        time.sleep(3)  # the head's GCS before any worker dials it
+        self.nodes += [self._node(k, ["--address", self.address], cpus)
+                       for k in range(1, nodes)]
+
+    def _node(self, k: int, args: list[str], cpus: float) -> subprocess.Popen[bytes]:
+        ray_cli = Path(sys.executable).with_name("ray")
+        log = (self.work / f"node{k}.log").open("w")
+        return subprocess.Popen(
+            [str(ray_cli), "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus",
+             f"{cpus:g}", "--disable-usage-stats", "--resources", f'{{"node{k}": 1}}', *args],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = 60.0) -> None:
+        """Until every node has joined (this process connected to the cluster)."""
+        connect(self.address)
+        deadline = time.monotonic() + timeout
+        while len([n for n in ray.nodes() if n["Alive"]]) < len(self.nodes):
+            if time.monotonic() > deadline:
+                raise SaflError(f"the cluster has not got its {len(self.nodes)} nodes in "
+                                f"{timeout:.0f} s; logs in {self.work}")
+            time.sleep(0.1)
+
+    def node_id(self, k: int) -> str:
+        """Ray's id of node ``k`` (0: the head)."""
+        return next(n["NodeID"] for n in ray.nodes() if f"node{k}" in n["Resources"])
+
+    def rss_mb(self, k: int) -> float:
+        """Resident memory of node ``k``: its raylet, its workers (the factories' actors),
+        and on the head the GCS."""
+        import psutil  # type: ignore[import-untyped]  # a dependency of Ray's
+
+        try:
+            top = psutil.Process(self.nodes[k].pid)
+            procs = [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0
+        for proc in procs:
+            try:
+                total += proc.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total / 2**20
+
+    def kill(self, k: int) -> None:
+        """Node ``k`` and everything it runs, at once (SIGKILL)."""
+        try:
+            os.killpg(self.nodes[k].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.nodes[k].wait()
+
+    def stop(self) -> None:
+        if ray.is_initialized():
+            ray.shutdown()
+        for k in reversed(range(len(self.nodes))):
+            self.kill(k)
