@@ -18,8 +18,12 @@ same thread count, measured in the same run.  ``--baseline`` adds the simulator 
 then.  Run it on a quiet machine: other jobs on the cores distort every figure.  Printed,
 never asserted.
 
-Run: ``python bench/simulator.py [--rounds 16] [--repeats 2] [--baseline]`` from a git
-checkout.
+``--gpu`` adds FedGS and SAFL+FedGS on CUDA (one by one, and with each super node's members
+in one batched call, ``[simulation] batched_steps``) and the 1M-sample reference run's time
+there against these CPUs.
+
+Run: ``python bench/simulator.py [--rounds 16] [--repeats 2] [--gpu] [--baseline]`` from a
+git checkout.
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ print(r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])  # its rows count no samples: 
 
 _NEW = """
 import dataclasses
+from lab.engine import SimulationConfig
 from lab.experiment import RunTask, load_experiment, run_task
 cfg = dataclasses.replace(load_experiment("experiments/reference.toml"), samples=0,
                           rounds={rounds}, strategies=("{recipe}",))
-r = run_task(RunTask(cfg, "{recipe}", 0, threads={threads}))
+engine = SimulationConfig(torch_device="{device}", batched_steps={batched})
+r = run_task(RunTask(cfg, "{recipe}", 0, threads={threads}, engine=engine))
 print(1000 * (r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
       / (r.rows[-1]["samples"] - r.rows[0]["samples"]))
 """
@@ -61,10 +67,24 @@ def _timed(code: str, cwd: Path) -> float:
     return float(probe(cwd, code))
 
 
+def _gpu_runs(rounds: int) -> dict[tuple[str, bool], float]:
+    """FedGS and SAFL+FedGS on CUDA, one by one and batched (s per 1,000 samples)."""
+    has_cuda = probe(ROOT, "import torch; print(int(torch.cuda.is_available()))")
+    if not int(has_cuda):
+        print("no CUDA device here: the GPU figures need a machine with one")
+        return {}
+    return {(recipe, batched): _timed(_NEW.format(rounds=rounds, recipe=recipe, threads=1,
+                                                  device="cuda", batched=batched), ROOT)
+            for recipe in RECIPES[1:] for batched in (False, True)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--gpu", action="store_true",
+                    help="also run FedGS and SAFL+FedGS on CUDA, one by one and with each "
+                    "super node in one batched call, against the CPU figures of this run")
     ap.add_argument("--baseline", action="store_true",
                     help=f"also time FedGS on the simulator of {BASELINE}")
     args = ap.parse_args()
@@ -75,8 +95,10 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved: drift on the machine hits every recipe
         for threads in (1, 2):
             for recipe in RECIPES:
-                code = _NEW.format(rounds=args.rounds, recipe=recipe, threads=threads)
+                code = _NEW.format(rounds=args.rounds, recipe=recipe, threads=threads,
+                                   device="cpu", batched=False)
                 runs.setdefault((recipe, threads), []).append(_timed(code, ROOT))
+    gpu = _gpu_runs(args.rounds) if args.gpu else {}
     old = None
     if args.baseline:
         with checkout(BASELINE) as tree:
@@ -97,6 +119,11 @@ def main() -> None:
         own = min(medians[(recipe, t)] for t in (1, 2))
         print(f"{recipe}: best {own:.3f} s/1000 against FedAvg's best {best:.3f}: "
               f"{own / best:.2f}x")
+    for (recipe, batched), value in gpu.items():
+        cpu = min(medians[(recipe, t)] for t in (1, 2))
+        print(f"{recipe} on CUDA{' batched' if batched else ''}: {value:.3f} s/1000, a 1M-sample "
+              f"reference run in {value * 1000 / 60:.1f} min against {cpu * 1000 / 60:.1f} min "
+              f"on these CPUs ({cpu / value:.2f}x)")
     if old is not None:
         print(f"baseline {BASELINE} FedGS (1 thread): {old:.3f} s/1000 samples; now "
               f"{old / min(medians[('fedgs', t)] for t in (1, 2)):.2f}x faster")

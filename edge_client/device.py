@@ -14,6 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from .states import DeviceState
 from .topics import device_topics
 from .trainers import Trainer, proximal_step
 
-__all__ = ["Device", "DeviceEvent"]
+__all__ = ["Device", "DeviceEvent", "LocalSteps"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,18 @@ class DeviceEvent(RoleEvent):
 
 _E = DeviceEvent
 _D = DeviceState
+
+
+@dataclass(frozen=True)
+class LocalSteps:
+    """The local steps a selected device is about to take: SGD at ``lr`` from ``start`` over
+    ``batches`` (drawn from its buffer) after ``model`` came."""
+
+    model: m.StationModel
+    start: np.ndarray
+    batches: list[tuple[np.ndarray, np.ndarray]]
+    lr: float
+    started: float  # perf_counter: a measurement for metrics, not an input to SAFL
 
 
 class Device(RoleBase[DeviceState]):
@@ -350,27 +363,61 @@ class Device(RoleBase[DeviceState]):
         self.counters["local_evaluations"] += 1
 
     def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
+        steps = self.begin_steps(model)
+        return self.end_steps(steps, self._take_steps(steps))
+
+    def selected_steps(self, selection: m.Selection) -> LocalSteps | None:
+        """The local steps this selection starts now, for a simulator that runs a super
+        node's members in one batched call (then :meth:`end_steps` with the result); None
+        where :meth:`handle` must take the selection instead (not a member, its model not
+        here yet, a proximal term that needs each step's weights)."""
+        model = self._model
+        if selection.fleet != self.config.fleet or selection.sender != self.config.station \
+                or self.id not in selection.members or self.config.prox_mu \
+                or model is None or model.iteration != selection.iteration:
+            return None
+        self.state = self.next_state(_E.SELECTED)
+        return self.begin_steps(model)
+
+    def begin_steps(self, model: m.StationModel) -> LocalSteps:
+        """Everything before the local steps: the learning rate, the annealed merge (the
+        trainer then holds the start), the deployed model, the local accuracy, and the
+        batches, drawn from the buffer."""
         cfg, t = self.config, model.iteration
-        zbar = model.weights  # read-only; the merge, the trainer and the gate only read it
         lr = cfg.lr * cfg.lr_decay if cfg.lr_decay_at and t >= cfg.lr_decay_at else cfg.lr
         if self.trainer.lr != lr:  # ONNX Runtime's optimizer is told only of a change
             self.trainer.lr = lr
-        start = self._start_model(zbar, t)
+        # model.weights is read-only; the merge, the trainer and the gate only read it
+        start = self._start_model(model.weights, t)
         self.trainer.set_flat(start)
         self._deploy(model, start)
         self._measure_local(t)
-        consumed = 0
-        started = time.perf_counter()  # a measurement for metrics, not an input to SAFL
+        batches = []
         for _ in range(cfg.local_steps):
             x, y = self.buffer.next_batch(cfg.batch_size)
             if not len(y):
                 break
-            before = self.trainer.get_flat() if cfg.prox_mu else None
+            batches.append((x, y))
+        return LocalSteps(model, start, batches, lr, time.perf_counter())
+
+    def _take_steps(self, steps: LocalSteps) -> np.ndarray:
+        """SGD from the start the trainer holds; the trained vector (the trainer holds it)."""
+        zbar, mu = steps.model.weights, self.config.prox_mu
+        for x, y in steps.batches:
+            before = self.trainer.get_flat() if mu else None
             self.trainer.train_step(x, y)
             if before is not None:
                 self.trainer.set_flat(proximal_step(before, self.trainer.get_flat(), zbar,
-                                                    lr=self.trainer.lr, mu=cfg.prox_mu))
-            consumed += len(y)
+                                                    lr=self.trainer.lr, mu=mu))
+        return self.trainer.get_flat() if steps.batches else steps.start
+
+    def end_steps(self, steps: LocalSteps, z: np.ndarray) -> list[m.Message]:
+        """The reply to trained ``z`` (which the trainer must hold): the gate, the update or
+        a skip, after the stats."""
+        cfg, model, t = self.config, steps.model, steps.model.iteration
+        zbar = model.weights
+        consumed = sum(len(y) for _, y in steps.batches)
+
         def skip(gap: float) -> m.SkipNotice:
             return m.SkipNotice(fleet=cfg.fleet, sender=self.id, round=model.round,
                                 iteration=t, station=cfg.station, gap=gap)
@@ -378,8 +425,7 @@ class Device(RoleBase[DeviceState]):
         if consumed == 0:
             self.counters["skipped.no_data"] += 1
             return [self._stats(model.round, t), skip(0.0)]
-        self.last_train_s = time.perf_counter() - started
-        z = self.trainer.get_flat()
+        self.last_train_s = time.perf_counter() - steps.started
         if not np.isfinite(z).all():
             # Diverged (a huge model came down, or a huge step): nothing worth uploading or
             # keeping.  A skip is still an answer, so the station does not wait for us.

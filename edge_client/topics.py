@@ -16,6 +16,7 @@ __all__ = [
     "device_topics",
     "station_topics",
     "cloud_topics",
+    "selection_topic",
     "station_model_topic",
     "global_model_topic",
     "status_topic",
@@ -66,7 +67,7 @@ def topic_for(message: m.Message) -> str:
     if isinstance(message, m.StationModel):
         return station_model_topic(message.fleet, message.sender)
     if isinstance(message, m.Selection):
-        return f"{prefix(message.fleet, _STATION, message.sender)}/select"
+        return selection_topic(message.fleet, message.sender)
     if isinstance(message, m.StationStats):
         return f"{prefix(message.fleet, _STATION, message.sender)}/stats"
     if isinstance(message, m.StationUpdate):
@@ -94,6 +95,11 @@ def line_prefix(station: str) -> str:
 def station_model_topic(fleet: str, station: str) -> str:
     """Where ``station`` publishes ``w^m`` (``+`` for every station)."""
     return f"{prefix(fleet, _STATION, station)}/model"
+
+
+def selection_topic(fleet: str, station: str) -> str:
+    """Where ``station`` names the super node of each iteration."""
+    return f"{prefix(fleet, _STATION, station)}/select"
 
 
 def global_model_topic(fleet: str) -> str:
@@ -135,7 +141,7 @@ def is_document_topic(topic: str) -> bool:
 def device_topics(fleet: str, station: str) -> list[str]:
     """What a device of ``station`` subscribes to (its presence too: a station that comes
     back online is asking for stats)."""
-    return [station_model_topic(fleet, station), f"{prefix(fleet, _STATION, station)}/select",
+    return [station_model_topic(fleet, station), selection_topic(fleet, station),
             status_topic(fleet, _STATION, station)]
 
 

@@ -43,6 +43,11 @@ class SimulationConfig:
     # the cluster has to place every factory before the run stops saying what it lacks.
     round_timeout: float = 3600.0
     placement_timeout: float = 120.0
+    # Where the torch backend trains ("auto": CUDA where torch sees one; "cpu"; "cuda:N"),
+    # and whether a super node's members step in one batched call (vmap over their
+    # weights; float-close to one by one, not bit-equal, so runs are cached apart).
+    torch_device: str = "auto"
+    batched_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -55,6 +60,16 @@ class SimulationConfig:
             check_range(key, getattr(self, key), 0)
         check_range("round_timeout", self.round_timeout, 1)
         check_range("placement_timeout", self.placement_timeout, 1)
+        if self.torch_device not in ("auto", "cpu") and not self.torch_device.startswith("cuda"):
+            raise ConfigError("torch_device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
+                              f"got {self.torch_device!r}")
+
+    @property
+    def cache_tag(self) -> str:
+        """What a run's cache key adds for settings that change its numbers (empty for the
+        defaults, so runs cached before keep their keys)."""
+        return (f"|torch-{self.torch_device}" if self.torch_device != "auto" else "") + (
+            "|batched-steps" if self.batched_steps else "")
 
 
 class Factories(Protocol):

@@ -244,8 +244,10 @@ def run_task(task: RunTask) -> RunResult:
     with blas_threads(1 if cfg.backend == "torch" else task.threads):
         progress = Progress(f"{task.strategy}/{task.seed}", cfg.rounds) \
             if task.show_progress else None
-        return run_federation(data, _strategy(cfg, task.strategy),
-                              _fleet(cfg, data, task.seed, task.attack), progress,
+        spec = dataclasses.replace(_fleet(cfg, data, task.seed, task.attack),
+                                   torch_device=task.engine.torch_device,
+                                   batched_steps=task.engine.batched_steps)
+        return run_federation(data, _strategy(cfg, task.strategy), spec, progress,
                               engine=task.engine)
 
 
@@ -295,9 +297,11 @@ class _RunCache:
     (every role's config values), its seed and attack are the same; after changing the
     code, pass ``fresh`` (``--fresh``) or delete the folder."""
 
-    def __init__(self, folder: Path, cfg: ExperimentConfig, fresh: bool) -> None:
+    def __init__(self, folder: Path, cfg: ExperimentConfig, fresh: bool,
+                 engine: SimulationConfig | None = None) -> None:
         self.folder = folder / "runs"
         self.cfg = cfg
+        self.tag = engine.cache_tag if engine else ""
         self.fleet = repr({k: v for k, v in sorted(vars(cfg).items())
                            if k not in _NOT_RUN_KEYS and (k not in _OFF_UNLESS_SET or v)})
         self.fresh = fresh
@@ -309,7 +313,7 @@ class _RunCache:
         # keyed apart, and a run without it keeps the key it always had.
         every = self.cfg.prequential_every
         budget += f"|prequential-{every}" if every else ""
-        text = f"{self.fleet}{budget}|{_strategy(self.cfg, name)!r}|{seed}|{attack}"
+        text = f"{self.fleet}{budget}{self.tag}|{_strategy(self.cfg, name)!r}|{seed}|{attack}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def _path(self, name: str, seed: int, attack: str) -> Path:
@@ -386,8 +390,8 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
           f"{cfg.factories} factories x {cfg.devices_per_factory} devices, {length}, "
           f"{cfg.model} on {cfg.dataset}, "
           + (f"as Ray tasks on {ray}" if ray else f"{jobs} job(s)"), file=sys.stderr)
-    cache = _RunCache(out, cfg, fresh)
     engine = load_simulation(path, ray)
+    cache = _RunCache(out, cfg, fresh, engine)
     threads = int(engine.cpus_per_run) if ray else max(1, (os.cpu_count() or 1) // jobs)
     tasks = [RunTask(cfg, name, cfg.seed + k, attack, max(1, threads),
                      show_progress=jobs == 1 and not ray, engine=engine)

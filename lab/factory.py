@@ -23,11 +23,11 @@ from aggregator.station import Station
 from edge_client import messages as m
 from edge_client.admission import Admission
 from edge_client.config import DeviceConfig, InferenceConfig, from_mapping
-from edge_client.device import Device
+from edge_client.device import Device, LocalSteps
 from edge_client.metrics import counted
 from edge_client.runner import RoleRunner, pace_replay
 from edge_client.sources.replay import ReplaySource
-from edge_client.topics import cloud_topics
+from edge_client.topics import cloud_topics, selection_topic
 from edge_client.trainers import build_trainer
 from edge_client.transport import LocalBus
 
@@ -102,8 +102,11 @@ class Factory:
                                  rng=np.random.default_rng(cfg.seed))]
         self.runners: list[RoleRunner[Any]] = [RoleRunner(s, self.bus, SIM_CLOCK)
                                                for s in self.stations]
+        self.steps = SuperNodeSteps(self.bus) if plan.spec.batched_steps else None
         self.devices, self.admissions = self._devices(trainer)
         self.runners += [sim.runner for sim in self.devices]
+        if self.steps:  # after every member's own subscriptions: the super node is complete
+            self.steps.subscribe(cfg)
         self._outbox: Outbox = []
         for topic_filter in cloud_topics(cfg.fleet):
             self.bus.subscribe(topic_filter, lambda topic, msg: self._outbox.append((topic, msg)))
@@ -129,7 +132,8 @@ class Factory:
                          if spec.prequential_every else None)
             source = ReplaySource(x, y, np.random.default_rng(seed))
             dev.buffer.push(*source.read(spec.initial_samples))
-            runner = RoleRunner(dev, self.bus, SIM_CLOCK)
+            runner = RoleRunner(dev, self.steps.divert(dev) if self.steps else self.bus,
+                                SIM_CLOCK)
             if values["_k"] in spec.attackers and spec.attack != "none":
                 # What the station's transport does with a forged frame (counted with the roles).
                 admission = Admission(fleet=cfg.fleet, layout_hash=plan.layout,
@@ -176,6 +180,8 @@ class Factory:
                      *(sim.device.counters for sim in self.devices),
                      *(a.counters for a in self.admissions)):
             counters.update(kept)
+        if self.steps:
+            counters["batched_step_calls"] += self.steps.batched_calls
         return dict(counters)
 
     # What the driver reads when it records a round.
@@ -220,6 +226,69 @@ class Factory:
                         "refused": seen_by.refused[doc.device] if seen_by else 0,
                         "clipped": seen_by.clipped[doc.device] if seen_by else 0})
         return out
+
+
+class SuperNodeSteps:
+    """A super node's local steps in one batched call: each member's selection is taken up
+    to its steps (``Device.selected_steps``), then the trainer's ``train_members`` runs them
+    all, then each member replies in turn, in the order one-by-one delivery would have."""
+
+    def __init__(self, bus: LocalBus) -> None:
+        self.bus = bus
+        self._pending: list[tuple[Device, RoleRunner[Device], LocalSteps]] = []
+        self.batched_calls = 0
+
+    def divert(self, device: Device) -> _Diverted:
+        """The bus as a device's runner sees it, with its selections collected here."""
+        return _Diverted(self, device)
+
+    def subscribe(self, station: StationConfig) -> None:
+        self.bus.subscribe(selection_topic(station.fleet, station.station_id), self._run)
+
+    def collect(self, device: Device, runner: RoleRunner[Device], topic: str,
+                message: m.Message) -> None:
+        steps = device.selected_steps(message) if isinstance(message, m.Selection) else None
+        if steps is None:
+            runner._on_message(topic, message)  # the device's own handling, as ever
+        else:
+            self._pending.append((device, runner, steps))
+
+    def _run(self, topic: str, message: m.Message) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        trainer = pending[0][0].trainer
+        if hasattr(trainer, "train_members") and all(d.trainer is trainer for d, _, _ in pending):
+            trained = trainer.train_members([s.start for _, _, s in pending],
+                                            [s.batches for _, _, s in pending],
+                                            [s.lr for _, _, s in pending])
+            self.batched_calls += 1
+        else:  # a backend without it, or devices with trainers of their own: one by one
+            trained = []
+            for device, _, steps in pending:
+                device.trainer.set_flat(steps.start)
+                trained.append(device._take_steps(steps))
+        for (device, runner, steps), z in zip(pending, trained, strict=True):
+            device.trainer.set_flat(z)  # the gate scores the model the trainer holds
+            runner.publish(device.end_steps(steps, z))
+
+
+class _Diverted:
+    """A device runner's view of the bus: its selections go to the super node's batch."""
+
+    def __init__(self, steps: SuperNodeSteps, device: Device) -> None:
+        self.steps, self.device = steps, device
+
+    def subscribe(self, topic_filter: str, handler: Any) -> None:
+        if topic_filter.endswith("/select"):
+            runner = handler.__self__  # the RoleRunner's own handler
+            self.steps.bus.subscribe(topic_filter, lambda topic, msg: self.steps.collect(
+                self.device, runner, topic, msg))
+        else:
+            self.steps.bus.subscribe(topic_filter, handler)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.steps.bus, name)
 
 
 def trainer_maker(spec: FleetSpec, sample_shape: tuple[int, ...], num_classes: int

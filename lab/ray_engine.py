@@ -52,7 +52,7 @@ def connect(address: str) -> None:
         return
     try:
         if address == "local":
-            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+            ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
         else:
             ray.init(address=address, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:

@@ -88,6 +88,9 @@ class FleetSpec:
     prequential_every: int = 0
     # Where the torch backend trains: "auto" (CUDA where torch sees one), "cpu", "cuda:N".
     torch_device: str = "auto"
+    # A super node's members take their local steps in one batched call (torch's
+    # train_members, vmap over their weights: the GPU's way); float-close to one by one.
+    batched_steps: bool = False
 
 
 @dataclass

@@ -75,7 +75,7 @@ def _runs(base: ExperimentConfig, points: list[dict[str, Any]], out: Path, jobs:
     tasks, caches, results = [], {}, {}
     for point in points:
         cfg = dataclasses.replace(base, **point)
-        caches[_label(point)] = cache = _RunCache(out / _label(point), cfg, False)
+        caches[_label(point)] = cache = _RunCache(out / _label(point), cfg, False, engine)
         for name in cfg.strategies:
             for seed in range(cfg.seed, cfg.seed + cfg.seeds):
                 key = (_label(point), name, seed)

@@ -39,7 +39,7 @@ strategies = ["fedgs", "safl_fedgs", "fedavg"]
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield
     ray.shutdown()
 
@@ -106,10 +106,14 @@ def test_factories_the_cluster_cannot_place_are_a_clear_error(tmp_path, local_ra
     path = tmp_path / "small.toml"
     path.write_text(SMALL)
     cfg = load_experiment(path)
-    greedy = SimulationConfig(engine="ray", cpus_per_factory=64, placement_timeout=2)
-    with pytest.raises(SaflError, match="placed 0 of 3 factories.*cpus_per_factory"):
-        run_federation(digits, _strategy(cfg, "fedgs"), _fleet(cfg, digits, 0, "none"),
-                       engine=greedy)
+    # More CPUs than the cluster has; a fractional GPU on a cluster without one.
+    for greedy, wants in (({"cpus_per_factory": 64}, "64 CPU and 0 GPU"),
+                          ({"gpus_per_factory": 0.5}, "0.6666 CPU and 0.5 GPU")):
+        sim = SimulationConfig(engine="ray", placement_timeout=2, **greedy)
+        with pytest.raises(SaflError, match=f"placed 0 of 3 factories .*{wants}.*2 CPUs "
+                           "and 0 GPUs"):
+            run_federation(digits, _strategy(cfg, "fedgs"), _fleet(cfg, digits, 0, "none"),
+                           engine=sim)
 
 
 def test_the_simulation_table_is_checked(tmp_path):

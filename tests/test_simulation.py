@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -111,3 +113,29 @@ def test_a_sample_budget_counts_samples_trained(digits):
     unbounded = run_federation(digits, s, dataclasses.replace(spec, samples=0,
                                                               rounds=rounds[-1] - 1))
     assert unbounded.counters["samples_trained"] < 3000
+
+
+@pytest.mark.parametrize("recipe", ["fedgs", "safl_fedgs"])
+def test_a_super_node_steps_in_one_batched_call_as_one_by_one(digits, recipe):
+    """``batched_steps``: every member of each super node steps in one vmapped call (the
+    GPU's way); the federation is the one-by-one federation to float tolerance."""
+    pytest.importorskip("torch")
+    from lab.experiment import ExperimentConfig
+    from lab.strategies import build_strategy
+
+    settings = ExperimentConfig(name="t", factories=2, devices_per_factory=4, super_node=3,
+                                sync_period=2, rounds=3).settings
+    rng = np.random.default_rng(0)
+    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(digits.y_train, 8, 0.5, rng)),
+                     groups=tuple(assign_groups(8, 2, rng)), rounds=3, lr=0.1,
+                     model="mlp", backends=("torch",), torch_device="cpu",
+                     arrivals_per_step=48, initial_samples=96, share_trainers=True)
+    strategy = build_strategy(recipe, settings)
+    one_by_one = run_federation(digits, strategy, spec)
+    batched = run_federation(digits, strategy, dataclasses.replace(spec, batched_steps=True))
+    # 2 stations x 2 iterations a round x 3 rounds, each super node one call
+    assert batched.counters.pop("batched_step_calls") == 12
+    assert batched.counters == one_by_one.counters
+    for a, b in zip(one_by_one.rows, batched.rows, strict=True):
+        assert abs(a["accuracy"] - b["accuracy"]) < 0.01 and abs(a["loss"] - b["loss"]) < 1e-3
+    assert one_by_one.rows[-1]["accuracy"] > one_by_one.rows[0]["accuracy"] + 0.1  # it learns

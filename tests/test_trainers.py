@@ -154,3 +154,36 @@ def test_cuda_training_matches_cpu(model, shape):
     w = cpu.get_flat()
     gpu.set_flat(w)  # flat float32 vectors cross between devices unchanged
     np.testing.assert_array_equal(gpu.get_flat(), w)
+
+
+def _members(shape, rng, sizes=([32], [32, 32], [20], [], [32, 7])):
+    """Members of a super node: each its own start, batches of differing sizes and counts."""
+    return [[(rng.random((b, *shape), dtype=np.float32), rng.integers(0, 10, b)) for b in bs]
+            for bs in sizes]
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not _has_cuda(), reason="needs torch with a CUDA device (runs on the GPU machine, "
+        "not in CI)"))])
+@pytest.mark.parametrize("model, shape", [("mlp", (28, 28)), ("small_cnn", (1, 28, 28))])
+def test_members_step_in_one_batched_call_as_one_by_one(model, shape, device):
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    trainer = build_trainer(model, backend="torch", input_shape=shape, num_classes=10,
+                            lr=0.05, seed=3, device=device)
+    base = trainer.get_flat()
+    # SAFL's annealed merges give each member a different start.
+    starts = [base + rng.normal(0, 0.01, base.size).astype(np.float32) for _ in range(5)]
+    batches, lrs = _members(shape, rng), [0.05, 0.05, 0.02, 0.05, 0.1]
+    batched = trainer.train_members(starts, batches, lrs)
+    np.testing.assert_array_equal(trainer.get_flat(), base)  # its own weights untouched
+    for start, steps, lr, got in zip(starts, batches, lrs, batched, strict=True):
+        trainer.set_flat(start)
+        trainer.lr = lr
+        for x, y in steps:
+            trainer.train_step(x, y)
+        moved = float(np.abs(trainer.get_flat() - start).max())
+        assert moved > 1e-3 or not steps
+        np.testing.assert_allclose(got, trainer.get_flat(), atol=1e-6 if device == "cpu"
+                                   else CUDA_WEIGHTS_TOLERANCE)

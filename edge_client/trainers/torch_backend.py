@@ -130,6 +130,60 @@ class TorchTrainer:
                     p.sub_(self.lr * p.grad)
         return float(loss.detach())
 
+    def train_members(self, starts: list[np.ndarray],
+                      batches: list[list[tuple[np.ndarray, np.ndarray]]],
+                      lrs: list[float]) -> list[np.ndarray]:
+        """Plain SGD for several models at once, as :meth:`train_step` would take them one
+        after another: member ``i`` from ``starts[i]`` over ``batches[i]`` at ``lrs[i]``.
+
+        Each step is one call for every member that still has a batch: ``torch.func``'s
+        ``grad`` of the loss through ``functional_call``, ``vmap``-ed over the members'
+        weights, so members that start from different (annealed-merge) models batch too.
+        Shorter batches are padded and masked out of their member's mean loss.  The
+        trainer's own parameters are left as they were.
+        """
+        from torch.func import functional_call, grad, vmap
+
+        names = [name for name, _ in self.layout]
+        flat = torch.stack([self._wrap(check_flat(z, self.num_params)) for z in starts])
+        params, offset = {}, 0
+        for (name, shape), p in zip(self.layout, self._params, strict=True):
+            params[name] = flat[:, offset:offset + p.numel()].reshape(len(starts), *shape)
+            offset += p.numel()
+        rates = torch.tensor(lrs, dtype=flat.dtype, device=self.device)
+
+        def loss(weights: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+            logits = functional_call(self.module, weights, (x,))
+            per_sample = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+            return (per_sample * mask).sum() / mask.sum()
+
+        step_grads = vmap(grad(loss))
+        self.module.train()
+        for step in range(max((len(b) for b in batches), default=0)):
+            active = [i for i, b in enumerate(batches) if len(b) > step]
+            x, y, mask = self._padded([batches[i][step] for i in active])
+            idx = torch.tensor(active, device=self.device)
+            grads = step_grads({n: params[n][idx] for n in names}, x, y, mask)
+            for n in names:
+                scale = rates[idx].view(-1, *([1] * (params[n].dim() - 1)))
+                params[n] = params[n].index_add(0, idx, -scale * grads[n])
+        out = torch.cat([params[n].reshape(len(starts), -1) for n in names], dim=1)
+        return list(out.detach().cpu().numpy())
+
+    def _padded(self, members: list[tuple[np.ndarray, np.ndarray]]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Members' batches stacked, the shorter padded with their first sample, masked."""
+        width = max(len(y) for _, y in members)
+        xs, ys, masks = [], [], []
+        for x, y in members:
+            pad = width - len(y)
+            take = np.concatenate([np.arange(len(y)), np.zeros(pad, dtype=np.int64)])
+            xs.append(self._inputs(np.asarray(x)[take]))
+            ys.append(self._targets(np.asarray(y)[take]))
+            masks.append(torch.cat([torch.ones(len(y)), torch.zeros(pad)]).to(self.device))
+        return torch.stack(xs), torch.stack(ys), torch.stack(masks)
+
     def _logits(self, x: np.ndarray, weights: np.ndarray | None = None) -> torch.Tensor:
         self.module.eval()
         with torch.no_grad():
