@@ -364,7 +364,7 @@ class Device(RoleBase[DeviceState]):
 
     def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
         steps = self.begin_steps(model)
-        return self.end_steps(steps, self._take_steps(steps))
+        return self.end_steps(steps, self.take_steps(steps))
 
     def selected_steps(self, selection: m.Selection) -> LocalSteps | None:
         """The local steps this selection starts now, for a simulator that runs a super
@@ -400,7 +400,7 @@ class Device(RoleBase[DeviceState]):
             batches.append((x, y))
         return LocalSteps(model, start, batches, lr, time.perf_counter())
 
-    def _take_steps(self, steps: LocalSteps) -> np.ndarray:
+    def take_steps(self, steps: LocalSteps) -> np.ndarray:
         """SGD from the start the trainer holds; the trained vector (the trainer holds it)."""
         zbar, mu = steps.model.weights, self.config.prox_mu
         for x, y in steps.batches:

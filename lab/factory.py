@@ -29,7 +29,7 @@ from edge_client.runner import RoleRunner, pace_replay
 from edge_client.sources.replay import ReplaySource
 from edge_client.topics import cloud_topics, selection_topic
 from edge_client.trainers import build_trainer
-from edge_client.transport import LocalBus
+from edge_client.transport import Handler, LocalBus
 
 from .attacks import install
 
@@ -118,7 +118,9 @@ class Factory:
         """Every device of the plan with its replayed stream and runner (the compromised ones
         sending what their attack makes), and the admissions their forged frames go through."""
         plan, spec = self.plan, self.plan.spec
-        devices, admissions, shared = [], [], {}  # type: list[_SimDevice], list[Admission], dict[str, Any]
+        devices: list[_SimDevice] = []
+        admissions: list[Admission] = []
+        shared: dict[str, Any] = {}
         for values, (x, y), seed in zip(plan.devices, plan.streams, plan.replay_seeds,
                                         strict=True):
             cfg = simulated(DeviceConfig, public_settings(values))
@@ -132,8 +134,10 @@ class Factory:
                          if spec.prequential_every else None)
             source = ReplaySource(x, y, np.random.default_rng(seed))
             dev.buffer.push(*source.read(spec.initial_samples))
-            runner = RoleRunner(dev, self.steps.divert(dev) if self.steps else self.bus,
-                                SIM_CLOCK)
+            diverted = self.steps.divert(dev) if self.steps else None
+            runner = RoleRunner(dev, diverted or self.bus, SIM_CLOCK)
+            if diverted:
+                diverted.runner = runner
             if values["_k"] in spec.attackers and spec.attack != "none":
                 # What the station's transport does with a forged frame (counted with the roles).
                 admission = Admission(fleet=cfg.fleet, layout_hash=plan.layout,
@@ -245,13 +249,16 @@ class SuperNodeSteps:
     def subscribe(self, station: StationConfig) -> None:
         self.bus.subscribe(selection_topic(station.fleet, station.station_id), self._run)
 
-    def collect(self, device: Device, runner: RoleRunner[Device], topic: str,
+    def collect(self, member: _Diverted, handle: Handler, topic: str,
                 message: m.Message) -> None:
+        """A selection reaching one device: its steps wait for the batch, or (not selected,
+        its model not here yet) the device handles it as ever."""
+        device = member.device
         steps = device.selected_steps(message) if isinstance(message, m.Selection) else None
         if steps is None:
-            runner._on_message(topic, message)  # the device's own handling, as ever
+            handle(topic, message)
         else:
-            self._pending.append((device, runner, steps))
+            self._pending.append((device, member.runner, steps))
 
     def _run(self, topic: str, message: m.Message) -> None:
         pending, self._pending = self._pending, []
@@ -267,7 +274,7 @@ class SuperNodeSteps:
             trained = []
             for device, _, steps in pending:
                 device.trainer.set_flat(steps.start)
-                trained.append(device._take_steps(steps))
+                trained.append(device.take_steps(steps))
         for (device, runner, steps), z in zip(pending, trained, strict=True):
             device.trainer.set_flat(z)  # the gate scores the model the trainer holds
             runner.publish(device.end_steps(steps, z))
@@ -278,16 +285,16 @@ class _Diverted:
 
     def __init__(self, steps: SuperNodeSteps, device: Device) -> None:
         self.steps, self.device = steps, device
+        self.runner: Any = None  # set once the runner exists: it publishes the replies
 
-    def subscribe(self, topic_filter: str, handler: Any) -> None:
-        if topic_filter.endswith("/select"):
-            runner = handler.__self__  # the RoleRunner's own handler
+    def subscribe(self, topic_filter: str, handler: Handler) -> None:
+        if topic_filter == selection_topic(self.device.config.fleet, self.device.config.station):
             self.steps.bus.subscribe(topic_filter, lambda topic, msg: self.steps.collect(
-                self.device, runner, topic, msg))
+                self, handler, topic, msg))
         else:
             self.steps.bus.subscribe(topic_filter, handler)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # publish, deliver, ...: the bus's own
         return getattr(self.steps.bus, name)
 
 

@@ -160,7 +160,7 @@ class RayFactories:
                 return cause or SaflError(f"factory {self.stations[k]} failed in {method}: "
                                           f"{err}")
             except ray.exceptions.RayError as err:
-                node = self.nodes[k] if k < len(getattr(self, "nodes", [])) else "?"
+                node = self.nodes[k] if k < len(self.nodes) else "?"
                 return SaflError(f"factory {self.stations[k]} was lost in {method} (its actor "
                                  f"on node {node} died: {type(err).__name__}); the run stops "
                                  "and nothing of it is kept")

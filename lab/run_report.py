@@ -142,7 +142,7 @@ def _device_figures(devices: Rows, folder: Path) -> list[tuple[str, Path]]:
         ax.set_ylabel("device accuracy")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-        if len(per) <= 12:
+        if len(per) <= 12 and ax.get_legend_handles_labels()[0]:  # some held-out line
             ax.legend(fontsize=7, ncol=2)
         out.append((f"{name}: each device's accuracy over the run (solid: held-out, dashed: "
                     "prequential)",

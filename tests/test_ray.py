@@ -126,6 +126,13 @@ def test_the_simulation_table_is_checked(tmp_path):
             run_experiment(path, out=tmp_path / "out")
 
 
+def test_a_ray_instance_per_job_is_refused(tmp_path):
+    path = tmp_path / "small.toml"
+    path.write_text(SMALL + '\n[simulation]\nengine = "ray"\n')
+    with pytest.raises(ConfigError, match="address.*ray start --head"):
+        run_experiment(path, out=tmp_path / "out", jobs=2)
+
+
 def test_ray_is_not_imported_unless_asked_for(tmp_path):
     path = tmp_path / "small.toml"
     path.write_text(SMALL.replace("seeds = 2", "seeds = 1").replace("rounds = 4", "rounds = 1"))
