@@ -256,11 +256,10 @@ def run_tasks(tasks: list[RunTask], jobs: int, ray: str | None,
     """Run ``tasks`` here one after another, in ``jobs`` processes, or as Ray tasks on the
     cluster at ``ray`` (each declaring its engine's ``cpus_per_run`` and ``gpus_per_run``),
     calling ``finished`` as each ends (so its result is cached at once)."""
-    if ray:
-        from .ray_engine import run_tasks as on_ray
-        sim = dataclasses.replace(tasks[0].engine, address=ray) if tasks else None
-        if sim is not None:
-            on_ray(tasks, run_task, sim, finished)
+    if ray:  # the tasks' engine has the cluster's address (load_simulation)
+        if tasks:
+            from .ray_engine import run_tasks as on_ray
+            on_ray(tasks, run_task, tasks[0].engine, finished)
         return
     if jobs == 1:
         for t in tasks:

@@ -1,10 +1,11 @@
-"""In-process federation: the real roles on a :class:`LocalBus`, fed by replayed streams.
+"""A simulated federation: the real roles, fed by replayed streams, on either engine.
 
-The simulator owns no algorithm.  It builds a cloud, stations and devices from
-their configs, replays each device's partition into its stream buffer as the
-iterations pass, and records the global model's test accuracy every ``eval_every``
-rounds, with the samples trained so far and the device-local accuracies the devices
-reported.  Devices stream in proportion to their partition sizes, so the seen counts
+The simulator owns no algorithm.  It plans a fleet (ids, rosters, seeds), builds the cloud
+on this process's :class:`LocalBus` and each factory (a station and its devices,
+``lab/factory.py``) in this process or on a Ray cluster (``lab/engine.py``), hands every
+global model to the factories, and records the global model's test accuracy every
+``eval_every`` rounds, with the samples trained so far and the device-local accuracies the
+devices reported.  Devices stream in proportion to their partition sizes, so the seen counts
 behind ``P_real`` reflect the fleet's label distribution.
 """
 
