@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
@@ -268,7 +269,10 @@ def run_tasks(tasks: list[RunTask], jobs: int, ray: str | None,
     if tasks and tasks[0].engine.engine == "ray" and tasks[0].engine.address == "local":
         raise ConfigError("address", "each of --jobs processes would start a Ray instance of "
                           "its own: start one (`ray start --head`) and give address 'auto'")
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    # Workers are never forked from this process: a fork copies its threads' locks as they
+    # are (Ray's, torch's), and forked workers hung so in CI beside a Ray instance.
+    with ProcessPoolExecutor(max_workers=jobs,
+                             mp_context=multiprocessing.get_context("forkserver")) as pool:
         futures = {pool.submit(run_task, t): t for t in tasks}
         for future in as_completed(futures):  # cached as each finishes
             finished(futures[future], future.result())
