@@ -28,7 +28,8 @@ import tempfile
 import time
 
 CHILD = r"""
-import json, sys, time
+import json, os, sys, time
+os.environ["RAY_AUTH_MODE"] = "disabled"  # before Ray is imported (LoopbackCluster says why)
 from pathlib import Path
 import numpy as np
 n, model, backend, rounds, threads, factories, engine, transfer, work = sys.argv[1:10]

@@ -213,11 +213,14 @@ class LoopbackCluster:
     machine would be."""
 
     def __init__(self, work: Path, *, nodes: int = 2, cpus: float = 1, port: int = 6391):
+        # Alone in its namespace it needs no tokens, and its nodes and this process must
+        # agree; Ray reads the mode when it is imported, so it is set before (a token file
+        # another Ray instance left in ~/.ray made a driver without it declared dead).
+        if os.environ.get("RAY_AUTH_MODE") != "disabled":
+            raise SaflError("a LoopbackCluster needs RAY_AUTH_MODE=disabled in the "
+                            "environment before Ray is imported")
         self.work, self.port = work, port
         self.address = f"127.0.0.1:{port}"
-        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-        # Alone in its namespace: another Ray instance's token files must not be mixed in.
-        os.environ["RAY_AUTH_MODE"] = "disabled"
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
         self.nodes = [self._node(0, ["--head", "--port", str(port), "--include-dashboard",
                                      "false"], cpus)]

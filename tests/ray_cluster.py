@@ -11,16 +11,19 @@ happens.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from edge_client.errors import SaflError
-from lab.experiment import _dataset, _fleet, _strategy, load_experiment, load_simulation
-from lab.ray_engine import LoopbackCluster
-from lab.simulation import RunResult, run_federation
+os.environ["RAY_AUTH_MODE"] = "disabled"  # before Ray is imported (LoopbackCluster says why)
+
+from edge_client.errors import SaflError  # noqa: E402
+from lab.experiment import _dataset, _fleet, _strategy, load_experiment, load_simulation  # noqa: E402
+from lab.ray_engine import LoopbackCluster  # noqa: E402
+from lab.simulation import RunResult, run_federation  # noqa: E402
 
 EXPERIMENT = """
 [experiment]
