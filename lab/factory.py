@@ -64,7 +64,6 @@ class FactoryPlan:
     (from the fleet's plan), each device's stream (partition samples, replay seed, rate),
     and the fleet's model settings.  Plain values and arrays, so it travels to a Ray node."""
 
-    index: int
     station: dict[str, Any]
     devices: list[dict[str, Any]]  # each with its partition index "_k" and backend "_backend"
     streams: list[tuple[np.ndarray, np.ndarray]]  # each device's partition, in devices' order
@@ -98,10 +97,9 @@ class Factory:
         self.plan = plan
         self.bus = LocalBus()
         cfg = simulated(StationConfig, plan.station)
-        self.stations = [Station(cfg, num_params=plan.num_params, num_classes=plan.num_classes,
-                                 rng=np.random.default_rng(cfg.seed))]
-        self.runners: list[RoleRunner[Any]] = [RoleRunner(s, self.bus, SIM_CLOCK)
-                                               for s in self.stations]
+        self.station = Station(cfg, num_params=plan.num_params, num_classes=plan.num_classes,
+                               rng=np.random.default_rng(cfg.seed))
+        self.runners: list[RoleRunner[Any]] = [RoleRunner(self.station, self.bus, SIM_CLOCK)]
         self.steps = SuperNodeSteps(self.bus) if plan.spec.batched_steps else None
         self.devices, self.admissions = self._devices(trainer)
         self.runners += [sim.runner for sim in self.devices]
@@ -180,7 +178,7 @@ class Factory:
         for runner in self.runners:
             runner.tick()
         counters: Counter[str] = Counter()
-        for kept in (*(s.counters for s in self.stations),
+        for kept in (self.station.counters,
                      *(sim.device.counters for sim in self.devices),
                      *(a.counters for a in self.admissions)):
             counters.update(kept)
@@ -195,8 +193,7 @@ class Factory:
 
     def accuracies(self) -> tuple[list[float], list[float]]:
         """The devices' held-out and prequential accuracies, as their stations know them."""
-        return ([a for s in self.stations for a in s.local_accuracies()],
-                [a for s in self.stations for a in s.prequential_accuracies()])
+        return self.station.local_accuracies(), self.station.prequential_accuracies()
 
     def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
         """Messages and payload bytes published here, per message type."""
@@ -209,26 +206,24 @@ class Factory:
         devices = [sim.device for sim in self.devices]
         if any(d.pipeline.noise for d in devices):
             out["epsilon_local"] = max(d.epsilon for d in devices)
-        if any(s.config.central_dp_noise for s in self.stations):
-            out["epsilon_central"] = max(s.dp.privacy.worst() for s in self.stations)
+        if self.station.config.central_dp_noise:
+            out["epsilon_central"] = self.station.dp.privacy.worst()
         return out
 
     def device_rows(self, strategy: str, round_: int, samples: int) -> list[dict[str, Any]]:
         """Each device now: what it says of itself, and what its station refused and
         clipped of it."""
-        tally = {s.id: s.tally for s in self.stations}
-        out = []
+        tally, out = self.station.tally, []
         for sim in self.devices:
             doc = sim.device.summary()
-            seen_by = tally.get(doc.station)
             out.append({"strategy": strategy, "round": round_, "samples": samples,
                         "device": doc.device, "station": doc.station,
                         "local_accuracy": doc.local_accuracy,
                         "prequential_accuracy": doc.prequential_accuracy,
                         "uploads": doc.counters.get("uploads", 0),
                         "skips": counted(doc.counters, "skipped."),
-                        "refused": seen_by.refused[doc.device] if seen_by else 0,
-                        "clipped": seen_by.clipped[doc.device] if seen_by else 0})
+                        "refused": tally.refused[doc.device],
+                        "clipped": tally.clipped[doc.device]})
         return out
 
 
@@ -319,11 +314,11 @@ def factory_plans(plan: Any, spec: FleetSpec, x_train: np.ndarray, y_train: np.n
     for values in plan.devices:
         by_station[values["station"]].append(values)
     out = []
-    for g, station in enumerate(plan.stations):
+    for station in plan.stations:
         members = by_station[station["station_id"]]
         ks = [v["_k"] for v in members]
         out.append(FactoryPlan(
-            index=g, station=station, devices=members,
+            station=station, devices=members,
             streams=[(x_train[spec.partitions[k]], y_train[spec.partitions[k]]) for k in ks],
             replay_seeds=[plan.replay_seeds[k] for k in ks],
             rates=[plan.stream_rates[k] for k in ks], spec=light,

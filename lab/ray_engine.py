@@ -115,11 +115,11 @@ class RayFactories:
         actor = ray.remote(_FactoryActor).options(
             num_cpus=cpus, num_gpus=sim.gpus_per_factory, scheduling_strategy="SPREAD",
             max_restarts=0)
-        self.actors: list[Any] = [actor.remote(ray.put(plan), max(1, int(cpus)), self.transfer)
-                       for plan in plans]
+        self.actors: list[Any] = [actor.remote(ray.put(plan), max(1, int(cpus)),
+                                               self.transfer) for plan in plans]
         self.nodes: list[str] = []
-        placed, waiting = ray.wait([a.where.remote() for a in self.actors],
-                                   num_returns=len(plans), timeout=sim.placement_timeout)
+        where = [a.where.remote() for a in self.actors]
+        placed, waiting = ray.wait(where, num_returns=len(plans), timeout=sim.placement_timeout)
         if waiting:
             self.close()
             have = ray.cluster_resources()
@@ -129,7 +129,7 @@ class RayFactories:
                 f"{sim.gpus_per_factory:g} GPU, the cluster has {have.get('CPU', 0):g} CPUs "
                 f"and {have.get('GPU', 0):g} GPUs ([simulation] cpus_per_factory, "
                 "gpus_per_factory)")
-        self.nodes = self._gather([a.where.remote() for a in self.actors], "start")
+        self.nodes = self._gather(where, "start")
 
     def call(self, method: str, *args: Any) -> list[Any]:
         # One copy of a global model in the object store, whichever factories read it.
