@@ -134,6 +134,9 @@ class Cloud(RoleBase[CloudState]):
             self.counters["rounds_below_quorum"] += 1
         return []
 
+    def wakeup(self) -> float | None:
+        return self.deadline if self.state == _C.COLLECTING else None
+
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         if message.fleet != self.config.fleet:
             return self._reject("wrong_fleet", f"fleet {message.fleet!r}")

@@ -22,8 +22,15 @@ never asserted.
 in one batched call, ``[simulation] batched_steps``) and the 1M-sample reference run's time
 there against these CPUs.
 
-Run: ``python bench/simulator.py [--rounds 16] [--repeats 2] [--gpu] [--baseline]`` from a
-git checkout.
+``--clock`` times the virtual clock (``lab/clock.py``) instead: FedGS and SAFL+FedGS on the
+same run without a clock and under the mixed fleet of ``experiments/mixed_fleet.toml``
+(pi4 boards and a Jetson, 20 ms links with 1% loss, 50 ms to the cloud), interleaved, on
+the reference workload and on the quick digits one (an MLP: the simulator's own work is
+most of its time there, so the clock's overhead shows most), and checks that two clocked
+runs give the same bytes.
+
+Run: ``python bench/simulator.py [--rounds 16] [--repeats 2] [--gpu] [--baseline]
+[--clock]`` from a git checkout.
 """
 
 from __future__ import annotations
@@ -63,6 +70,51 @@ print(1000 * (r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
 """
 
 
+# The clock's cost: seconds per 1,000 samples and a digest of every figure but wall-clock
+# time, so two clocked runs can be compared byte for byte.
+_CLOCKED = """
+import dataclasses, hashlib, json
+from lab.engine import SimulationConfig
+from lab.experiment import RunTask, load_experiment, run_task
+cfg = dataclasses.replace(load_experiment("{toml}"), samples=0, rounds={rounds},
+                          strategies=("{recipe}",))
+engine = SimulationConfig(torch_device="cpu", **{clock})
+r = run_task(RunTask(cfg, "{recipe}", 0, threads=1, engine=engine))
+rows = [{{k: v for k, v in row.items() if k != "wall_s"}} for row in r.rows]
+print(1000 * (r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
+      / (r.rows[-1]["samples"] - r.rows[0]["samples"]),
+      hashlib.sha256(json.dumps([rows, r.counters], sort_keys=True).encode()).hexdigest()[:12])
+"""
+MIXED_FLEET = {"profiles": ("pi4-numpy=0.4", "pi4-torch=0.5", "jetson-orin-cuda=0.1"),
+               "device_latency_ms": 20.0, "device_jitter_ms": 5.0, "device_loss": 0.01,
+               "cloud_latency_ms": 50.0, "cloud_loss": 0.01}
+CLOCK_WORKLOADS = (("reference", "experiments/reference.toml"),
+                   ("quick digits", "experiments/quick.toml"))
+
+
+def _clock_bench(rounds: int, repeats: int) -> dict[str, float]:
+    """Clocked against clockless, same runs, interleaved: the ratio of medians per recipe
+    and workload, and whether the clocked runs repeated byte for byte."""
+    out = {}
+    for label, toml in CLOCK_WORKLOADS:
+        for recipe in RECIPES[1:]:
+            times: dict[str, list[float]] = {"off": [], "on": []}
+            digests = set()
+            for _ in range(repeats):
+                for mode, clock in (("off", {}), ("on", MIXED_FLEET)):
+                    s, digest = probe(ROOT, _CLOCKED.format(toml=toml, rounds=rounds,
+                                                            recipe=recipe, clock=clock)).split()
+                    times[mode].append(float(s))
+                    if mode == "on":
+                        digests.add(digest)
+            off, on = statistics.median(times["off"]), statistics.median(times["on"])
+            print(f"{label:<13} {recipe:<11} clockless {off:.3f} s/1000 samples, clocked "
+                  f"{on:.3f} ({min(times['on']):.3f}..{max(times['on']):.3f}): "
+                  f"{on / off:.2f}x; clocked runs {'identical' if len(digests) == 1 else 'DIFFER'}")
+            out[f"{label}/{recipe}"] = on / off
+    return out
+
+
 def _timed(code: str, cwd: Path) -> float:
     return float(probe(cwd, code))
 
@@ -87,10 +139,17 @@ def main() -> None:
                     "super node in one batched call, against the CPU figures of this run")
     ap.add_argument("--baseline", action="store_true",
                     help=f"also time FedGS on the simulator of {BASELINE}")
+    ap.add_argument("--clock", action="store_true",
+                    help="time the virtual clock against the clockless simulator instead")
     args = ap.parse_args()
     if args.rounds % 8:
         ap.error("--rounds must be a multiple of 8 (the evaluation cadence)")
     started = time.perf_counter()
+    if args.clock:
+        ratios = _clock_bench(args.rounds, args.repeats)
+        print(json.dumps({"rounds": args.rounds, "clocked_over_clockless": ratios,
+                          "bench_s": round(time.perf_counter() - started, 1)}))
+        return
     runs: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeats):  # interleaved: drift on the machine hits every recipe
         for threads in (1, 2):

@@ -192,6 +192,9 @@ class Device(RoleBase[DeviceState]):
             return [self._stats(0, 0)]
         return []
 
+    def wakeup(self) -> float | None:
+        return self._next_hello if self.state == _D.WAITING else None
+
     def infer(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """The deployable model's classes and confidences for ``x`` (None before any model
         arrived: an untrained model's guesses would be scored and acted on)."""

@@ -31,6 +31,7 @@ class Role(Protocol):
     def start(self, now: float) -> list[m.Message]: ...
     def handle(self, message: m.Message, now: float) -> list[m.Message]: ...
     def tick(self, now: float) -> list[m.Message]: ...
+    def wakeup(self) -> float | None: ...
 
 
 class RoleState(NamedEnum):
@@ -77,6 +78,11 @@ class RoleBase(Generic[S]):
 
     def tick(self, now: float) -> list[m.Message]:
         return []
+
+    def wakeup(self) -> float | None:
+        """The earliest time ``tick`` has work (a deadline, a repeat), or None: a simulator in
+        virtual time ticks the role then, and a service's loop need not ask."""
+        return None
 
     def handle(self, message: m.Message, now: float) -> list[m.Message]:
         """React to one message; bad input is counted and dropped, never raised."""

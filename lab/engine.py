@@ -16,11 +16,14 @@ from typing import Any, Protocol
 from edge_client.config import check_range
 from edge_client.errors import ConfigError
 
+from .clock import ClockConfig, LinkSpec, parse_mix
 from .factory import Factory, FactoryPlan
 
 __all__ = ["SimulationConfig", "Factories", "InProcess", "open_factories", "ENGINES"]
 
 ENGINES = ("local", "ray")
+_LINK_FIELDS = ("latency_ms", "jitter_ms", "bandwidth_mbps", "loss")  # LinkSpec's order
+_LINK_KEYS = tuple(f"{side}_{k}" for side in ("device", "cloud") for k in _LINK_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,21 @@ class SimulationConfig:
     # weights; float-close to one by one, not bit-equal, so runs are cached apart).
     torch_device: str = "auto"
     batched_steps: bool = False
+    # Virtual time (lab/clock.py, docs/experiments.md "Virtual time"): the devices' boards by
+    # fraction ("pi4-numpy=0.4"; empty: no clock, every message arrives at once), each
+    # device's link to its station and each station's to the cloud (one-way latency, jitter,
+    # bandwidth, loss per TCP segment), and devices (0-based) made slow_factor times slower.
+    profiles: tuple[str, ...] = ()
+    device_latency_ms: float = 0.0
+    device_jitter_ms: float = 0.0
+    device_bandwidth_mbps: float = 0.0
+    device_loss: float = 0.0
+    cloud_latency_ms: float = 0.0
+    cloud_jitter_ms: float = 0.0
+    cloud_bandwidth_mbps: float = 0.0
+    cloud_loss: float = 0.0
+    slow_devices: tuple[int, ...] = ()
+    slow_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -63,13 +81,35 @@ class SimulationConfig:
         if self.torch_device not in ("auto", "cpu") and not self.torch_device.startswith("cuda"):
             raise ConfigError("torch_device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                               f"got {self.torch_device!r}")
+        if self.profiles:
+            if self.batched_steps:
+                raise ConfigError("batched_steps", "steps a super node in one call, which has "
+                                  "no per-device clock: leave it off with profiles")
+            self.clock(0)  # names a bad profile or link key now, not at the first run
+        elif self.slow_devices or any(getattr(self, k) for k in _LINK_KEYS):
+            raise ConfigError("profiles", "links and slow devices need a clock: name the "
+                              "devices' profiles (e.g. profiles = [\"pi4-numpy\"])")
+
+    def clock(self, seed: int) -> ClockConfig | None:
+        """The virtual clock of a run with ``seed`` (None: no clock)."""
+        if not self.profiles:
+            return None
+        def link(side: str) -> LinkSpec:
+            for k in _LINK_FIELDS:  # named as this table names them
+                check_range(f"{side}_{k}", getattr(self, f"{side}_{k}"), 0,
+                            0.5 if k == "loss" else None)
+            return LinkSpec(*(getattr(self, f"{side}_{k}") for k in _LINK_FIELDS))
+        return ClockConfig(profiles=parse_mix(self.profiles), device_link=link("device"),
+                           cloud_link=link("cloud"), slow_devices=self.slow_devices,
+                           slow_factor=self.slow_factor, seed=seed)
 
     @property
     def cache_tag(self) -> str:
         """What a run's cache key adds for settings that change its numbers (empty for the
         defaults, so runs cached before keep their keys)."""
+        clock = self.clock(0)
         return (f"|torch-{self.torch_device}" if self.torch_device != "auto" else "") + (
-            "|batched-steps" if self.batched_steps else "")
+            "|batched-steps" if self.batched_steps else "") + (clock.tag if clock else "")
 
 
 class Factories(Protocol):

@@ -247,7 +247,8 @@ def run_task(task: RunTask) -> RunResult:
             if task.show_progress else None
         spec = dataclasses.replace(_fleet(cfg, data, task.seed, task.attack),
                                    torch_device=task.engine.torch_device,
-                                   batched_steps=task.engine.batched_steps)
+                                   batched_steps=task.engine.batched_steps,
+                                   clock=task.engine.clock(task.seed))
         return run_federation(data, _strategy(cfg, task.strategy), spec, progress,
                               engine=task.engine)
 
@@ -345,17 +346,19 @@ class _RunCache:
         tmp.replace(path)
 
 
-def _plot_vs_bytes(results: list[RunResult], path: Path, title: str) -> None:
+def _plot_against(results: list[RunResult], path: Path, title: str,
+                  x: Callable[[dict[str, Any]], float], xlabel: str) -> None:
+    """Test accuracy against ``x`` of each row (bytes uploaded, virtual seconds)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in results:
-        mb = [(row["bytes_device_up"] + row["bytes_station_up"]) / 1e6 for row in r.rows]
-        ax.plot(mb, [row["accuracy"] for row in r.rows], label=r.strategy)
+        ax.plot([x(row) for row in r.rows], [row["accuracy"] for row in r.rows],
+                label=r.strategy)
     ax.set_xscale("symlog")
-    ax.set_xlabel("MB uploaded (devices to stations, and stations to cloud)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("test accuracy")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -363,6 +366,14 @@ def _plot_vs_bytes(results: list[RunResult], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _mb_up(row: dict[str, Any]) -> float:
+    return (row["bytes_device_up"] + row["bytes_station_up"]) / 1e6
+
+
+def _virtual_s(row: dict[str, Any]) -> float:
+    return row.get("virtual_s", 0.0)  # runs cached before the clock have none
 
 
 def load_experiment(path: str | Path, full: bool = False) -> ExperimentConfig:
@@ -426,7 +437,11 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     write_metrics(results, out)
     title = f"{label}: {cfg.dataset}, {cfg.partition}"
     plot_accuracy(results, out / "accuracy.png", title)
-    _plot_vs_bytes(results, out / "accuracy_vs_bytes.png", title)
+    _plot_against(results, out / "accuracy_vs_bytes.png", title, _mb_up,
+                  "MB uploaded (devices to stations, and stations to cloud)")
+    if all(_virtual_s(r.rows[-1]) for r in results):
+        _plot_against(results, out / "accuracy_vs_time.png", title, _virtual_s,
+                      "virtual seconds (lab/clock.py: the boards' compute and the links)")
     (out / "config.toml").write_text(Path(path).read_text())
     write_run_report(out)
     print(format_table(rows))

@@ -27,11 +27,21 @@ from edge_client.device import Device, LocalSteps
 from edge_client.metrics import counted
 from edge_client.runner import RoleRunner, pace_replay
 from edge_client.sources.replay import ReplaySource
+from edge_client.states import StationState
 from edge_client.topics import cloud_topics, selection_topic
 from edge_client.trainers import build_trainer
 from edge_client.transport import Handler, LocalBus
 
 from .attacks import install
+from .clock import (
+    FORWARD_SHARE,
+    PROFILES,
+    REFERENCE_BATCH,
+    Channel,
+    ClockConfig,
+    Port,
+    TimedBus,
+)
 
 if TYPE_CHECKING:
     from .simulation import FleetSpec
@@ -44,7 +54,9 @@ SIM_CLOCK: Callable[[], float] = lambda: 0.0  # noqa: E731
 
 C = TypeVar("C")
 
-Outbox = list[tuple[str, m.Message]]  # what a factory's station sent the cloud, in order
+# What a factory's station sent the cloud, in order, with each message's virtual arrival
+# time at the cloud (0 without a clock).
+Outbox = list[tuple[str, m.Message, float]]
 
 
 def simulated(cls: type[C], values: dict[str, Any]) -> C:
@@ -95,19 +107,31 @@ class Factory:
 
     def __init__(self, plan: FactoryPlan, trainer: Callable[[str], Any]) -> None:
         self.plan = plan
-        self.bus = LocalBus()
         cfg = simulated(StationConfig, plan.station)
         self.station = Station(cfg, num_params=plan.num_params, num_classes=plan.num_classes,
                                rng=np.random.default_rng(cfg.seed))
-        self.runners: list[RoleRunner[Any]] = [RoleRunner(self.station, self.bus, SIM_CLOCK)]
+        clock = plan.spec.clock
+        self.bus: LocalBus = LocalBus()
+        self.links: _Links | None = None
+        if clock is not None:
+            timed = TimedBus(
+                # A station mid-iteration waits on its deadline; one that waits for the cloud
+                # waits on the cloud's model, which the driver brings.
+                keep_time=lambda: self.station.state in (StationState.COLLECTING,
+                                                         StationState.STARVED),
+                max_virtual_s=clock.max_virtual_s)
+            self.bus, self.links = timed, _Links(clock, timed, cfg.seed)
+        self.runners: list[RoleRunner[Any]] = [self._runner(self.station, None)]
         self.steps = SuperNodeSteps(self.bus) if plan.spec.batched_steps else None
         self.devices, self.admissions = self._devices(trainer)
         self.runners += [sim.runner for sim in self.devices]
         if self.steps:  # after every member's own subscriptions: the super node is complete
             self.steps.subscribe(cfg)
         self._outbox: Outbox = []
+        outbox = self.links.outbox if self.links else self.bus
         for topic_filter in cloud_topics(cfg.fleet):
-            self.bus.subscribe(topic_filter, lambda topic, msg: self._outbox.append((topic, msg)))
+            outbox.subscribe(topic_filter, lambda topic, msg: self._outbox.append(
+                (topic, msg, self.links.bus.now if self.links else 0.0)))
         for sim, rate in zip(self.devices, plan.rates, strict=True):
             # Each new iteration, the sensors of that factory have produced fresh samples.
             pace_replay(sim.runner, sim.source, rate)
@@ -133,7 +157,8 @@ class Factory:
             source = ReplaySource(x, y, np.random.default_rng(seed))
             dev.buffer.push(*source.read(spec.initial_samples))
             diverted = self.steps.divert(dev) if self.steps else None
-            runner = RoleRunner(dev, diverted or self.bus, SIM_CLOCK)
+            runner = RoleRunner(dev, diverted, SIM_CLOCK) if diverted else \
+                self._runner(dev, values)
             if diverted:
                 diverted.runner = runner
             if values["_k"] in spec.attackers and spec.attack != "none":
@@ -146,6 +171,16 @@ class Factory:
             devices.append(_SimDevice(dev, source, runner))
         return devices, admissions
 
+    def _runner(self, role: Any, values: dict[str, Any] | None) -> RoleRunner[Any]:
+        """A role's runner: on the bus, or with a clock on a port of its own (a device's
+        priced by its profile and link; the station's beside its broker, free)."""
+        if self.links is None:
+            return RoleRunner(role, self.bus, SIM_CLOCK)
+        port = self.links.port(role, values, self.plan.spec.model)
+        runner = RoleRunner(role, port, lambda: port.now)
+        port.tick = runner.tick
+        return runner
+
     def _sent(self) -> Outbox:
         out, self._outbox = self._outbox, []
         return out
@@ -153,13 +188,20 @@ class Factory:
     def start(self) -> Outbox:
         """Start the station, then the devices, and run them until they wait for the cloud."""
         for runner in self.runners:
-            runner.start()
+            if isinstance(runner.transport, Port):
+                runner.transport.run(0.0, runner.start)
+            else:
+                runner.start()
         self.bus.deliver()
         return self._sent()
 
-    def receive(self, topic: str, model: m.GlobalModel) -> int:
-        """Hand the roles the global model, and pause; returns the samples trained so far."""
-        self.bus.publish(topic, model)
+    def receive(self, topic: str, model: m.GlobalModel, sent: float = 0.0) -> int:
+        """Hand the roles the global model (the cloud sent it at virtual time ``sent``), and
+        pause; returns the samples trained so far."""
+        if self.links is None:
+            self.bus.publish(topic, model)
+        else:
+            self.links.from_cloud(topic, model, sent)
         self.bus.deliver(limit=1)
         return self.trained()
 
@@ -225,6 +267,56 @@ class Factory:
                         "refused": tally.refused[doc.device],
                         "clipped": tally.clipped[doc.device]})
         return out
+
+
+class _Links:
+    """A factory's ports in virtual time: the station beside its broker, each device on its
+    link and profile (every device's jitter and loss from a stream of its own), and the
+    station's link to the cloud, both ways."""
+
+    def __init__(self, clock: ClockConfig, bus: TimedBus, seed: int) -> None:
+        self.clock, self.bus = clock, bus
+        self.seeds = np.random.SeedSequence([clock.seed, seed])
+        wan = np.random.default_rng(self.seeds.spawn(1)[0])
+        # What the station's transport hands the cloud crosses the WAN up; the cloud's model
+        # crosses it down.
+        self.outbox = bus.port("wan", down=clock.cloud_link, rng=wan)
+        self.down = Channel(clock.cloud_link, wan)
+
+    def from_cloud(self, topic: str, model: m.GlobalModel, sent: float) -> None:
+        self.bus.publish_at(topic, model, self.down.arrival(sent, m.payload_nbytes(model)))
+
+    def port(self, role: Any, values: dict[str, Any] | None, model: str) -> Port:
+        if values is None:  # the station
+            port = self.bus.port(role.id)
+        else:
+            port = self.bus.port(role.id, self.clock.device_link,
+                                 rng=np.random.default_rng(self.seeds.spawn(1)[0]))
+            port.cost = _compute_cost(role, self.clock, values, model)
+        port.wakeup = role.wakeup
+        return port
+
+
+def _compute_cost(device: Device, clock: ClockConfig, values: dict[str, Any], model: str
+                  ) -> Callable[[], float]:
+    """What a device's handling cost, from what its counters say it did: samples trained,
+    held-out evaluations, predictions (each priced by its profile)."""
+    per_sample = PROFILES[values["_profile"]].step_seconds(model) / REFERENCE_BATCH
+    if values["_k"] in clock.slow_devices:
+        per_sample *= clock.slow_factor
+    per_eval = per_sample * FORWARD_SHARE * device.config.holdout_capacity
+    per_prediction = per_sample * FORWARD_SHARE
+    counters = device.counters
+    seen = [0, 0, 0]
+
+    def cost() -> float:
+        now = [counters["samples_trained"], counters["local_evaluations"],
+               counters["predictions"]]
+        spent = ((now[0] - seen[0]) * per_sample + (now[1] - seen[1]) * per_eval
+                 + (now[2] - seen[2]) * per_prediction)
+        seen[:] = now
+        return spent
+    return cost
 
 
 class SuperNodeSteps:

@@ -67,8 +67,8 @@ def _pack(value: Any, transfer: str) -> Any:
     if isinstance(value, m.Message):
         return codec.encode(value)
     if isinstance(value, list) and value and isinstance(value[0], tuple) \
-            and isinstance(value[0][1], m.Message):
-        return [(topic, codec.encode(msg)) for topic, msg in value]
+            and isinstance(value[0][1], m.Message):  # an outbox: (topic, message, arrival)
+        return [(topic, codec.encode(msg), *rest) for topic, msg, *rest in value]
     return value
 
 
@@ -79,8 +79,8 @@ def _unpack(value: Any, transfer: str) -> Any:
         return codec.decode(value, max_size=_MAX_FRAME).message
     if isinstance(value, list) and value and isinstance(value[0], tuple) \
             and isinstance(value[0][1], bytes):
-        return [(topic, codec.decode(frame, max_size=_MAX_FRAME).message)
-                for topic, frame in value]
+        return [(topic, codec.decode(frame, max_size=_MAX_FRAME).message, *rest)
+                for topic, frame, *rest in value]
     return value
 
 

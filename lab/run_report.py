@@ -90,18 +90,25 @@ def _accuracy_figures(metrics: Rows, folder: Path) -> list[tuple[str, Path]]:
     ax.legend(fontsize=8)
     out.append(("Global model accuracy", _save(fig, folder / "report_accuracy.png")))
     plt.close(fig)
+    against = []
     if all(r.get("bytes_device_up") is not None for r in metrics):
+        against.append(("Accuracy against bytes uploaded", "report_accuracy_vs_bytes.png",
+                        "MB uploaded (devices to stations, stations to cloud)",
+                        lambda r: (r["bytes_device_up"] + r.get("bytes_station_up", 0)) / 1e6))
+    if metrics and all(r.get("virtual_s") for r in metrics[-1:]):  # a run under a clock
+        against.append(("Accuracy against virtual time", "report_accuracy_vs_time.png",
+                        "virtual seconds (the boards' compute and the links, priced)",
+                        lambda r: r.get("virtual_s") or 0.0))
+    for caption, name, xlabel, x in against:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for name, rows in runs.items():
-            ax.plot([(r["bytes_device_up"] + r.get("bytes_station_up", 0)) / 1e6 for r in rows],
-                    [r["accuracy"] for r in rows], label=name)
+        for strategy, rows in runs.items():
+            ax.plot([x(r) for r in rows], [r["accuracy"] for r in rows], label=strategy)
         ax.set_xscale("symlog")
-        ax.set_xlabel("MB uploaded (devices to stations, stations to cloud)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy of the global model")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        out.append(("Accuracy against bytes uploaded",
-                    _save(fig, folder / "report_accuracy_vs_bytes.png")))
+        out.append((caption, _save(fig, folder / name)))
         plt.close(fig)
     return out
 

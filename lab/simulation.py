@@ -25,12 +25,13 @@ from aggregator.cloud import Cloud, CloudState
 from aggregator.config import CloudConfig
 from edge_client import messages as m
 from edge_client.config import DeviceConfig, TrainingSettings
-from edge_client.errors import SaflError
+from edge_client.errors import ConfigError, SaflError
 from edge_client.runner import RoleRunner
 from edge_client.topics import global_model_topic
 from edge_client.trainers import layout_hash
 from edge_client.transport import LocalBus
 
+from .clock import ClockConfig, TimedBus, assign_profiles
 from .datasets import Dataset
 from .engine import Factories, SimulationConfig, open_factories
 from .factory import (
@@ -92,6 +93,14 @@ class FleetSpec:
     # A super node's members take their local steps in one batched call (torch's
     # train_members, vmap over their weights: the GPU's way); float-close to one by one.
     batched_steps: bool = False
+    # Virtual time (lab/clock.py): the devices' boards and every link, priced; None: no
+    # clock (every message arrives at once, no deadline fires, as before).
+    clock: ClockConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.clock and self.batched_steps:
+            raise ConfigError("batched_steps", "steps a super node in one call, which has no "
+                              "per-device clock: leave it off under a clock")
 
 
 @dataclass
@@ -151,6 +160,7 @@ def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
     cloud = {"fleet": fleet, "stations": tuple(station_ids), "rounds": spec.rounds,
              **strategy.cloud}
     stations, devices, replay = [], [], [0] * n_dev
+    profiles = assign_profiles(spec.clock, n_dev) if spec.clock else None
     # The station bounds its devices' claims by their settings, so it is told them.
     device_values = {"lr": spec.lr, **strategy.device}
     known = {f.name: device_values.get(f.name, _DEVICE_DEFAULTS[f.name])
@@ -162,7 +172,8 @@ def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
         for k in members:
             devices.append({"device_id": _device_id(k), "station": sid, "lr": spec.lr,
                             "seed": seeds[3 * k], **strategy.device, "fleet": fleet,
-                            "_k": int(k), "_backend": spec.backends[k % len(spec.backends)]})
+                            "_k": int(k), "_backend": spec.backends[k % len(spec.backends)],
+                            **({"_profile": profiles[k]} if profiles else {})})
             replay[k] = seeds[3 * k + 1]
     sizes = np.array([len(p) for p in spec.partitions], dtype=np.float64)
     rates = spec.arrivals_per_step * sizes * n_dev / sizes.sum()
@@ -202,8 +213,16 @@ def _drive(data: Dataset, strategy: Strategy, spec: FleetSpec, cloud: Cloud,
     """The cloud on this process's bus, the factories wherever they run: each global model
     goes to every factory, the round is recorded, then the factories run until their
     stations report, and their reports reach the cloud in the factories' order."""
-    bus = LocalBus()
-    runner = RoleRunner(cloud, bus, SIM_CLOCK)
+    bus: LocalBus
+    if spec.clock is None:
+        bus = LocalBus()
+        runner = RoleRunner(cloud, bus, SIM_CLOCK)
+    else:  # the cloud sits beside its broker; the stations' links are the factories'
+        bus = TimedBus(keep_time=lambda: cloud.state == CloudState.COLLECTING,
+                       max_virtual_s=spec.clock.max_virtual_s)
+        port = bus.port("cloud")
+        runner = RoleRunner(cloud, port, lambda: port.now)
+        port.wakeup, port.tick = cloud.wakeup, runner.tick
     rows: list[dict[str, Any]] = []
     per_device: list[dict[str, Any]] = []
     record = _recorder(data, strategy, spec, evaluator, _FleetView(factories, bus, cloud),
@@ -211,21 +230,28 @@ def _drive(data: Dataset, strategy: Strategy, spec: FleetSpec, cloud: Cloud,
 
     def to_cloud(outboxes: list[Outbox]) -> None:
         for outbox in outboxes:
-            for topic, message in outbox:
-                bus.publish(topic, message)
+            for topic, message, at in outbox:
+                if isinstance(bus, TimedBus):
+                    bus.publish_at(topic, message, at)
+                else:
+                    bus.publish(topic, message)
 
     def on_global(topic: str, message: m.Message) -> None:
         if not isinstance(message, m.GlobalModel):
             return  # only global models travel on this topic
-        trained = sum(factories.call("receive", topic, message))
-        if record(message, trained):  # the sample budget is spent: the run ends here
+        now = bus.now if isinstance(bus, TimedBus) else 0.0
+        trained = sum(factories.call("receive", topic, message, now))
+        if record(message, trained, now):  # the sample budget is spent: the run ends here
             factories.call("drop")
             bus.stop()
             return
         to_cloud(factories.call("resume"))
 
     bus.subscribe(global_model_topic(cloud.config.fleet), on_global)
-    runner.start()
+    if spec.clock is None:
+        runner.start()
+    else:
+        port.run(0.0, runner.start)
     to_cloud(factories.call("start"))
     bus.deliver()
     if cloud.state != CloudState.DONE and not (spec.samples and rows
@@ -271,14 +297,14 @@ class _FleetView:
 def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, evaluator: Any,
               view: _FleetView, tables: tuple[list[dict[str, Any]], list[dict[str, Any]]],
               started: float, progress: Callable[[int, float], None] | None
-              ) -> Callable[[m.GlobalModel, int], bool]:
+              ) -> Callable[[m.GlobalModel, int, float], bool]:
     """What watches the global model: every ``eval_every`` rounds (and at the end) it scores
     the model and appends a row, and a row per device; it says when the sample budget is
     spent (given the samples the devices have trained)."""
     rows, per_device = tables
     x_eval, y_eval = data.x_test[:spec.eval_samples], data.y_test[:spec.eval_samples]
 
-    def record(message: m.GlobalModel, trained: int) -> bool:
+    def record(message: m.GlobalModel, trained: int, virtual_s: float) -> bool:
         if progress:
             progress(message.round, rows[-1]["accuracy"] if rows else float("nan"))
         spent = 0 < spec.samples <= trained
@@ -290,7 +316,7 @@ def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, evaluator: Any
         messages, payload = view.traffic()
         rows.append({
             "strategy": strategy.name, "round": message.round, "iteration": message.iteration,
-            "samples": trained,
+            "samples": trained, "virtual_s": virtual_s,
             "accuracy": acc, "loss": loss,
             "local_mean": local.get("local_mean", float("nan")),
             "local_worst10": local.get("local_worst10", float("nan")),

@@ -31,6 +31,8 @@ def merge_seeds(results: list[RunResult]) -> list[RunResult]:
             acc = [r.rows[i]["accuracy"] for r in runs]
             rows.append({**row, "accuracy": float(np.mean(acc)),
                          "samples": float(np.mean([r.rows[i]["samples"] for r in runs])),
+                         "virtual_s": float(np.mean([r.rows[i].get("virtual_s", 0.0)
+                                                     for r in runs])),
                          "accuracy_sd": float(np.std(acc, ddof=1)),
                          "loss": float(np.mean([r.rows[i]["loss"] for r in runs]))})
         counters: dict[str, int] = {}
@@ -47,13 +49,13 @@ NAN = float("nan")
 LAST_K = 3  # a run's accuracy: the mean of its last evaluations, not one noisy point
 
 
-def samples_to(rows: list[dict[str, Any]], target: float) -> int | None:
-    """Samples trained when the accuracy reached ``target`` and held it at every later
-    evaluation (None: it never held)."""
+def samples_to(rows: list[dict[str, Any]], target: float, key: str = "samples") -> Any:
+    """Samples trained (or ``key``: ``virtual_s``, seconds of virtual time) when the accuracy
+    reached ``target`` and held it at every later evaluation (None: it never held)."""
     held = None
     for r in rows:
         if r["accuracy"] >= target:
-            held = r["samples"] if held is None else held
+            held = r.get(key, 0.0) if held is None else held
         else:
             held = None
     return held
@@ -76,6 +78,8 @@ class RunSummary(TypedDict):
     prequential_end: float
     prequential_worst10_end: float
     samples: int
+    virtual_s_to_target: float | None  # under a clock (lab/clock.py); None: not held
+    virtual_s: float  # 0.0: the run had no clock
 
 
 def run_summary(result: RunResult, target: float) -> RunSummary:
@@ -95,7 +99,9 @@ def run_summary(result: RunResult, target: float) -> RunSummary:
         # Runs without prequential scoring (and runs cached before it) have no such column.
         prequential_end=_nanmean([r.get("prequential_mean", NAN) for r in tail]),
         prequential_worst10_end=_nanmean([r.get("prequential_worst10", NAN) for r in tail]),
-        samples=rows[-1]["samples"])
+        samples=rows[-1]["samples"],
+        virtual_s_to_target=samples_to(rows, target, "virtual_s"),
+        virtual_s=rows[-1].get("virtual_s", 0.0))  # runs cached before the clock have none
 
 
 def by_strategy(results: list[RunResult]) -> dict[str, list[RunResult]]:
@@ -123,6 +129,20 @@ def _prequential_columns(sums: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return {}
     pw10, _ = mean_sd([s["prequential_worst10_end"] for s in sums])
     return {"prequential_end": pend, "prequential_end_sd": pend_sd, "prequential_worst10": pw10}
+
+
+def _virtual_time_columns(sums: Sequence[Mapping[str, Any]], target: float
+                          ) -> dict[str, Any]:
+    """Virtual seconds to a sustained ``target`` (mean, sd; ``never (k/n)`` where a seed did
+    not hold it) and at the end, for runs under a clock (no columns without one)."""
+    if not all(s["virtual_s"] for s in sums):
+        return {}
+    reach = [s["virtual_s_to_target"] for s in sums]
+    missing = sum(v is None for v in reach)
+    to, to_sd = mean_sd([v for v in reach if v is not None], 1) if not missing else (None, "")
+    return {f"virtual_s_to_{target:g}": to if not missing else f"never ({missing}/{len(sums)})",
+            f"virtual_s_to_{target:g}_sd": to_sd,
+            "virtual_s": round(float(np.mean([s["virtual_s"] for s in sums])), 1)}
 
 
 def per_run(runs: list[RunResult], prefix: str) -> int:
@@ -169,6 +189,7 @@ def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]
                     "local_q1": lq1, "local_q1_sd": lq1_sd, "worst10_q1": w10,
                     "local_end": lend, **_prequential_columns(sums),
                     "samples": int(np.mean([s["samples"] for s in sums])),
+                    **_virtual_time_columns(sums, target),
                     "uploads": int(np.mean([r.rows[-1]["uploads"] for r in runs])),
                     "skips": int(np.mean([r.rows[-1]["skips"] for r in runs])),
                     "mb_up": round((last["bytes_device_up"] + last["bytes_station_up"]) / 1e6, 1),
