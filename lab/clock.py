@@ -229,6 +229,7 @@ class Port:
     tick: Callable[[], None] = lambda: None
     now: float = 0.0
     busy_until: float = 0.0
+    immediate: bool = False  # handed each message when sent (TimedBus's docstring)
     _outgoing: list[tuple[int, str, m.Message]] | None = None
     _timer: float | None = field(default=None)
 
@@ -283,17 +284,24 @@ class TimedBus(LocalBus):
 
     ``deliver`` runs events in time order until no message is in flight; the roles' timers
     then run only while ``keep_time()`` says something waits on them (a station's deadline
-    mid-iteration; not a join repeat while the federation waits for the cloud).
+    mid-iteration; not a join repeat while the federation waits for the cloud).  While
+    ``hold()`` (a factory whose station waits for the cloud's model), nothing later than
+    now runs: what the devices do meanwhile must come after the model if the model comes
+    first, and only the driver knows when it comes (``deliver(through=...)``).  A port made
+    ``immediate`` (the factory's outbox to the cloud) is handed each message at once, with
+    ``now`` its arrival time, since it only records what reaches the cloud and when.
     """
 
     def __init__(self, keep_time: Callable[[], bool] = lambda: False,
-                 max_virtual_s: float = math.inf) -> None:
+                 max_virtual_s: float = math.inf, hold: Callable[[], bool] = lambda: False
+                 ) -> None:
         super().__init__()
         self._events: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
         self._in_flight = 0
         self._ports: dict[int, Port] = {}  # subscription index -> its port
         self.keep_time = keep_time
+        self.hold = hold
         self.max_virtual_s = max_virtual_s
         self.now = 0.0  # the time of the event being handled
         self._direct = Port(self, "bus", Channel(ZERO_LINK, np.random.default_rng(0)),
@@ -325,22 +333,32 @@ class TimedBus(LocalBus):
     def publish(self, topic: str, message: m.Message) -> None:
         self.publish_at(topic, message, self.now)
 
-    def publish_at(self, topic: str, message: m.Message, at: float) -> int:
+    def publish_at(self, topic: str, message: m.Message, at: float) -> tuple[int, int]:
         """Publish from outside the bus's participants (the cloud's model reaching a
-        factory, a station's upload reaching the cloud) to arrive at ``at``."""
+        factory, a station's upload reaching the cloud) to arrive at ``at``; returns its
+        place in the order and how many subscribers it reaches (``deliver(through=)``)."""
         seq = self.reserve(message)
-        self.schedule(seq, topic, message, at, self._direct)
-        return seq
+        return seq, self.schedule(seq, topic, message, at, self._direct)
 
     def schedule(self, seq: int, topic: str, message: m.Message, sent: float,
-                 sender: Port) -> None:
+                 sender: Port) -> int:
         nbytes = m.payload_nbytes(message)
         at_broker = sender.up.arrival(sent, nbytes)
+        queued = 0
         for index, handler in self._handlers(topic):
             receiver = self._ports[index]
             at = receiver.down.arrival(at_broker, nbytes)
+            if receiver.immediate:
+                now, self.now = self.now, at
+                try:
+                    handler(topic, message)
+                finally:
+                    self.now = now
+                continue
             heapq.heappush(self._events, (at, seq, index, _MESSAGE, (topic, message, handler)))
             self._in_flight += 1
+            queued += 1
+        return queued
 
     def _handlers(self, topic: str) -> list[tuple[int, Handler]]:
         handlers = list(self._exact.get(topic, ()))
@@ -360,13 +378,22 @@ class TimedBus(LocalBus):
     def idle(self) -> bool:
         return not self._in_flight
 
-    def deliver(self, limit: int | None = None) -> int:
+    def deliver(self, limit: int | None = None, through: tuple[int, int] | None = None
+                ) -> int:
         """Handle events in time order until none is in flight (or ``limit`` messages have
-        reached a subscriber)."""
+        reached a subscriber), or with ``through`` (a :meth:`publish_at`'s answer) until
+        that message and everything before it has, held or not."""
         count = 0
         events = self._events
+        left = through[1] if through else 0
         while events and not self._stopping and (limit is None or count < limit):
             at, seq, index, kind, what = events[0]
+            if through is not None:
+                if not left:
+                    break
+                left -= seq == through[0]
+            elif at > self.now and self.hold():
+                break  # the driver brings what comes next
             if kind == _TICK:
                 port: Port = what
                 due = port.wakeup()

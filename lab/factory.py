@@ -119,6 +119,7 @@ class Factory:
                 # waits on the cloud's model, which the driver brings.
                 keep_time=lambda: self.station.state in (StationState.COLLECTING,
                                                          StationState.STARVED),
+                hold=lambda: self.station.state == StationState.WAITING,
                 max_virtual_s=clock.max_virtual_s)
             self.bus, self.links = timed, _Links(clock, timed, cfg.seed)
         self.runners: list[RoleRunner[Any]] = [self._runner(self.station, None)]
@@ -200,9 +201,9 @@ class Factory:
         pause; returns the samples trained so far."""
         if self.links is None:
             self.bus.publish(topic, model)
-        else:
-            self.links.from_cloud(topic, model, sent)
-        self.bus.deliver(limit=1)
+            self.bus.deliver(limit=1)
+        else:  # what the devices did before the model arrived, then the model
+            self.links.bus.deliver(through=self.links.from_cloud(topic, model, sent))
         return self.trained()
 
     def resume(self) -> Outbox:
@@ -281,10 +282,12 @@ class _Links:
         # What the station's transport hands the cloud crosses the WAN up; the cloud's model
         # crosses it down.
         self.outbox = bus.port("wan", down=clock.cloud_link, rng=wan)
+        self.outbox.immediate = True
         self.down = Channel(clock.cloud_link, wan)
 
-    def from_cloud(self, topic: str, model: m.GlobalModel, sent: float) -> None:
-        self.bus.publish_at(topic, model, self.down.arrival(sent, m.payload_nbytes(model)))
+    def from_cloud(self, topic: str, model: m.GlobalModel, sent: float) -> tuple[int, int]:
+        return self.bus.publish_at(topic, model,
+                                   self.down.arrival(sent, m.payload_nbytes(model)))
 
     def port(self, role: Any, values: dict[str, Any] | None, model: str) -> Port:
         if values is None:  # the station
