@@ -74,6 +74,13 @@ class StationConfig(TrainingSettings, CentralPrivacy):
     # A member whose reply was refused (replay, distance, count, a refused frame) is left out
     # of this many super nodes, unless it is needed to fill one (0: never).
     refused_sit_out: int = 10
+    # Stragglers (aggregator/stragglers.py): an iteration closes at straggler_factor x the
+    # median reply time (at least straggler_min_wait s, at most iteration_timeout), and a
+    # member that missed it sits out straggler_sit_out super nodes, doubling per miss in a
+    # row.  straggler_factor = 0: wait for every member up to iteration_timeout.
+    straggler_factor: float = 3.0
+    straggler_min_wait: float = 0.25
+    straggler_sit_out: int = 10
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -98,6 +105,11 @@ class StationConfig(TrainingSettings, CentralPrivacy):
         check_range("share_window", self.share_window, 1)
         check_range("replay_tolerance", self.replay_tolerance, 0, 1)
         check_range("refused_sit_out", self.refused_sit_out, 0)
+        check_range("straggler_factor", self.straggler_factor, 0)
+        if self.straggler_factor:
+            check_range("straggler_factor", self.straggler_factor, 1)
+        check_range("straggler_min_wait", self.straggler_min_wait, 0)
+        check_range("straggler_sit_out", self.straggler_sit_out, 0)
         self.check_privacy(self.fusion)
         if self.max_selection_share == 0:
             object.__setattr__(self, "max_selection_share",

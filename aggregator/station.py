@@ -37,6 +37,7 @@ from .checkpoint import StationCheckpoint, group, grouped
 from .config import StationConfig
 from .fusion import Fold, fold_for
 from .selection import SelectorSettings, build_selector
+from .stragglers import StragglerWatch
 from .trust import (
     ClaimTally,
     NormGuard,
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 
 _S = StationState
+MISSED_KEPT = 8  # missed iterations remembered per device, to time their late answers
 
 
 class StationEvent(RoleEvent):
@@ -134,6 +136,19 @@ class Station(RoleBase[StationState]):
         self.pipeline = UpdatePipeline(config.update_stages)
         self.dp = CentralDP(config, config.seed)
         self.tally = ClaimTally(config.devices)
+        self.stragglers = StragglerWatch(factor=config.straggler_factor,
+                                         min_wait=config.straggler_min_wait,
+                                         sit_out=config.straggler_sit_out,
+                                         timeout=config.iteration_timeout)
+        self._began = 0.0  # when this iteration's super node was asked
+        self._answer_s: list[float] = []  # seconds each of its in-time answers took
+        # Members that missed an iteration: when each such iteration asked them.
+        self._missed: dict[str, dict[int, float]] = {}
+        # Stragglers benched up to this iteration.  Unlike a refusal's sit-out, a bench never
+        # fills a seat while a quorum of others is ready: seating a 30x slower board to fill
+        # a super node would stall the iteration it was benched to spare.  Not checkpointed:
+        # a restarted station learns reply times again within a few iterations.
+        self._benched: dict[str, int] = {}
 
     @property
     def id(self) -> str:
@@ -272,10 +287,31 @@ class Station(RoleBase[StationState]):
         if self.state == _S.COLLECTING and now >= self.deadline:
             absent = len(self.members) - len(self._replies)
             self.counters["replies_missed"] += absent
+            self._sit_out_stragglers()
             log.info("station %s: iteration %d deadline passed, %d of %d replies missing",
                      self.id, self.iteration, absent, len(self.members))
             return self._close_iteration(now)
         return []
+
+    def wakeup(self) -> float | None:
+        if self.state in (_S.COLLECTING, _S.STARVED):
+            return self.deadline
+        if self.state == _S.WAITING and self.weights is None:
+            return self._next_hello
+        return None
+
+    def _sit_out_stragglers(self) -> None:
+        for d in self.members:
+            if d in self._replies or d in self.offline:
+                continue
+            missed = self._missed.setdefault(d, {})
+            missed[self.iteration] = self._began
+            if len(missed) > MISSED_KEPT:  # a device that died never answers: keep a few
+                del missed[min(missed)]
+            sit_out = self.stragglers.missed(d)
+            if sit_out:
+                self._benched[d] = self.iteration + sit_out
+                self.counters["stragglers_benched"] += 1
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         cfg = self.config
@@ -401,6 +437,12 @@ class Station(RoleBase[StationState]):
         return sum(1 for d in self.members if d not in self._replies and d not in self.offline)
 
     def _on_reply(self, msg: m.DeviceUpdate | m.SkipNotice, now: float) -> list[m.Message]:
+        asked = self._missed.get(msg.sender, {}).pop(msg.iteration, None)
+        if asked is not None:
+            # A straggler's answer after its iteration closed: how slow it is, nothing more.
+            self.stragglers.answered(msg.sender, now - asked, False)
+            self.counters["late_replies"] += 1
+            return []
         if self.state != _S.COLLECTING or msg.iteration != self.iteration:
             return self._reject("stale_iteration", f"reply for iteration {msg.iteration}, "
                                 f"station is at {self.iteration} ({self.state})")
@@ -411,7 +453,13 @@ class Station(RoleBase[StationState]):
             return []
         if now > self.deadline:
             self.counters["late_replies"] += 1
+            self.stragglers.answered(msg.sender, now - self._began, False)
             return []
+        self.stragglers.answered(msg.sender, now - self._began, True)
+        self._answer_s.append(now - self._began)
+        peers = self.stragglers.peer_budget(self._answer_s, len(self.members))
+        if peers is not None:
+            self.deadline = min(self.deadline, self._began + peers)
         if isinstance(msg, m.DeviceUpdate):
             fused = self._admit(msg)
             if fused is None:
@@ -544,6 +592,9 @@ class Station(RoleBase[StationState]):
             self.deadline = now + cfg.iteration_timeout
             self._collect(())
             return [self._model_message()] if newly else []  # wakes paced devices
+        on_time = [d for d in ready if self._benched.get(d, -1) < self.iteration]
+        if len(on_time) >= cfg.min_quorum:
+            ready = on_time
         ready, capped = seat_candidates(ready, self.share, self._sitting_out, self.iteration,
                                         min(cfg.super_node_size, len(ready)))
         if capped:
@@ -557,7 +608,8 @@ class Station(RoleBase[StationState]):
         self._collect(tuple(sorted(ready[i] for i in [*fixed, *picked])))
         self.share.record(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
-        self.deadline = now + cfg.iteration_timeout
+        self._began = now
+        self.deadline = now + self.stragglers.budget()
         self.state = new
         out: list[m.Message] = [self._model_message(),
                                 m.Selection(fleet=cfg.fleet, sender=self.id, round=self.round,
@@ -571,6 +623,7 @@ class Station(RoleBase[StationState]):
     def _collect(self, members: tuple[str, ...]) -> None:
         """A new super node (or none): no reply, and nothing folded, from an earlier one."""
         self.members, self._replies, self._fold = members, {}, self._new_fold(len(members))
+        self._answer_s = []
 
     def _new_fold(self, size: int) -> Fold:
         """The fusion rule's fold, or with central DP a noised mean of clipped steps from

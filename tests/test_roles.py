@@ -116,7 +116,7 @@ def _start_station(st, now=0.0):
 
 
 def test_station_proceeds_at_the_deadline_and_drops_late_replies():
-    st = _station()
+    st = _station(straggler_factor=0.0)  # the timeout alone (stragglers: the test below)
     out = _start_station(st)
     sel = next(x for x in out if isinstance(x, m.Selection))
     assert sel.members == ("d0", "d1", "d2") and sel.deadline == 10.0
@@ -127,8 +127,28 @@ def test_station_proceeds_at_the_deadline_and_drops_late_replies():
     assert st.iteration == 1 and st.counters["replies_missed"] == 1
     np.testing.assert_allclose(st.weights, 2.0)
     assert any(isinstance(x, m.Selection) and x.iteration == 1 for x in out)
-    st.handle(_upd("d2", 0, 100.0), 11.0)  # the straggler of iteration 0
-    assert st.counters["rejected.stale_iteration"] == 1
+    st.handle(_upd("d2", 0, 100.0), 11.0)  # the straggler of iteration 0: timed, not fused
+    assert st.counters["late_replies"] == 1 and "rejected.stale_iteration" not in st.counters
+    assert st.stragglers.reply_s["d2"] == 11.0  # asked at 0, answered at 11
+    np.testing.assert_allclose(st.weights, 2.0)
+
+
+def test_a_straggler_is_cut_at_a_multiple_of_its_peers_and_benched():
+    st = _station(n=4, super_node_size=3, straggler_sit_out=2)
+    sel = next(x for x in _start_station(st) if isinstance(x, m.Selection))
+    assert sel.deadline == 10.0  # nothing timed yet: the timeout
+    first, second, slow = sel.members
+    st.handle(_upd(first, 0, 1.0), 1.0)
+    assert st.deadline == 10.0  # one answer of three: not yet half the super node
+    st.handle(_upd(second, 0, 3.0), 1.2)
+    assert st.deadline == pytest.approx(3 * 1.1)  # 3 x the median of its peers' answers
+    out = st.tick(3.4)
+    assert st.iteration == 1 and st.counters["replies_missed"] == 1
+    assert st.counters["stragglers_benched"] == 1
+    sel = next(x for x in out if isinstance(x, m.Selection))
+    assert slow not in sel.members  # benched while three others are ready
+    st.handle(_upd(slow, 0, 100.0), 9.0)  # its answer, late: timed, not fused
+    assert st.counters["late_replies"] == 1 and st.stragglers.reply_s[slow] == 9.0
     np.testing.assert_allclose(st.weights, 2.0)
 
 
@@ -547,7 +567,8 @@ def test_the_station_moves_through_its_states_as_its_table_says():
     st = _station(n=2, sync_period=2)
     base = {"round": 0, "iteration": 0, "deadline": 0.0, "offline": [], "weights": None,
             "counters": {}, "members": (), "replies": []}
-    missed = {"received_updates": 2, "replies_missed": 2, "iterations_below_quorum": 1}
+    missed = {"received_updates": 2, "replies_missed": 2, "stragglers_benched": 2,
+              "iterations_below_quorum": 1}
     steps = [  # (event, time, the whole state after it)
         (_stats("d0"), 0.0, {"state": S.JOINING}),
         (_stats("d1"), 0.0, {"state": S.WAITING}),
