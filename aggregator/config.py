@@ -13,6 +13,9 @@ from .selection import SELECTORS
 from .server_optimizers import ServerOptimizerSettings
 from .trust import fair_seat_share
 
+STATION_MODES = ("sync", "buffered")
+STALENESS_WEIGHTS = ("sqrt", "constant")
+
 __all__ = ["StationConfig", "CloudConfig"]
 
 
@@ -78,6 +81,18 @@ class StationConfig(TrainingSettings, CentralPrivacy):
     # median reply time (at least straggler_min_wait s, at most iteration_timeout), and a
     # member that missed it sits out straggler_sit_out super nodes, doubling per miss in a
     # row.  straggler_factor = 0: wait for every member up to iteration_timeout.
+    # Station mode (aggregator/fedbuff.py): "sync", FedGS's super node answering each
+    # internal sync together; or "buffered", FedBuff (Nguyen et al., AISTATS 2022): up to
+    # super_node_size devices train at once from the latest model each has, and every
+    # buffer_size admitted updates are folded into w^m, each weighted by its samples and by
+    # staleness_weight of its staleness s (iterations since its model): "sqrt", the paper's
+    # 1/sqrt(1+s), or "constant"; updates staler than max_staleness are dropped.
+    # buffer_size = 0: half the super node (at least 1), so that the devices in flight
+    # outnumber a buffer, as FedBuff's concurrency does its K.
+    mode: str = "sync"
+    buffer_size: int = 0
+    max_staleness: int = 4
+    staleness_weight: str = "sqrt"
     straggler_factor: float = 3.0
     straggler_min_wait: float = 0.25
     straggler_sit_out: int = 10
@@ -105,6 +120,15 @@ class StationConfig(TrainingSettings, CentralPrivacy):
         check_range("share_window", self.share_window, 1)
         check_range("replay_tolerance", self.replay_tolerance, 0, 1)
         check_range("refused_sit_out", self.refused_sit_out, 0)
+        if self.mode not in STATION_MODES:
+            raise ConfigError("mode", f"must be one of {STATION_MODES}, got {self.mode!r}")
+        if self.staleness_weight not in STALENESS_WEIGHTS:
+            raise ConfigError("staleness_weight", f"must be one of {STALENESS_WEIGHTS}, got "
+                              f"{self.staleness_weight!r}")
+        check_range("buffer_size", self.buffer_size, 0, self.super_node_size)
+        if self.buffer_size == 0:
+            object.__setattr__(self, "buffer_size", max(1, self.super_node_size // 2))
+        check_range("max_staleness", self.max_staleness, 0)
         check_range("straggler_factor", self.straggler_factor, 0)
         if self.straggler_factor:
             check_range("straggler_factor", self.straggler_factor, 1)

@@ -40,6 +40,7 @@ from edge_client.topics import CLOUD_ID, manifest_topic, summary_topic
 from .checkpoint import CloudCheckpoint, StationCheckpoint, load_checkpoint, save_checkpoint
 from .cloud import Cloud, CloudState
 from .config import CloudConfig, StationConfig
+from .fedbuff import station_role
 from .selection import blas_threads
 from .station import Station, StationState
 
@@ -114,8 +115,9 @@ class StationService:
     def run(self, stop: StopFlag | None = None) -> Station:
         trainer = model_trainer(self.model, lr=0.01)
         cfg = self.station
-        role = Station(cfg, num_params=trainer.num_params, num_classes=self.model.num_classes,
-                       rng=np.random.default_rng(cfg.seed))
+        role = station_role(cfg, num_params=trainer.num_params,
+                            num_classes=self.model.num_classes,
+                            rng=np.random.default_rng(cfg.seed))
         if cfg.central_dp_noise:
             keep_privacy_ledger(role.dp, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.STATION,

@@ -425,8 +425,11 @@ class Station(RoleBase[StationState]):
             return []
         self.offline.add(msg.sender)
         self.counters["devices_offline"] += 1
-        if self.state == _S.COLLECTING and msg.sender in self.members \
-                and msg.sender not in self._replies:
+        return self._member_offline(msg.sender, now)
+
+    def _member_offline(self, device: str, now: float) -> list[m.Message]:
+        if self.state == _S.COLLECTING and device in self.members \
+                and device not in self._replies:
             # Its Last Will fired: do not wait for it until the deadline.
             self.counters["replies_missed"] += 1
             if self._awaited() == 0:
@@ -475,18 +478,21 @@ class Station(RoleBase[StationState]):
             return self._close_iteration(now)
         return []
 
-    def _admit(self, msg: m.DeviceUpdate) -> np.ndarray | None:
+    def _admit(self, msg: m.DeviceUpdate, base: np.ndarray | None = None) -> np.ndarray | None:
         """The weights of ``msg`` to fuse (clipped onto the distance bound where beyond it),
-        or None, counted and logged, where its counts, size or distance cannot be honest."""
-        z = self._trained_model(msg)
+        or None, counted and logged, where its counts, size or distance cannot be honest.
+        ``base``: the model it was trained from (``w^m``, unless a buffered station's
+        update is stale), which its step is measured and decoded from."""
+        base = self._model() if base is None else base
+        z = self._trained_model(msg, base)
         if z is None:
             return None
-        problem = self._implausible(msg, z)
+        problem = self._implausible(msg, z, base)
         if problem:
             self._reject(*problem)
             return None
         limit = self.guard.limit
-        bounded = self.guard.check(z, self._model())
+        bounded = self.guard.check(z, base)
         if bounded.update is None:
             self._reject("update_norm", f"moved the model {bounded.distance:.4g} from w^m, the "
                          f"hard bound is {self.config.update_norm_hard_factor:g} x {limit:.4g}")
@@ -496,9 +502,9 @@ class Station(RoleBase[StationState]):
                       bounded.distance, limit)
         return bounded.update
 
-    def _trained_model(self, msg: m.DeviceUpdate) -> np.ndarray | None:
+    def _trained_model(self, msg: m.DeviceUpdate, base: np.ndarray) -> np.ndarray | None:
         """The model ``z`` an update stands for: its weights, or its encoded step (the fleet's
-        update stages) added to ``w^m``; None, counted, where it is neither."""
+        update stages) added to ``base``; None, counted, where it is neither."""
         pipeline = self.pipeline
         if msg.encoding != pipeline.id:
             self._reject("wrong_encoding", f"update encoded as {msg.encoding!r}, the fleet's "
@@ -520,20 +526,21 @@ class Station(RoleBase[StationState]):
         except MessageError as exc:
             self._reject(exc.reason, str(exc))
             return None
-        z = self._model() + step
+        z = base + step
         if not np.isfinite(z).all():  # finite codes times finite scales can still overflow
             self._reject("non_finite", "the decoded step is not finite")
             return None
         return z
 
-    def _implausible(self, msg: m.DeviceUpdate, z: np.ndarray) -> tuple[str, str] | None:
+    def _implausible(self, msg: m.DeviceUpdate, z: np.ndarray, base: np.ndarray
+                     ) -> tuple[str, str] | None:
         """Why an update's claims (its counts, freshness) cannot be honest, or None."""
         cfg = self.config
         most = cfg.local_steps * cfg.batch_size
         if not 1 <= msg.num_samples <= most:
             return "bad_count", (f"claims {msg.num_samples} samples; a device trains on 1.."
                                  f"{most} (local_steps x batch_size) per iteration")
-        fresh, ratio = self.replay.check(msg.sender, z, self._model())
+        fresh, ratio = self.replay.check(msg.sender, z, base)
         if not fresh:
             return "replay", (f"repeats one of its recent updates (distance {ratio:.2g} x its "
                               f"step from w^m)")
@@ -592,20 +599,7 @@ class Station(RoleBase[StationState]):
             self.deadline = now + cfg.iteration_timeout
             self._collect(())
             return [self._model_message()] if newly else []  # wakes paced devices
-        on_time = [d for d in ready if self._benched.get(d, -1) < self.iteration]
-        if len(on_time) >= cfg.min_quorum:
-            ready = on_time
-        ready, capped = seat_candidates(ready, self.share, self._sitting_out, self.iteration,
-                                        min(cfg.super_node_size, len(ready)))
-        if capped:
-            self.counters["selection_share_capped"] += capped
-        size = min(cfg.super_node_size, len(ready))
-        hists = np.array([self.stats[d].next_batch_counts for d in ready], dtype=np.float64)
-        n_random = min(cfg.rand_per_group, size)
-        fixed = list(self.rng.choice(len(ready), size=n_random, replace=False)) if n_random else []
-        picked = self._select(hists.reshape(len(ready), self.num_classes), self._target(),
-                              size - n_random, fixed=fixed).tolist() if ready else []
-        self._collect(tuple(sorted(ready[i] for i in [*fixed, *picked])))
+        self._collect(self._pick(ready, cfg.super_node_size))
         self.share.record(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
         self._began = now
@@ -619,6 +613,26 @@ class Station(RoleBase[StationState]):
             self.counters["iterations_without_data"] += 1
             return out + self._close_iteration(now)
         return out
+
+    def _pick(self, ready: list[str], want: int) -> tuple[str, ...]:
+        """Up to ``want`` of the ``ready`` devices for a super node: benched stragglers
+        and refused or over-seated devices left out where others can fill it,
+        ``rand_per_group`` at random, the rest by the selector against ``P_real``."""
+        cfg = self.config
+        on_time = [d for d in ready if self._benched.get(d, -1) < self.iteration]
+        if len(on_time) >= cfg.min_quorum:
+            ready = on_time
+        ready, capped = seat_candidates(ready, self.share, self._sitting_out, self.iteration,
+                                        min(want, len(ready)))
+        if capped:
+            self.counters["selection_share_capped"] += capped
+        size = min(want, len(ready))
+        hists = np.array([self.stats[d].next_batch_counts for d in ready], dtype=np.float64)
+        n_random = min(cfg.rand_per_group, size)
+        fixed = list(self.rng.choice(len(ready), size=n_random, replace=False)) if n_random else []
+        picked = self._select(hists.reshape(len(ready), self.num_classes), self._target(),
+                              size - n_random, fixed=fixed).tolist() if ready else []
+        return tuple(sorted(ready[i] for i in [*fixed, *picked]))
 
     def _collect(self, members: tuple[str, ...]) -> None:
         """A new super node (or none): no reply, and nothing folded, from an earlier one."""
@@ -647,6 +661,11 @@ class Station(RoleBase[StationState]):
         self.iteration += 1
         if ready is not None:
             return self._begin_iteration(now, ready)
+        return self._external_sync(new)
+
+    def _external_sync(self, new: StationState) -> list[m.Message]:
+        """The synchronisation period is over: upload ``w^m`` and wait for the cloud."""
+        cfg = self.config
         self.state = new
         self._upload = m.StationUpdate(
             fleet=cfg.fleet, sender=self.id, round=self.round, iteration=self.iteration,

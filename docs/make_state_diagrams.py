@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aggregator.cloud import Cloud
+from aggregator.fedbuff import BufferedStation
 from aggregator.station import Station
 from edge_client.device import Device
 from edge_client.role import state_diagram
@@ -24,6 +25,14 @@ ROLES = (
               "node if a quorum of devices is ready, else it waits (starved); every T "
               "iterations it uploads and waits for the global model.  `resuming` is passed "
               "through when a station restarts from a checkpoint taken mid-round."),
+    (BufferedStation, "A station in buffered mode (`[station] mode = \"buffered\"`, FedBuff) "
+                      "moves through the same table with another meaning: `collecting` is "
+                      "devices training (up to the super node size at once, each asked as a "
+                      "place frees) and the buffer filling; each fold of `buffer_size` "
+                      "updates is an iteration and re-enters `collecting`; `starved` is "
+                      "nobody to ask and nothing to fold; every T folds it uploads and "
+                      "waits (answers that come meanwhile wait in the buffer for the global "
+                      "model)."),
     (Cloud, "The cloud starts round 0 when every station sent its label counts, and closes "
             "a round when its stations reported (or at the deadline, with a quorum)."),
 )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import numpy as np
 
 from aggregator.config import StationConfig
-from aggregator.station import Station
+from aggregator.fedbuff import station_role
 from edge_client import messages as m
 from edge_client.admission import Admission
 from edge_client.config import DeviceConfig, InferenceConfig, from_mapping
@@ -108,8 +108,9 @@ class Factory:
     def __init__(self, plan: FactoryPlan, trainer: Callable[[str], Any]) -> None:
         self.plan = plan
         cfg = simulated(StationConfig, plan.station)
-        self.station = Station(cfg, num_params=plan.num_params, num_classes=plan.num_classes,
-                               rng=np.random.default_rng(cfg.seed))
+        self.station = station_role(cfg, num_params=plan.num_params,
+                                    num_classes=plan.num_classes,
+                                    rng=np.random.default_rng(cfg.seed))
         clock = plan.spec.clock
         self.bus: LocalBus = LocalBus()
         self.links: _Links | None = None

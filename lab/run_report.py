@@ -95,10 +95,10 @@ def _accuracy_figures(metrics: Rows, folder: Path) -> list[tuple[str, Path]]:
         against.append(("Accuracy against bytes uploaded", "report_accuracy_vs_bytes.png",
                         "MB uploaded (devices to stations, stations to cloud)",
                         lambda r: (r["bytes_device_up"] + r.get("bytes_station_up", 0)) / 1e6))
-    if metrics and all(r.get("virtual_s") for r in metrics[-1:]):  # a run under a clock
+    if metrics and all(float(r.get("virtual_s") or 0.0) > 0 for r in metrics[-1:]):  # clocked
         against.append(("Accuracy against virtual time", "report_accuracy_vs_time.png",
                         "virtual seconds (the boards' compute and the links, priced)",
-                        lambda r: r.get("virtual_s") or 0.0))
+                        lambda r: float(r.get("virtual_s") or 0.0)))
     for caption, name, xlabel, x in against:
         fig, ax = plt.subplots(figsize=(7, 4))
         for strategy, rows in runs.items():

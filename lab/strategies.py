@@ -48,6 +48,12 @@ class RecipeSettings:
     # aggregator.server_optimizers: "fedavgm" applies the momentum above to the external
     # synchronisation, the adaptive ones step at server_lr.
     cloud_optimizer: str = "fedavgm"
+    # The buffered recipes' station (FedBuff: aggregator/fedbuff.py; 0: half the super
+    # node) and FedGS with longer local work (local steps per internal sync: fewer round
+    # trips for the same samples, more drift).
+    buffer_size: int = 0
+    max_staleness: int = 4
+    long_local_steps: int = 5
 
     @property
     def recipe_settings(self) -> RecipeSettings:
@@ -90,6 +96,13 @@ def _hier(s: RecipeSettings, selector: str, **device) -> Strategy:
                     station={"super_node_size": s.super_node, "rand_per_group": s.rand_per_group,
                              "selector": selector, "sync_period": s.sync_period},
                     cloud=_cloud(s))
+
+
+def _buffered(built: Strategy, s: RecipeSettings) -> Strategy:
+    """A hierarchical recipe with its stations in buffered mode (FedBuff)."""
+    return dataclasses.replace(built, station={**built.station, "mode": "buffered",
+                                               "buffer_size": s.buffer_size,
+                                               "max_staleness": s.max_staleness})
 
 
 def _flat(s: RecipeSettings, *, device=None, station=None, cloud=None) -> Strategy:
@@ -135,6 +148,10 @@ RECIPES: dict[str, Callable[[RecipeSettings], Strategy]] = {
     # for and bought no accuracy in the sweep (docs/algorithms.md); the gated variant keeps it.
     "safl_fedgs": lambda s: _hier(s, "gbp_cs", **_safl(s, True, False)),
     "safl_fedgs_gated": lambda s: _hier(s, "gbp_cs", **_safl(s, True, True)),
+    # Issue 35: FedGS's round trips traded for local work, and its stations buffered.
+    "fedgs_long": lambda s: _hier(s, "gbp_cs", local_steps=s.long_local_steps),
+    "fedgs_buffered": lambda s: _buffered(_hier(s, "gbp_cs"), s),
+    "safl_fedgs_buffered": lambda s: _buffered(_hier(s, "gbp_cs", **_safl(s, True, False)), s),
 }
 
 
