@@ -149,7 +149,9 @@ RECIPES: dict[str, Callable[[RecipeSettings], Strategy]] = {
     "safl_fedgs": lambda s: _hier(s, "gbp_cs", **_safl(s, True, False)),
     "safl_fedgs_gated": lambda s: _hier(s, "gbp_cs", **_safl(s, True, True)),
     # Issue 35: FedGS's round trips traded for local work, and its stations buffered.
-    "fedgs_long": lambda s: _hier(s, "gbp_cs", local_steps=s.long_local_steps),
+    # (its lr decay, in iterations, comes as many times sooner as each trains more)
+    "fedgs_long": lambda s: _hier(s, "gbp_cs", local_steps=s.long_local_steps,
+                                  **_schedule(s, s.sync_period / s.long_local_steps)),
     "fedgs_buffered": lambda s: _buffered(_hier(s, "gbp_cs"), s),
     "safl_fedgs_buffered": lambda s: _buffered(_hier(s, "gbp_cs", **_safl(s, True, False)), s),
 }

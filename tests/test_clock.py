@@ -229,3 +229,13 @@ cloud_latency_ms = 50
     header = (out / "results.csv").read_text().splitlines()[0]
     assert "virtual_s_to_0.3" in header
     assert (out / "accuracy_vs_time.png").stat().st_size > 0
+
+
+def test_the_mixed_fleet_experiment_loads_with_its_clock():
+    from lab.experiment import load_experiment, load_simulation
+    from lab.strategies import build_strategy
+    cfg = load_experiment("experiments/mixed_fleet.toml")
+    clock = load_simulation("experiments/mixed_fleet.toml").clock(0)
+    assert clock is not None and dict(clock.profiles)["pi4-torch"] == 0.5
+    assert build_strategy("fedgs_buffered", cfg.settings).station["mode"] == "buffered"
+    assert build_strategy("fedgs_long", cfg.settings).device["local_steps"] == 5
