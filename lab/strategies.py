@@ -79,7 +79,7 @@ def _server(s: RecipeSettings, kind: str) -> dict:
     return {"server_optimizer": kind, "server_lr": s.server_lr}
 
 
-def _schedule(s: RecipeSettings, per_round: int) -> dict:
+def _schedule(s: RecipeSettings, per_round: float) -> dict:
     """The device lr decay in iterations (``T`` per round in a hierarchy, one when flat);
     nothing when off, so a recipe without it is the recipe it always was."""
     if not s.lr_decay_rounds:
