@@ -33,6 +33,7 @@ import numpy as np
 from edge_client import messages as m
 from edge_client.config import check_range
 from edge_client.errors import ConfigError
+from edge_client.topics import matches
 from edge_client.transport import Handler, LocalBus
 
 __all__ = ["ComputeProfile", "PROFILES", "LinkSpec", "ClockConfig", "Channel", "Port",
@@ -300,6 +301,7 @@ class TimedBus(LocalBus):
         self._seq = 0
         self._in_flight = 0
         self._ports: dict[int, Port] = {}  # subscription index -> its port
+        self._routes: dict[str, list[tuple[int, Handler]]] = {}
         self.keep_time = keep_time
         self.hold = hold
         self.max_virtual_s = max_virtual_s
@@ -315,6 +317,7 @@ class TimedBus(LocalBus):
     def subscribe_port(self, topic_filter: str, handler: Handler, port: Port) -> None:
         super().subscribe(topic_filter, handler)
         self._ports[self._count] = port
+        self._routes.clear()
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
         self.subscribe_port(topic_filter, handler, self._direct)
@@ -361,9 +364,15 @@ class TimedBus(LocalBus):
         return queued
 
     def _handlers(self, topic: str) -> list[tuple[int, Handler]]:
-        handlers = list(self._exact.get(topic, ()))
-        handlers += [(i, h) for i, f, h in self._wild if _matches(f, topic)]
-        return sorted(handlers, key=lambda pair: pair[0])
+        """Each subscription ``topic`` reaches, in subscription order (kept per topic until
+        the next subscription: a fleet's topics are few and its subscriptions fixed)."""
+        routes = self._routes.get(topic)
+        if routes is None:
+            routes = list(self._exact.get(topic, ()))
+            routes += [(i, h) for i, f, h in self._wild if matches(f, topic)]
+            routes.sort(key=lambda pair: pair[0])
+            self._routes[topic] = routes
+        return routes
 
     def arm(self, port: Port) -> None:
         """Set ``port``'s timer to its role's next timed action (one pending per port)."""
@@ -427,7 +436,3 @@ class TimedBus(LocalBus):
         self._events.clear()
         self._in_flight = 0
 
-
-def _matches(topic_filter: str, topic: str) -> bool:
-    from edge_client.topics import matches
-    return matches(topic_filter, topic)
