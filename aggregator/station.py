@@ -142,6 +142,7 @@ class Station(RoleBase[StationState]):
                                          timeout=config.iteration_timeout)
         self._began = 0.0  # when this iteration's super node was asked
         self._answer_s: list[float] = []  # seconds each of its in-time answers took
+        self._blind = True  # it began before the fleet's reply times were known
         # Members that missed an iteration: when each such iteration asked them.
         self._missed: dict[str, dict[int, float]] = {}
         # Stragglers benched up to this iteration.  Unlike a refusal's sit-out, a bench never
@@ -460,7 +461,11 @@ class Station(RoleBase[StationState]):
             return []
         self.stragglers.answered(msg.sender, now - self._began, True)
         self._answer_s.append(now - self._began)
-        peers = self.stragglers.peer_budget(self._answer_s, len(self.members))
+        # Only while the fleet's median was unknown at the start: afterwards it is the
+        # deadline, since one fast (or hostile) member moves a super node's median but not
+        # the fleet's.
+        peers = self.stragglers.peer_budget(self._answer_s, len(self.members)) \
+            if self._blind else None
         if peers is not None:
             self.deadline = min(self.deadline, self._began + peers)
         if isinstance(msg, m.DeviceUpdate):
@@ -603,6 +608,7 @@ class Station(RoleBase[StationState]):
         self.share.record(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
         self._began = now
+        self._blind = not self.stragglers.informed
         self.deadline = now + self.stragglers.budget()
         self.state = new
         out: list[m.Message] = [self._model_message(),

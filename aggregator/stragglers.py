@@ -5,8 +5,8 @@ pace every internal synchronisation it is seated in up to ``iteration_timeout``.
 station measures each device's reply time (from the iteration's start to its answer,
 late answers included), and closes an iteration at ``straggler_factor`` times the fleet's
 median reply time (never under ``straggler_min_wait``, never over ``iteration_timeout``),
-or sooner, at that factor of the median of the answers the super node has given, once half
-of it answered.
+or, in the iterations that began before three devices were timed, at that factor of the
+median of the answers the super node has given, once half of it answered.
 A member that missed that deadline sits out ``straggler_sit_out`` super nodes, twice as
 many after each further miss in a row (at most 16 times), so a device that cannot keep up
 costs the fleet one short wait now and then rather than a long one every time; an answer
@@ -31,9 +31,14 @@ class StragglerWatch:
         self.reply_s: dict[str, float] = {}
         self.misses: dict[str, int] = {}
 
+    @property
+    def informed(self) -> bool:
+        """Enough reply times for the fleet's median to set the deadline."""
+        return bool(self.factor) and len(self.reply_s) >= MIN_ESTIMATES
+
     def budget(self) -> float:
         """Seconds the next super node has to answer."""
-        if not self.factor or len(self.reply_s) < MIN_ESTIMATES:
+        if not self.informed:
             return self.timeout
         typical = statistics.median(self.reply_s.values())
         return min(self.timeout, max(self.min_wait, self.factor * typical))

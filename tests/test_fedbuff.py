@@ -101,6 +101,16 @@ def test_trust_checks_and_staleness_bounds_apply_to_buffered_updates():
     assert st.counters["rejected.not_selected"] == 1
 
 
+def test_an_update_exactly_max_staleness_old_folds_and_one_older_is_dropped():
+    st = _station(max_staleness=1, buffer_size=1, super_node_size=3, sync_period=10)
+    _start(st)  # d0, d1, d2 asked at iteration 0
+    st.handle(_upd("d0", 0, 1.0), 1.0)  # fold: iteration 1
+    st.handle(_upd("d1", 0, 1.0), 1.1)  # one old, the bound: folded, iteration 2
+    assert st.iteration == 2 and st.counters["stale_updates"] == 1
+    st.handle(_upd("d2", 0, 1.0), 1.2)  # two old: dropped
+    assert st.counters["stale_updates_dropped"] == 1 and st.iteration == 2
+
+
 def test_a_device_past_its_timeout_frees_its_place_and_still_counts_if_fresh():
     st = _station(buffer_size=2)
     _start(st)
