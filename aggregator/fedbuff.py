@@ -98,7 +98,8 @@ class BufferedStation(Station):
         if not picked and not self._in_flight:
             if len(self._fold) >= cfg.min_quorum:  # nobody left to ask: fold what came
                 return out + self._close_iteration(now)
-            return out + self._starve(now, publish)
+            starving = self._starve(now, len(ready))
+            return out + ([] if publish else starving)
         for d in picked:
             self._in_flight[d] = (self.iteration, now)
         self.members = tuple(sorted(self._in_flight))
@@ -115,14 +116,6 @@ class BufferedStation(Station):
         """Past its timeout, and its answer could still be folded: it is busy with it."""
         asked = self._expired.get(device)
         return asked is not None and self.iteration - asked <= self.config.max_staleness
-
-    def _starve(self, now: float, publish: bool) -> list[m.Message]:
-        """Nobody to ask and nothing to fold: wait for devices, as a synchronous station
-        does, up to ``iteration_timeout``."""
-        newly = self.state != _S.STARVED
-        self.state = self.next_state(_E.TOO_FEW_READY)
-        self.deadline = now + self.config.iteration_timeout
-        return [self._model_message()] if newly and not publish else []
 
     def _close_iteration(self, now: float) -> list[m.Message]:
         """Fold the buffer into ``w^m``: one iteration; the upload every ``sync_period``."""
@@ -199,9 +192,7 @@ class BufferedStation(Station):
 
     def _refused_reply(self, device: str, now: float) -> list[m.Message]:
         """A refused update, or a refused frame: its place is free, it sits out a while."""
-        self.counters["refused_replies"] += 1
-        if self.config.refused_sit_out:
-            self._sitting_out[device] = self.iteration + self.config.refused_sit_out
+        self._sit_out_refused(device)
         if self._in_flight.pop(device, None) is not None:
             self.members = tuple(sorted(self._in_flight))
         return self._ask(now)

@@ -344,12 +344,16 @@ class Station(RoleBase[StationState]):
 
     def _refused_reply(self, device: str, now: float) -> list[m.Message]:
         self._replies[device] = Reply.REFUSED
-        self.counters["refused_replies"] += 1
-        if self.config.refused_sit_out:
-            self._sitting_out[device] = self.iteration + self.config.refused_sit_out
+        self._sit_out_refused(device)
         if self._awaited() == 0:
             return self._close_iteration(now)
         return []
+
+    def _sit_out_refused(self, device: str) -> None:
+        """A refused reply is its member's answer, and costs it the next few seats."""
+        self.counters["refused_replies"] += 1
+        if self.config.refused_sit_out:
+            self._sitting_out[device] = self.iteration + self.config.refused_sit_out
 
     def _on_stats(self, msg: m.DeviceStats, now: float) -> list[m.Message]:
         if {msg.seen_counts.size, msg.next_batch_counts.size} != {self.num_classes}:
@@ -594,16 +598,8 @@ class Station(RoleBase[StationState]):
         ready = self._ready() if ready is None else ready
         new = self.next_state(self._iteration_event(ready))
         if new == _S.STARVED:
-            # Wait for devices, each iteration up to its timeout, rather than close it untrained.
-            newly = self.state != _S.STARVED
-            if newly:
-                log.warning("station %s: %d devices ready, quorum %d: waiting up to %.0f s an "
-                            "iteration", self.id, len(ready), cfg.min_quorum,
-                            cfg.iteration_timeout)
-            self.state = new
-            self.deadline = now + cfg.iteration_timeout
             self._collect(())
-            return [self._model_message()] if newly else []  # wakes paced devices
+            return self._starve(now, len(ready))
         self._collect(self._pick(ready, cfg.super_node_size))
         self.share.record(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
@@ -619,6 +615,18 @@ class Station(RoleBase[StationState]):
             self.counters["iterations_without_data"] += 1
             return out + self._close_iteration(now)
         return out
+
+    def _starve(self, now: float, ready: int) -> list[m.Message]:
+        """Wait for devices, each iteration up to its timeout, rather than close it
+        untrained; the model goes out once, as starvation begins (it wakes paced devices)."""
+        cfg = self.config
+        newly = self.state != _S.STARVED
+        if newly:
+            log.warning("station %s: %d devices ready, quorum %d: waiting up to %.0f s an "
+                        "iteration", self.id, ready, cfg.min_quorum, cfg.iteration_timeout)
+        self.state = self.next_state(_E.TOO_FEW_READY)
+        self.deadline = now + cfg.iteration_timeout
+        return [self._model_message()] if newly else []
 
     def _pick(self, ready: list[str], want: int) -> tuple[str, ...]:
         """Up to ``want`` of the ``ready`` devices for a super node: benched stragglers

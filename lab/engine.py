@@ -95,10 +95,10 @@ class SimulationConfig:
         if not self.profiles:
             return None
         def link(side: str) -> LinkSpec:
-            for k in _LINK_FIELDS:  # named as this table names them
-                check_range(f"{side}_{k}", getattr(self, f"{side}_{k}"), 0,
-                            0.5 if k == "loss" else None)
-            return LinkSpec(*(getattr(self, f"{side}_{k}") for k in _LINK_FIELDS))
+            try:
+                return LinkSpec(*(getattr(self, f"{side}_{k}") for k in _LINK_FIELDS))
+            except ConfigError as exc:  # LinkSpec's rule, named as this table names the key
+                raise ConfigError(f"{side}_{exc.key}", str(exc).split(": ", 1)[1]) from None
         return ClockConfig(profiles=parse_mix(self.profiles), device_link=link("device"),
                            cloud_link=link("cloud"), slow_devices=self.slow_devices,
                            slow_factor=self.slow_factor, seed=seed)
