@@ -37,7 +37,7 @@ from edge_client.topics import matches
 from edge_client.transport import Handler, LocalBus
 
 __all__ = ["ComputeProfile", "PROFILES", "LinkSpec", "ClockConfig", "Channel", "Port",
-           "TimedBus", "assign_profiles", "parse_mix", "ZERO_LINK"]
+           "TimedBus", "assign_profiles", "check_batched_steps", "parse_mix", "ZERO_LINK"]
 
 # A profile's step times are for one local step on a batch of this many samples; a step on
 # fewer costs in proportion (the small models here are compute-bound per sample).
@@ -189,6 +189,13 @@ class ClockConfig:
     def tag(self) -> str:
         """What a run's cache key adds: every setting that changes its numbers."""
         return f"|clock-{self!r}"
+
+
+def check_batched_steps(batched_steps: bool, clocked: bool) -> None:
+    """A super node stepped in one batched call has no per-device clock: refuse both."""
+    if batched_steps and clocked:
+        raise ConfigError("batched_steps", "steps a super node in one call, which has no "
+                          "per-device clock: leave it off with profiles")
 
 
 def parse_mix(items: tuple[str, ...]) -> tuple[tuple[str, float], ...]:

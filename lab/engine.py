@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from edge_client.config import check_range
 from edge_client.errors import ConfigError
 
-from .clock import ClockConfig, LinkSpec, parse_mix
+from .clock import ClockConfig, LinkSpec, check_batched_steps, parse_mix
 from .factory import Factory, FactoryPlan
 
 __all__ = ["SimulationConfig", "Factories", "InProcess", "open_factories", "ENGINES"]
@@ -82,9 +82,7 @@ class SimulationConfig:
             raise ConfigError("torch_device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                               f"got {self.torch_device!r}")
         if self.profiles:
-            if self.batched_steps:
-                raise ConfigError("batched_steps", "steps a super node in one call, which has "
-                                  "no per-device clock: leave it off with profiles")
+            check_batched_steps(self.batched_steps, True)
             self.clock(0)  # names a bad profile or link key now, not at the first run
         elif self.slow_devices or any(getattr(self, k) for k in _LINK_KEYS):
             raise ConfigError("profiles", "links and slow devices need a clock: name the "

@@ -25,13 +25,13 @@ from aggregator.cloud import Cloud, CloudState
 from aggregator.config import CloudConfig
 from edge_client import messages as m
 from edge_client.config import DeviceConfig, TrainingSettings
-from edge_client.errors import ConfigError, SaflError
+from edge_client.errors import SaflError
 from edge_client.runner import RoleRunner
 from edge_client.topics import global_model_topic
 from edge_client.trainers import layout_hash
 from edge_client.transport import LocalBus
 
-from .clock import ClockConfig, TimedBus, assign_profiles
+from .clock import ClockConfig, TimedBus, assign_profiles, check_batched_steps
 from .datasets import Dataset
 from .engine import Factories, SimulationConfig, open_factories
 from .factory import (
@@ -98,9 +98,7 @@ class FleetSpec:
     clock: ClockConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.clock and self.batched_steps:
-            raise ConfigError("batched_steps", "steps a super node in one call, which has no "
-                              "per-device clock: leave it off under a clock")
+        check_batched_steps(self.batched_steps, self.clock is not None)
 
 
 @dataclass

@@ -192,6 +192,13 @@ def test_a_bad_clock_setting_names_its_key(table, key):
     assert err.value.key == key
 
 
+def test_a_fleet_spec_refuses_batched_steps_under_a_clock(digits):
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(_spec(digits), clock=ClockConfig(profiles=(("zero", 1.0),)),
+                            batched_steps=True)
+    assert err.value.key == "batched_steps"
+
+
 def test_the_clock_keys_runs_apart_in_the_cache():
     assert SimulationConfig().cache_tag == ""  # runs cached before the clock keep their keys
     a = SimulationConfig(profiles=("pi4-numpy",)).cache_tag
