@@ -238,7 +238,7 @@ class Port:
     now: float = 0.0
     busy_until: float = 0.0
     immediate: bool = False  # handed each message when sent (TimedBus's docstring)
-    _outgoing: list[tuple[int, str, m.Message]] | None = None
+    _outgoing: list[tuple[tuple[int, int], str, m.Message]] | None = None
     _timer: float | None = field(default=None)
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
@@ -329,16 +329,18 @@ class TimedBus(LocalBus):
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
         self.subscribe_port(topic_filter, handler, self._direct)
 
-    def reserve(self, message: m.Message) -> int:
-        """A publish's place in the order (taken when it is made, as the FIFO bus does)."""
+    def reserve(self, message: m.Message) -> tuple[int, int]:
+        """A publish's place in the order (taken when it is made, as the FIFO bus does), and
+        its payload's size (counted once, priced on each link)."""
         if self.closed:
             from edge_client.errors import SaflError
             raise SaflError("publish on a closed bus")
         kind = type(message).__name__
         self.messages[kind] += 1
-        self.payload_bytes[kind] += m.payload_nbytes(message)
+        nbytes = m.payload_nbytes(message)
+        self.payload_bytes[kind] += nbytes
         self._seq += 1
-        return self._seq
+        return self._seq, nbytes
 
     def publish(self, topic: str, message: m.Message) -> None:
         self.publish_at(topic, message, self.now)
@@ -348,11 +350,11 @@ class TimedBus(LocalBus):
         factory, a station's upload reaching the cloud) to arrive at ``at``; returns its
         place in the order and how many subscribers it reaches (``deliver(through=)``)."""
         seq = self.reserve(message)
-        return seq, self.schedule(seq, topic, message, at, self._direct)
+        return seq[0], self.schedule(seq, topic, message, at, self._direct)
 
-    def schedule(self, seq: int, topic: str, message: m.Message, sent: float,
+    def schedule(self, seq: tuple[int, int], topic: str, message: m.Message, sent: float,
                  sender: Port) -> int:
-        nbytes = m.payload_nbytes(message)
+        order, nbytes = seq
         at_broker = sender.up.arrival(sent, nbytes)
         queued = 0
         for index, handler in self._handlers(topic):
@@ -365,7 +367,8 @@ class TimedBus(LocalBus):
                 finally:
                     self.now = now
                 continue
-            heapq.heappush(self._events, (at, seq, index, _MESSAGE, (topic, message, handler)))
+            heapq.heappush(self._events, (at, order, index, _MESSAGE,
+                                          (topic, message, handler)))
             self._in_flight += 1
             queued += 1
         return queued
