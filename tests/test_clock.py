@@ -142,6 +142,19 @@ def test_the_straggler_watch_learns_the_budget_and_backs_off():
     assert StragglerWatch(factor=0.0, min_wait=0.1, sit_out=10, timeout=30.0).missed("c") == 0
 
 
+def test_the_straggler_settings_are_checked_at_their_bounds():
+    from aggregator.config import StationConfig
+    devices = ("a", "b", "c", "d")
+    for ok in ({"straggler_factor": 1.0}, {"straggler_factor": 0.0},
+               {"straggler_min_wait": 0.0}, {"straggler_sit_out": 0}):
+        StationConfig(fleet="t", station_id="s", devices=devices, **ok)
+    for key, bad in (("straggler_factor", 0.999), ("straggler_min_wait", -0.001),
+                     ("straggler_sit_out", -1)):
+        with pytest.raises(ConfigError) as err:
+            StationConfig(fleet="t", station_id="s", devices=devices, **{key: bad})
+        assert err.value.key == key
+
+
 def test_a_channel_prices_latency_bandwidth_and_order():
     rng = np.random.default_rng(0)
     assert Channel(LinkSpec(), rng).arrival(1.5, 10_000) == 1.5
