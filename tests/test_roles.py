@@ -574,8 +574,9 @@ def test_the_station_moves_through_its_states_as_its_table_says():
         (_stats("d1"), 0.0, {"state": S.WAITING}),
         (_global(0, 1.0), 1.0, {"state": S.COLLECTING, "weights": [1.0] * 4,
                                 "members": ("d0", "d1"), "deadline": 11.0}),
+        # Half the super node answered in 1 s: the other has straggler_factor (3) times that.
         (_upd("d0", 0, 3.0), 2.0, {"state": S.COLLECTING, "weights": [1.0] * 4,
-                                   "members": ("d0", "d1"), "deadline": 11.0,
+                                   "members": ("d0", "d1"), "deadline": 4.0,
                                    "replies": ["d0"], "counters": {"received_updates": 1}}),
         (_upd("d1", 0, 5.0), 3.0, {"state": S.COLLECTING, "iteration": 1,
                                    "weights": [4.0] * 4, "members": ("d0", "d1"),
