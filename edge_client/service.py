@@ -36,6 +36,7 @@ from .sources import LiveLabels, SourcePump, build_source
 from .sources.replay import ReplaySource
 from .topics import predictions_topic, summary_topic
 from .trainers import Trainer, build_trainer, layout_hash
+from .trainers.paced import PacedTrainer
 
 __all__ = ["DeviceService", "load_role_file", "with_metrics", "model_trainer",
            "role_transport", "DEVICE_TABLES"]
@@ -119,6 +120,8 @@ class DeviceService:
         (none when the federation paces a replay) and keep its deployable model on disk."""
         cfg, mc = self.device, self.model
         trainer = model_trainer(mc, cfg.lr)
+        if self.service.emulate_step_s:
+            trainer = PacedTrainer(trainer, self.service.emulate_step_s)
         device = Device(cfg, trainer, num_classes=mc.num_classes, sample_shape=mc.input_shape,
                         rng=np.random.default_rng(cfg.seed), inference=self.inference)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,

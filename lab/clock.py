@@ -36,14 +36,14 @@ from edge_client.errors import ConfigError
 from edge_client.topics import matches
 from edge_client.transport import Handler, LocalBus
 
-__all__ = ["ComputeProfile", "PROFILES", "LinkSpec", "ClockConfig", "Channel", "Port",
-           "TimedBus", "assign_profiles", "check_batched_steps", "parse_mix", "ZERO_LINK"]
+__all__ = ["ComputeProfile", "PROFILES", "HOST_HANDLING_MS", "LinkSpec", "ClockConfig",
+           "Channel", "Port", "TimedBus", "assign_profiles", "check_batched_steps", "parse_mix",
+           "ZERO_LINK"]
 
-# A profile's step times are for one local step on a batch of this many samples; a step on
-# fewer costs in proportion (the small models here are compute-bound per sample).
-REFERENCE_BATCH = 32
-# A forward pass costs about a third of a training step (forward, backward, update) per sample.
-FORWARD_SHARE = 1 / 3
+# A profile's step times are for one local step on a batch of REFERENCE_BATCH samples; a
+# step on fewer costs in proportion (the small models here are compute-bound per sample), and
+# a forward pass FORWARD_SHARE of a step per sample.  A rehearsed device is paced by the same
+# figures (edge_client/trainers/paced.py).
 # A pi4's Cortex-A72 (1.5 GHz, 2x128-bit NEON FMA: 16 FLOP/cycle/core, 24 GFLOPS a core)
 # against one core of this x86 host (AVX2, 2x256-bit FMA: 32 FLOP/cycle at about 3 GHz, 96
 # GFLOPS): 4x at peak, and the A72's smaller caches and memory bandwidth (about 4 GB/s
@@ -111,6 +111,12 @@ class LinkSpec:
 
 ZERO_LINK = LinkSpec()
 
+# Milliseconds of its own time a role on this project's x86 host spends on each message it
+# handles, beyond its training (decoding and checks, bookkeeping, its answer's encoding,
+# and the emulating relay's own hop): fitted by `bench/rehearsal.py --calibrate` on a
+# real fleet with links of no latency (docs/experiments.md "The clock against a real fleet").
+HOST_HANDLING_MS = 0.0
+
 SEGMENT = 1448  # TCP payload per segment on a 1500-byte MTU with timestamps
 FRAME_OVERHEAD = 120  # the MQTT fixed header, topic and the wire format's header, about
 MIN_RTO = 0.2  # Linux's minimum retransmission timeout
@@ -129,10 +135,15 @@ class Channel:
         self._last = 0.0  # the last arrival: TCP delivers in order
 
     def arrival(self, sent: float, nbytes: int) -> float:
+        """When a message of ``nbytes`` of payload sent at ``sent`` has arrived whole."""
+        return self.wire_arrival(sent, nbytes + FRAME_OVERHEAD)
+
+    def wire_arrival(self, sent: float, size: int) -> float:
+        """When ``size`` bytes on the wire, written at ``sent``, have arrived whole (the
+        relay of lab/relay.py prices what a socket read gives it this way)."""
         spec = self.spec
         if spec.free:
             return sent
-        size = nbytes + FRAME_OVERHEAD
         wire = size * 8 / (spec.bandwidth_mbps * 1e6) if spec.bandwidth_mbps else 0.0
         start = max(sent, self._free_at)
         self._free_at = start + wire
@@ -169,6 +180,10 @@ class ClockConfig:
     slow_devices: tuple[int, ...] = ()
     slow_factor: float = 1.0
     seed: int = 0  # of the links' jitter and loss, and of which device gets which profile
+    # What each message costs the role that handles it, beyond the compute its profile
+    # prices: the frame's decoding and checks, the role's bookkeeping, its answer's
+    # encoding (HOST_HANDLING_MS is this host's, measured by bench/rehearsal.py).
+    handling_ms: float = 0.0
     # A stalled fleet (the cloud below quorum forever) ends here instead of ticking forever.
     max_virtual_s: float = 30 * 86400.0
 
@@ -184,6 +199,7 @@ class ClockConfig:
             raise ConfigError("profiles", "fractions must sum to 1, got "
                               f"{sum(s for _, s in self.profiles):g}")
         check_range("slow_factor", self.slow_factor, 1)
+        check_range("handling_ms", self.handling_ms, 0)
 
     @property
     def tag(self) -> str:
@@ -251,9 +267,9 @@ class Port:
         else:
             self.bus.schedule(seq, topic, message, max(self.now, self.busy_until), self)
 
-    def run(self, at: float, work: Callable[[], None]) -> None:
+    def run(self, at: float, work: Callable[[], None], handling: float = 0.0) -> None:
         """Do ``work`` as this participant at virtual time ``at`` (or once it is free): what
-        it publishes leaves when the work's cost has passed."""
+        it publishes leaves when the work's cost (and ``handling``, a message's) has passed."""
         start = max(at, self.busy_until)
         self.now = start
         self._outgoing = []
@@ -261,7 +277,7 @@ class Port:
             work()
         finally:
             outgoing, self._outgoing = self._outgoing, None
-            self.busy_until = start + self.cost()
+            self.busy_until = start + self.cost() + handling
             for seq, topic, message in outgoing:
                 self.bus.schedule(seq, topic, message, self.busy_until, self)
         self.bus.arm(self)
@@ -301,8 +317,8 @@ class TimedBus(LocalBus):
     """
 
     def __init__(self, keep_time: Callable[[], bool] = lambda: False,
-                 max_virtual_s: float = math.inf, hold: Callable[[], bool] = lambda: False
-                 ) -> None:
+                 max_virtual_s: float = math.inf, hold: Callable[[], bool] = lambda: False,
+                 handling_s: float = 0.0) -> None:
         super().__init__()
         self._events: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
@@ -312,6 +328,7 @@ class TimedBus(LocalBus):
         self.keep_time = keep_time
         self.hold = hold
         self.max_virtual_s = max_virtual_s
+        self.handling_s = handling_s  # each message a port handles (ClockConfig.handling_ms)
         self.now = 0.0  # the time of the event being handled
         self._direct = Port(self, "bus", Channel(ZERO_LINK, np.random.default_rng(0)),
                             Channel(ZERO_LINK, np.random.default_rng(0)))
@@ -434,7 +451,7 @@ class TimedBus(LocalBus):
             topic, message, handler = what
             self.now = at
             receiver = self._ports[index]
-            receiver.run(at, functools.partial(handler, topic, message))
+            receiver.run(at, functools.partial(handler, topic, message), self.handling_s)
             count += 1
         if self._stopping:
             events.clear()

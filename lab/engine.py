@@ -66,6 +66,8 @@ class SimulationConfig:
     cloud_loss: float = 0.0
     slow_devices: tuple[int, ...] = ()
     slow_factor: float = 1.0
+    # Milliseconds of a role's own time per message it handles (ClockConfig.handling_ms).
+    handling_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -84,7 +86,7 @@ class SimulationConfig:
         if self.profiles:
             check_batched_steps(self.batched_steps, True)
             self.clock(0)  # names a bad profile or link key now, not at the first run
-        elif self.slow_devices or any(getattr(self, k) for k in _LINK_KEYS):
+        elif self.slow_devices or self.handling_ms or any(getattr(self, k) for k in _LINK_KEYS):
             raise ConfigError("profiles", "links and slow devices need a clock: name the "
                               "devices' profiles (e.g. profiles = [\"pi4-numpy\"])")
 
@@ -99,7 +101,8 @@ class SimulationConfig:
                 raise ConfigError(f"{side}_{exc.key}", str(exc).split(": ", 1)[1]) from None
         return ClockConfig(profiles=parse_mix(self.profiles), device_link=link("device"),
                            cloud_link=link("cloud"), slow_devices=self.slow_devices,
-                           slow_factor=self.slow_factor, seed=seed)
+                           slow_factor=self.slow_factor, handling_ms=self.handling_ms,
+                           seed=seed)
 
     @property
     def cache_tag(self) -> str:

@@ -30,13 +30,12 @@ from edge_client.sources.replay import ReplaySource
 from edge_client.states import StationState
 from edge_client.topics import cloud_topics, selection_topic
 from edge_client.trainers import build_trainer
+from edge_client.trainers.paced import FORWARD_SHARE, REFERENCE_BATCH
 from edge_client.transport import Handler, LocalBus
 
 from .attacks import install
 from .clock import (
-    FORWARD_SHARE,
     PROFILES,
-    REFERENCE_BATCH,
     Channel,
     ClockConfig,
     Port,
@@ -121,7 +120,7 @@ class Factory:
                 keep_time=lambda: self.station.state in (StationState.COLLECTING,
                                                          StationState.STARVED),
                 hold=lambda: self.station.state == StationState.WAITING,
-                max_virtual_s=clock.max_virtual_s)
+                max_virtual_s=clock.max_virtual_s, handling_s=clock.handling_ms / 1e3)
             self.bus, self.links = timed, _Links(clock, timed, cfg.seed)
         self.runners: list[RoleRunner[Any]] = [self._runner(self.station, None)]
         self.steps = SuperNodeSteps(self.bus) if plan.spec.batched_steps else None

@@ -24,6 +24,7 @@ import numpy as np
 from edge_client.config import toml_text
 from edge_client.errors import SaflError
 
+from .clock import PROFILES
 from .datasets import Dataset
 from .simulation import FleetSpec, Strategy, plan_fleet, public_settings
 
@@ -74,10 +75,25 @@ def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpe
         path = run_dir / f"{did}.toml"
         path.write_text(toml_text({"device": public_settings(values),
                                    "model": model(values["_backend"]),
-                                   "source": source, "broker": broker(did)}))
+                                   "source": source, "broker": broker(did),
+                                   **_rehearsed(spec, values)}))
         paths[did] = path
     paths["_test"] = test
     return paths
+
+
+def _rehearsed(spec: FleetSpec, values: dict[str, Any]) -> dict[str, Any]:
+    """A clocked fleet's device trains at its profile's pace (slowed as the clock slows it)
+    and predicts as the simulated one does (one sample in ``prequential_every``, kept on the
+    board), so that the processes rehearse the fleet the simulation priced."""
+    if spec.clock is None:
+        return {}
+    step_s = PROFILES[values["_profile"]].step_seconds(spec.model)
+    if values["_k"] in spec.clock.slow_devices:
+        step_s *= spec.clock.slow_factor
+    return {"service": {"emulate_step_s": step_s},
+            "inference": {"enabled": spec.prequential_every > 0,
+                          "every": max(1, spec.prequential_every), "publish": False}}
 
 
 @dataclass

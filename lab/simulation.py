@@ -217,7 +217,8 @@ def _drive(data: Dataset, strategy: Strategy, spec: FleetSpec, cloud: Cloud,
         runner = RoleRunner(cloud, bus, SIM_CLOCK)
     else:  # the cloud sits beside its broker; the stations' links are the factories'
         bus = TimedBus(keep_time=lambda: cloud.state == CloudState.COLLECTING,
-                       max_virtual_s=spec.clock.max_virtual_s)
+                       max_virtual_s=spec.clock.max_virtual_s,
+                       handling_s=spec.clock.handling_ms / 1e3)
         port = bus.port("cloud")
         runner = RoleRunner(cloud, port, lambda: port.now)
         port.wakeup, port.tick = cloud.wakeup, runner.tick

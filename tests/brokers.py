@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -45,6 +46,15 @@ def acl_lines(fleet: str, stations: dict[str, list[str]]) -> list[str]:
                       f"topic read {root}/station/{sid}/#", ""]
     lines += ["user tester", "topic readwrite #", ""]
     return lines
+
+
+def fleet_mosquitto(folder: Path, plan: Any, *, extra_users: tuple[str, ...] = ("tester",)
+                    ) -> Mosquitto:
+    """A Mosquitto for a planned fleet (``lab.simulation.plan_fleet``): a login for every
+    participant and ``extra_users``, and the fleet's ACL."""
+    stations = {s["station_id"]: list(s["devices"]) for s in plan.stations}
+    users = ["cloud", *extra_users, *stations, *(d for ds in stations.values() for d in ds)]
+    return Mosquitto(folder, users, acl_lines(plan.fleet, stations))
 
 
 class _BrokerProcess:

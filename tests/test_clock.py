@@ -12,11 +12,11 @@ import pytest
 from aggregator.stragglers import StragglerWatch
 from edge_client import messages as m
 from edge_client.errors import ConfigError
+from edge_client.trainers.paced import REFERENCE_BATCH
 from lab.clock import (
     FRAME_OVERHEAD,
     MIN_RTO,
     PROFILES,
-    REFERENCE_BATCH,
     Channel,
     ClockConfig,
     LinkSpec,
@@ -127,6 +127,46 @@ def test_the_station_deadline_fires_in_virtual_time(digits):
     assert "stragglers_benched" not in r.counters  # the watch is off: no bench
 
 
+def test_each_message_handled_costs_its_role_the_handling_time(digits):
+    # The same FedGS fleet with 5 ms of handling a message: each internal sync has at least
+    # a device's two messages in and the station's in and out on its critical path.
+    clock = ClockConfig(profiles=(("pi4-numpy", 1.0),), device_link=LinkSpec(latency_ms=20),
+                        cloud_link=LinkSpec(latency_ms=50))
+    bare = run_federation(digits, FEDGS, _spec(digits, rounds=3, clock=clock))
+    handled = run_federation(digits, FEDGS, _spec(digits, rounds=3, clock=dataclasses.replace(
+        clock, handling_ms=5.0)))
+    added = np.diff([r["virtual_s"] for r in handled.rows]) - np.diff(
+        [r["virtual_s"] for r in bare.rows])
+    assert (added > 5 * 3 * 0.005).all(), added  # T = 5 syncs, 3 handlings each at least
+    with pytest.raises(ConfigError):
+        dataclasses.replace(clock, handling_ms=-1.0)
+
+
+def test_a_super_node_of_two_closes_at_the_factor_once_one_answered():
+    w = StragglerWatch(factor=3.0, min_wait=0.1, sit_out=10, timeout=30.0)
+    assert w.peer_budget([0.2], members=2) == pytest.approx(0.6)
+    assert w.peer_budget([0.2], members=3) is None  # two of three first
+    assert w.peer_budget([0.2, 0.4], members=3) == pytest.approx(0.9)
+
+
+def test_a_rehearsed_fleet_trains_at_its_profiles_pace_and_predicts_as_simulated(tmp_path,
+                                                                                  digits):
+    import tomllib
+
+    from lab.launch import write_fleet
+    clock = ClockConfig(profiles=(("pi4-numpy", 1.0),), slow_devices=(1,), slow_factor=30.0)
+    paths = write_fleet(tmp_path, digits, FEDGS, _spec(digits, devices=4, clock=clock),
+                        "mqtt://127.0.0.1:1")
+    step = PROFILES["pi4-numpy"].step_s["mlp"]
+    dev0, dev1 = (tomllib.loads(paths[d].read_text()) for d in ("dev000", "dev001"))
+    assert dev0["service"]["emulate_step_s"] == step
+    assert dev1["service"]["emulate_step_s"] == pytest.approx(30 * step)
+    assert dev0["inference"] == {"enabled": False, "every": 1, "publish": False}
+    plain = write_fleet(tmp_path / "plain", digits, FEDGS, _spec(digits, devices=4),
+                        "mqtt://127.0.0.1:1")
+    assert "service" not in tomllib.loads(plain["dev000"].read_text())
+
+
 def test_the_straggler_watch_learns_the_budget_and_backs_off():
     w = StragglerWatch(factor=3.0, min_wait=0.1, sit_out=10, timeout=30.0)
     assert w.budget() == 30.0  # nothing measured yet: the timeout
@@ -197,6 +237,8 @@ def test_profiles_are_assigned_by_fraction_and_seed():
     ({"profiles": ("pi4-numpy",), "cloud_latency_ms": -1}, "cloud_latency_ms"),
     ({"profiles": ("pi4-numpy",), "slow_factor": 0.5}, "slow_factor"),
     ({"device_latency_ms": 20}, "profiles"),  # a link without a clock
+    ({"handling_ms": 5}, "profiles"),
+    ({"profiles": ("pi4-numpy",), "handling_ms": -1}, "handling_ms"),
     ({"profiles": ("pi4-numpy",), "batched_steps": True}, "batched_steps"),
 ])
 def test_a_bad_clock_setting_names_its_key(table, key):
