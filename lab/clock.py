@@ -203,8 +203,12 @@ class ClockConfig:
 
     @property
     def tag(self) -> str:
-        """What a run's cache key adds: every setting that changes its numbers."""
-        return f"|clock-{self!r}"
+        """What a run's cache key adds: every setting that changes its numbers (handling
+        only where set, so that runs cached before it keep their keys)."""
+        text = repr(self)
+        if not self.handling_ms:
+            text = text.replace(", handling_ms=0.0", "")
+        return f"|clock-{text}"
 
 
 def check_batched_steps(batched_steps: bool, clocked: bool) -> None:

@@ -259,6 +259,9 @@ def test_the_clock_keys_runs_apart_in_the_cache():
     a = SimulationConfig(profiles=("pi4-numpy",)).cache_tag
     b = SimulationConfig(profiles=("pi4-numpy",), device_loss=0.01).cache_tag
     assert a and b and a != b
+    # Handling priced keys a run apart; unpriced, a clocked run keeps the key it had before.
+    assert "handling" not in a
+    assert SimulationConfig(profiles=("pi4-numpy",), handling_ms=5).cache_tag not in (a, b)
 
 
 def test_an_experiment_reports_virtual_time(tmp_path):
