@@ -19,7 +19,7 @@ from edge_client.errors import ConfigError
 from .clock import ClockConfig, LinkSpec, check_batched_steps, parse_mix
 from .factory import Factory, FactoryPlan
 
-__all__ = ["SimulationConfig", "Factories", "InProcess", "open_factories", "ENGINES"]
+__all__ = ["SimulationConfig", "Factories", "InProcess", "ENGINES"]
 
 ENGINES = ("local", "ray")
 _LINK_FIELDS = ("latency_ms", "jitter_ms", "bandwidth_mbps", "loss")  # LinkSpec's order
@@ -139,12 +139,3 @@ class InProcess:
 
     def close(self) -> None:
         """Nothing runs elsewhere."""
-
-
-def open_factories(plans: list[FactoryPlan], sim: SimulationConfig,
-                   trainer: Callable[[str], Any]) -> Factories:
-    """The run's factories on ``sim``'s engine (``trainer`` makes the local engine's)."""
-    if sim.engine == "ray":
-        from .ray_engine import RayFactories
-        return RayFactories(plans, sim)
-    return InProcess(plans, trainer)

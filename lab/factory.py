@@ -43,7 +43,7 @@ from .clock import (
 )
 
 if TYPE_CHECKING:
-    from .simulation import FleetSpec
+    from .fleet import FleetSpec
 
 __all__ = ["Factory", "FactoryPlan", "Outbox", "factory_plans", "merged_privacy",
            "public_settings", "simulated", "trainer_maker", "SIM_CLOCK"]

@@ -1,8 +1,9 @@
 """A simulated federation: the real roles, fed by replayed streams, on either engine.
 
-The simulator owns no algorithm.  It plans a fleet (ids, rosters, seeds), builds the cloud
-on this process's :class:`LocalBus` and each factory (a station and its devices,
-``lab/factory.py``) in this process or on a Ray cluster (``lab/engine.py``), hands every
+The simulator owns no algorithm.  It plans a fleet (ids, rosters, seeds: ``lab/fleet.py``),
+builds the cloud on this process's :class:`LocalBus` and each factory (a station and its
+devices, ``lab/factory.py``) on the engine a run names (:func:`open_factories`: this
+process, ``lab/engine.py``, or a Ray cluster, ``lab/ray_engine.py``), hands every
 global model to the factories, and records the global model's test accuracy every
 ``eval_every`` rounds, with the samples trained so far and the device-local accuracies the
 devices reported.  Devices stream in proportion to their partition sizes, so the seen counts
@@ -11,31 +12,28 @@ behind ``P_real`` reflect the fleet's label distribution.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from aggregator.accuracy import device_accuracy_summary
 from aggregator.cloud import Cloud, CloudState
 from aggregator.config import CloudConfig
 from edge_client import messages as m
-from edge_client.config import DeviceConfig, TrainingSettings
 from edge_client.errors import SaflError
 from edge_client.runner import RoleRunner
 from edge_client.topics import global_model_topic
 from edge_client.trainers import layout_hash
 from edge_client.transport import LocalBus
 
-from .clock import ClockConfig, TimedBus, assign_profiles, check_batched_steps
+from .clock import TimedBus
 from .datasets import Dataset
-from .engine import Factories, SimulationConfig, open_factories
+from .engine import Factories, InProcess, SimulationConfig
 from .factory import (
     SIM_CLOCK,
+    FactoryPlan,
     Outbox,
     factory_plans,
     merged_privacy,
@@ -43,62 +41,10 @@ from .factory import (
     simulated,
     trainer_maker,
 )
+from .fleet import FleetPlan, FleetSpec, Strategy, plan_fleet
 
 __all__ = ["Strategy", "FleetSpec", "FleetPlan", "RunResult", "plan_fleet", "run_federation",
-           "public_settings"]
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """A named federation recipe: overrides for each role's config."""
-
-    name: str
-    device: Mapping[str, Any] = field(default_factory=dict)
-    station: Mapping[str, Any] = field(default_factory=dict)
-    cloud: Mapping[str, Any] = field(default_factory=dict)
-    flat: bool = False  # one station for the whole fleet (the SAFL paper's setting)
-
-
-@dataclass(frozen=True)
-class FleetSpec:
-    """Fleet shape, model and streaming rate shared by every strategy of a run."""
-
-    partitions: tuple[np.ndarray, ...]  # sample indices per device
-    groups: tuple[np.ndarray, ...]  # device numbers per station
-    rounds: int  # the cloud's rounds; only a cap when ``samples`` is set
-    # Stop after the round in which the devices have trained this many samples in all
-    # (0: run ``rounds``).  Budgets count samples trained, not batches scheduled: a device
-    # that has sensed fewer than a batch trains on what it has.
-    samples: int = 0
-    model: str = "mlp"
-    backends: tuple[str, ...] = ("numpy",)  # assigned to devices in turn: a mixed fleet
-    artifacts: str | None = None  # exported model folder, for the "ort" backend
-    lr: float = TrainingSettings.lr
-    seed: int = 0
-    arrivals_per_step: int = 32  # samples sensed per local-step time, fleet mean per device
-    initial_samples: int = 64
-    eval_samples: int | None = None  # test samples per evaluation (None: all)
-    eval_every: int = 1  # rounds between evaluations of the global model (and the last)
-    # Devices of one backend share one trainer: a device's model lives in its flat vectors,
-    # the trainer is only compute.  Memory per simulated device then excludes the model.
-    share_trainers: bool = False
-    # Compromised devices (by number) and what they send (lab.attacks.ATTACKS).
-    attack: str = "none"
-    attackers: tuple[int, ...] = ()
-    # Prequential accuracy: each device predicts one arriving sample in this many with its
-    # deployable model before it may be trained on (0: off; each prediction is a forward pass).
-    prequential_every: int = 0
-    # Where the torch backend trains: "auto" (CUDA where torch sees one), "cpu", "cuda:N".
-    torch_device: str = "auto"
-    # A super node's members take their local steps in one batched call (torch's
-    # train_members, vmap over their weights: the GPU's way); float-close to one by one.
-    batched_steps: bool = False
-    # Virtual time (lab/clock.py): the devices' boards and every link, priced; None: no
-    # clock (every message arrives at once, no deadline fires, as before).
-    clock: ClockConfig | None = None
-
-    def __post_init__(self) -> None:
-        check_batched_steps(self.batched_steps, self.clock is not None)
+           "open_factories", "public_settings"]
 
 
 @dataclass
@@ -122,60 +68,13 @@ class RunResult:
         return max(r["accuracy"] for r in self.rows)
 
 
-def _device_id(k: int) -> str:
-    return f"dev{k:03d}"
-
-
-@dataclass(frozen=True)
-class FleetPlan:
-    """Every role's config values for one strategy on one fleet (plain mappings).
-
-    The in-process simulation builds its roles from these, and the process launcher
-    writes the same values into TOML files, so both run the same federation.
-    """
-
-    fleet: str
-    cloud: dict[str, Any]
-    stations: list[dict[str, Any]]
-    devices: list[dict[str, Any]]  # each with its partition index "_k" and backend "_backend"
-    replay_seeds: list[int]
-    # Samples each device senses per local-step time: in proportion to its share of the
-    # fleet's data, so that the seen counts behind P_real are the fleet's distribution.
-    stream_rates: list[float]
-
-
-_DEVICE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DeviceConfig)}
-
-
-def plan_fleet(strategy: Strategy, spec: FleetSpec) -> FleetPlan:
-    """Ids, rosters and integer seeds of a fleet: one source of truth for sim and processes."""
-    n_dev = len(spec.partitions)
-    seeds = [int(s.generate_state(1)[0]) for s in
-             np.random.SeedSequence(spec.seed).spawn(3 * n_dev + len(spec.groups))]
-    fleet = strategy.device.get("fleet", "sim")
-    groups = (np.arange(n_dev),) if strategy.flat else spec.groups
-    station_ids = [f"st{g}" for g in range(len(groups))]
-    cloud = {"fleet": fleet, "stations": tuple(station_ids), "rounds": spec.rounds,
-             **strategy.cloud}
-    stations, devices, replay = [], [], [0] * n_dev
-    profiles = assign_profiles(spec.clock, n_dev) if spec.clock else None
-    # The station bounds its devices' claims by their settings, so it is told them.
-    device_values = {"lr": spec.lr, **strategy.device}
-    known = {f.name: device_values.get(f.name, _DEVICE_DEFAULTS[f.name])
-             for f in dataclasses.fields(TrainingSettings)}
-    for g, (sid, members) in enumerate(zip(station_ids, groups, strict=True)):
-        stations.append({"fleet": fleet, "station_id": sid, "seed": seeds[-1 - g],
-                         "devices": tuple(_device_id(k) for k in members), **known,
-                         **strategy.station})
-        for k in members:
-            devices.append({"device_id": _device_id(k), "station": sid, "lr": spec.lr,
-                            "seed": seeds[3 * k], **strategy.device, "fleet": fleet,
-                            "_k": int(k), "_backend": spec.backends[k % len(spec.backends)],
-                            **({"_profile": profiles[k]} if profiles else {})})
-            replay[k] = seeds[3 * k + 1]
-    sizes = np.array([len(p) for p in spec.partitions], dtype=np.float64)
-    rates = spec.arrivals_per_step * sizes * n_dev / sizes.sum()
-    return FleetPlan(fleet, cloud, stations, devices, replay, [float(r) for r in rates])
+def open_factories(plans: list[FactoryPlan], sim: SimulationConfig,
+                   trainer: Callable[[str], Any]) -> Factories:
+    """The run's factories on ``sim``'s engine (``trainer`` makes the local engine's)."""
+    if sim.engine == "ray":  # Ray is an extra: imported only where a run asks for it
+        from .ray_engine import RayFactories
+        return RayFactories(plans, sim)
+    return InProcess(plans, trainer)
 
 
 def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,

@@ -71,6 +71,79 @@ def test_the_layers_import_downwards_only():
             assert not names & banned, f"{path} imports {names & banned}"
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of the project and the project modules it imports (lazily, under
+    TYPE_CHECKING or not), from source.  Importing a module's own ancestor package is no
+    edge: that package is being imported already when the module is."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    modules = {}
+    for package in ("edge_client", "aggregator", "models", "lab", "safl"):
+        for path in (root / package).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            init = parts[-1] == "__init__"
+            modules[".".join(parts[:-1] if init else parts)] = (path, init)
+    graph = {}
+    for name, (path, init) in modules.items():
+        here = name.split(".") if init else name.split(".")[:-1]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1] + [node.module or ""]
+                                if node.level else [node.module or ""]).strip(".")
+                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_of_the_project_imports_itself_round_a_circle():
+    graph = _module_graph()
+    assert {"lab.fleet", "edge_client.trainers.numpy_layers"} <= graph.keys()
+    assert "lab.engine" in graph["lab.ray_engine"]  # the graph sees relative imports
+    assert "lab.ray_engine" in graph["lab.simulation"]  # and lazy ones
+    assert _cycles(graph) == []
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
 @pytest.mark.slow
 def test_demo_writes_metrics_plot_and_table(tmp_path, capsys):
     assert main(["demo", "--rounds", "3", "--out", str(tmp_path)]) == 0

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import ConfigError, ShapeError
 from .base import check_flat
-from .numpy_backend import FlatParameters, _softmax_xent
+from .numpy_layers import FlatParameters, softmax_xent
 
 __all__ = ["ConvTrainer", "build_cnn", "CNN_MODELS"]
 
@@ -157,7 +157,7 @@ class ConvTrainer(FlatParameters):
         """Mean cross-entropy on the batch and its gradient, one array per layout entry."""
         params = self._params
         acts, caches, flat_shape = self._forward(self._inputs(x), params)
-        loss, grad = _softmax_xent(acts[-1], np.asarray(y))
+        loss, grad = softmax_xent(acts[-1], np.asarray(y))
         grads: list[np.ndarray] = [None] * len(params)  # type: ignore[list-item]
         base = 2 * self._convs
         for j in reversed(range(self._dense)):
