@@ -21,6 +21,7 @@ import numpy as np
 
 from edge_client.errors import SaflError
 from edge_client.files import write_atomic
+from edge_client.messages import Participant
 
 __all__ = ["CheckpointError", "RoleCheckpoint", "StationCheckpoint", "CloudCheckpoint",
            "save_checkpoint", "load_checkpoint", "group", "grouped", "CHECKPOINT_FORMAT"]
@@ -43,7 +44,7 @@ class RoleCheckpoint:
     """The scalar part of a role's checkpoint, the JSON document beside its arrays; each
     role extends it with what it needs to continue bit for bit."""
 
-    role: str  # whose checkpoint it is: a role refuses another's
+    role: Participant  # whose checkpoint it is: a role refuses another's
     state: str
     round: int
     iteration: int
@@ -57,8 +58,15 @@ class RoleCheckpoint:
         checkpoint lacks take their defaults, a missing required key is a
         :class:`CheckpointError`."""
         names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in doc.items() if k in names}
+        if "role" in values:
+            try:
+                values["role"] = Participant(values["role"])
+            except ValueError:
+                raise CheckpointError(f"the checkpoint is of role {values['role']!r}, none of "
+                                      f"{[p.value for p in Participant]}") from None
         try:
-            return cls(**{k: v for k, v in doc.items() if k in names})
+            return cls(**values)
         except TypeError as exc:
             raise CheckpointError(f"the checkpoint's document does not fit {cls.__name__}: "
                                   f"{exc}") from None
@@ -69,7 +77,7 @@ class StationCheckpoint(RoleCheckpoint):
     """A station's scalars at a round boundary (its arrays: the model, ``P_real``, each
     device's counts and replay sketches)."""
 
-    role: str = "station"
+    role: Participant = Participant.STATION
     id: str
     consumed: int  # samples fused this round
     consumed_before: int = 0  # of the rounds already uploaded
@@ -87,7 +95,7 @@ class CloudCheckpoint(RoleCheckpoint):
     """The cloud's scalars as a round is broadcast (its arrays: the global model, the
     server optimiser's moments, each station's counts)."""
 
-    role: str = "cloud"
+    role: Participant = Participant.CLOUD
     consumed: dict[str, int]  # samples each station claimed over the run
 
 

@@ -112,7 +112,7 @@ class Cloud(RoleBase[CloudState]):
 
     def restore(self, arrays: dict[str, np.ndarray], meta: CloudCheckpoint) -> None:
         """Continue from a :meth:`snapshot` taken when a round was broadcast."""
-        if meta.role != "cloud" or arrays["weights"].shape != self.weights.shape:
+        if meta.role != m.Participant.CLOUD or arrays["weights"].shape != self.weights.shape:
             raise ShapeError("the checkpoint is not this cloud's (role or model size differ)")
         self.weights = np.array(arrays["weights"], dtype=np.float32)
         self.optimizer.load_state(group(arrays, "opt"))

@@ -210,7 +210,7 @@ class Station(RoleBase[StationState]):
 
     def restore(self, arrays: dict[str, np.ndarray], meta: StationCheckpoint) -> None:
         """Continue from a :meth:`snapshot`; call :meth:`start` next."""
-        if meta.role != "station" or meta.id != self.id:
+        if meta.role != m.Participant.STATION or meta.id != self.id:
             raise ShapeError("the checkpoint is not this station's")
         if "weights" in arrays and arrays["weights"].size != self.num_params:
             raise ShapeError("the checkpoint's model has another size")

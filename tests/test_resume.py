@@ -36,6 +36,19 @@ def test_checkpoints_round_trip_atomically_and_refuse_a_corrupt_file(tmp_path):
         load_checkpoint(path)
 
 
+def test_a_checkpoints_role_is_a_participant_and_a_strange_one_is_refused():
+    from aggregator.checkpoint import CloudCheckpoint, StationCheckpoint
+    doc = {"role": "cloud", "state": "collecting", "round": 1, "iteration": 2,
+           "counters": {}, "consumed": {}}
+    meta = CloudCheckpoint.from_doc(doc)
+    assert meta.role is m.Participant.CLOUD
+    assert StationCheckpoint.from_doc({**doc, "id": "s", "consumed": 0, "upload_samples": None,
+                                       "seen_at": {}, "norms": [], "recent": [],
+                                       "rng": {}}).role is m.Participant.CLOUD  # as written
+    with pytest.raises(CheckpointError, match="role 'gateway'"):
+        CloudCheckpoint.from_doc({**doc, "role": "gateway"})
+
+
 def _cloud(w0, optimizer="fedavgm"):
     cfg = CloudConfig(fleet="t", stations=("a", "b"), rounds=4, server_optimizer=optimizer,
                       server_lr=1.0)
