@@ -107,6 +107,8 @@ class ExperimentConfig(RecipeSettings):
     holdout_capacity: int = 256  # held-out slice per device: the gate's and local accuracy's
     eval_samples: int = 2000
     target_accuracy: float = 0.7
+    # Under a clock: the report's accuracy at this many virtual seconds (0: no column).
+    at_virtual_s: float = 0.0
     # SAFL's temperature as a fraction of the run's rounds (replaces temperature_rounds when
     # > 0), so that a setting chosen on a short run means the same on a long one.
     temperature_fraction: float = 0.25  # chosen by experiments/sweep_safl.toml
@@ -132,6 +134,7 @@ class ExperimentConfig(RecipeSettings):
         check_range("super_node", self.super_node, 1, self.devices_per_factory)
         check_range("rand_per_group", self.rand_per_group, 0, self.super_node)
         check_range("target_accuracy", self.target_accuracy, 0, 1)
+        check_range("at_virtual_s", self.at_virtual_s, 0)
         if not self.attacks or any(a not in ATTACKS for a in self.attacks):
             raise ConfigError("attacks", f"must list some of {ATTACKS}")
         check_range("seeds", self.seeds, 1)
@@ -285,6 +288,7 @@ def run_tasks(tasks: list[RunTask], jobs: int, ray: str | None,
 # Settings that shape no single run: the list of runs, the report, and the recipe knobs
 # (a run's recipe enters its cache key whole, as the Strategy it built).
 _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "target_accuracy",
+                           "at_virtual_s",
                            "temperature_rounds", "temperature_fraction", "mix", "nu",
                            "merge_max_age", "prox_mu", "server_lr", "momentum",
                            "cloud_optimizer", "lr_decay_fraction", "lr_decay_rounds",
@@ -436,7 +440,7 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     run_tasks(todo, jobs, ray, finished)
     per_seed = [r for r in (done[t.key] for t in tasks) if r is not None]  # all done by now
     results = merge_seeds(per_seed)
-    rows = result_rows(per_seed, cfg.target_accuracy)
+    rows = result_rows(per_seed, cfg.target_accuracy, cfg.at_virtual_s)
     write_csv(out / "results.csv", rows)
     write_metrics(results, out)
     title = f"{label}: {cfg.dataset}, {cfg.partition}"

@@ -80,12 +80,24 @@ class RunSummary(TypedDict):
     samples: int
     virtual_s_to_target: float | None  # under a clock (lab/clock.py); None: not held
     virtual_s: float  # 0.0: the run had no clock
+    # The global model's accuracy at a fixed virtual time (its last evaluation by then; a
+    # run that ended sooner keeps its final model); NaN without a clock or a time asked for.
+    accuracy_at: float
 
 
-def run_summary(result: RunResult, target: float) -> RunSummary:
+def accuracy_at(rows: Sequence[Mapping[str, Any]], virtual_s: float) -> float:
+    """The accuracy of the last evaluation at or before ``virtual_s`` (NaN: none yet, or no
+    clock)."""
+    scored = [r["accuracy"] for r in rows if 0 < virtual_s and r.get("virtual_s", 0.0)
+              and r["virtual_s"] <= virtual_s + 1e-9]
+    return float(scored[-1]) if scored else NAN
+
+
+def run_summary(result: RunResult, target: float, at_virtual_s: float = 0.0) -> RunSummary:
     """One run's figures: accuracy (mean of the last ``LAST_K`` evaluations), samples to a
-    sustained ``target``, and device-local accuracy (mean, worst 10%) over the first quarter
-    of the samples and at the end."""
+    sustained ``target``, device-local accuracy (mean, worst 10%) over the first quarter
+    of the samples and at the end, and under a clock the virtual time to ``target`` and the
+    accuracy at ``at_virtual_s``."""
     rows = result.rows
     quarter = [r for r in rows if r["samples"] <= rows[-1]["samples"] / 4] or rows[:1]
     tail = rows[-LAST_K:]
@@ -101,7 +113,8 @@ def run_summary(result: RunResult, target: float) -> RunSummary:
         prequential_worst10_end=_nanmean([r.get("prequential_worst10", NAN) for r in tail]),
         samples=rows[-1]["samples"],
         virtual_s_to_target=samples_to(rows, target, "virtual_s"),
-        virtual_s=rows[-1].get("virtual_s", 0.0))  # runs cached before the clock have none
+        virtual_s=rows[-1].get("virtual_s", 0.0),  # runs cached before the clock have none
+        accuracy_at=accuracy_at(rows, at_virtual_s))
 
 
 def by_strategy(results: list[RunResult]) -> dict[str, list[RunResult]]:
@@ -131,18 +144,22 @@ def _prequential_columns(sums: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"prequential_end": pend, "prequential_end_sd": pend_sd, "prequential_worst10": pw10}
 
 
-def _virtual_time_columns(sums: Sequence[Mapping[str, Any]], target: float
-                          ) -> dict[str, Any]:
+def _virtual_time_columns(sums: Sequence[Mapping[str, Any]], target: float,
+                          at_virtual_s: float) -> dict[str, Any]:
     """Virtual seconds to a sustained ``target`` (mean, sd; ``never (k/n)`` where a seed did
-    not hold it) and at the end, for runs under a clock (no columns without one)."""
+    not hold it), the accuracy at ``at_virtual_s`` (mean, sd; where asked for), and the
+    virtual seconds at the end, for runs under a clock (no columns without one)."""
     if not all(s["virtual_s"] for s in sums):
         return {}
     reach = [s["virtual_s_to_target"] for s in sums]
     missing = sum(v is None for v in reach)
     to, to_sd = mean_sd([v for v in reach if v is not None], 1) if not missing else (None, "")
-    return {f"virtual_s_to_{target:g}": to if not missing else f"never ({missing}/{len(sums)})",
-            f"virtual_s_to_{target:g}_sd": to_sd,
-            "virtual_s": round(float(np.mean([s["virtual_s"] for s in sums])), 1)}
+    out = {f"virtual_s_to_{target:g}": to if not missing else f"never ({missing}/{len(sums)})",
+           f"virtual_s_to_{target:g}_sd": to_sd}
+    if at_virtual_s:
+        at, at_sd = mean_sd([s["accuracy_at"] for s in sums])
+        out |= {f"accuracy_at_{at_virtual_s:g}s": at, f"accuracy_at_{at_virtual_s:g}s_sd": at_sd}
+    return out | {"virtual_s": round(float(np.mean([s["virtual_s"] for s in sums])), 1)}
 
 
 def per_run(runs: list[RunResult], prefix: str) -> int:
@@ -166,13 +183,14 @@ def epsilon_column(runs: list[RunResult]) -> dict[str, float]:
     return out
 
 
-def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]:
+def result_rows(results: list[RunResult], target: float, at_virtual_s: float = 0.0
+                ) -> list[dict[str, Any]]:
     """One row per strategy for ``results.csv``: mean and sample sd over seeds of the
     accuracy (mean of the last evaluations), samples to a sustained ``target`` (``never``
-    when some seed did not hold it), device-local accuracy, traffic."""
+    when some seed did not hold it), device-local accuracy, virtual time, traffic."""
     out = []
     for name, runs in by_strategy(results).items():
-        sums = [run_summary(r, target) for r in runs]
+        sums = [run_summary(r, target, at_virtual_s) for r in runs]
         acc, acc_sd = mean_sd([s["accuracy"] for s in sums])
         reach = [s["samples_to_target"] for s in sums]
         reached = [v for v in reach if v is not None]
@@ -189,7 +207,7 @@ def result_rows(results: list[RunResult], target: float) -> list[dict[str, Any]]
                     "local_q1": lq1, "local_q1_sd": lq1_sd, "worst10_q1": w10,
                     "local_end": lend, **_prequential_columns(sums),
                     "samples": int(np.mean([s["samples"] for s in sums])),
-                    **_virtual_time_columns(sums, target),
+                    **_virtual_time_columns(sums, target, at_virtual_s),
                     "uploads": int(np.mean([r.rows[-1]["uploads"] for r in runs])),
                     "skips": int(np.mean([r.rows[-1]["skips"] for r in runs])),
                     "mb_up": round((last["bytes_device_up"] + last["bytes_station_up"]) / 1e6, 1),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 
@@ -279,6 +280,7 @@ rounds = 3
 lr = 0.1
 eval_samples = 200
 target_accuracy = 0.3
+at_virtual_s = 0.5
 strategies = ["fedgs", "fedavg"]
 
 [simulation]
@@ -291,8 +293,16 @@ cloud_latency_ms = 50
     for r in results:
         v = [row["virtual_s"] for row in r.rows]
         assert v == sorted(v) and v[-1] > 3 * 0.1  # three rounds, each a cloud round trip
-    header = (out / "results.csv").read_text().splitlines()[0]
-    assert "virtual_s_to_0.3" in header
+    table = list(csv.DictReader(open(out / "results.csv")))
+    assert "virtual_s_to_0.3" in table[0]
+    # The accuracy at 0.5 virtual seconds: each seed's last evaluation by then.
+    from lab.summary import accuracy_at
+    for row in table:
+        runs = [r for r in results if r.strategy == row["strategy"]]
+        assert float(row["accuracy_at_0.5s"]) == pytest.approx(
+            np.mean([accuracy_at(r.rows, 0.5) for r in runs]), abs=1e-4)
+    assert accuracy_at([{"virtual_s": 0.0, "accuracy": 0.1}, {"virtual_s": 1.0, "accuracy": 0.5},
+                        {"virtual_s": 2.0, "accuracy": 0.7}], 1.5) == 0.5
     assert (out / "accuracy_vs_time.png").stat().st_size > 0
 
 
