@@ -134,9 +134,12 @@ _KINDS: dict[str, type] = {cls.__name__: cls for cls in (ModelManifest, StationS
                                                           Prediction)}
 
 
-def encode_document(doc: Document) -> bytes:
-    return json.dumps({"kind": type(doc).__name__, "version": DOCUMENT_VERSION,
-                       **dataclasses.asdict(doc)}, sort_keys=True).encode()
+def encode_document(doc: Document, *, bare: bool = False) -> bytes:
+    """The document as MQTT carries it: its kind, the format's version and its fields;
+    ``bare``, the fields alone (a prediction's line in the JSON-lines file), serialised
+    the same way."""
+    head = {} if bare else {"kind": type(doc).__name__, "version": DOCUMENT_VERSION}
+    return json.dumps({**head, **dataclasses.asdict(doc)}, sort_keys=True).encode()
 
 
 def _check(name: str, value: Any, hint: Any) -> Any:

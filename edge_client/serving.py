@@ -12,7 +12,6 @@ the line's label arrives (:meth:`on_label`).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from . import messages as m
 from .codec import decode, encode
 from .config import InferenceConfig
 from .device import Device
-from .documents import Prediction
+from .documents import Prediction, encode_document
 from .errors import ConfigError, MessageError
 from .files import write_atomic
 from .inference import NOT_PREDICTED, one_in
@@ -130,7 +129,7 @@ class StreamFeed:
             if self.inference.publish and self.publish is not None:
                 self.publish(doc)
             if self._jsonl is not None:
-                self._jsonl.write(json.dumps(doc.__dict__) + "\n")
+                self._jsonl.write(encode_document(doc, bare=True).decode() + "\n")
         return predicted
 
     def close(self) -> None:

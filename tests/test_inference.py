@@ -136,6 +136,8 @@ def test_the_stream_loop_publishes_predictions_and_skips_a_backlog(digits, tmp_p
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert len(lines) == 30 and set(lines[0]) == {"t", "frame", "label", "confidence",
                                                   "model_round", "latency_ms"}
+    # One document, one serialiser: a line is the published document's fields, byte for byte.
+    assert jsonl.read_bytes().splitlines() == [encode_document(p, bare=True) for p in published]
     # fps caps predictions by capture time: 100 frames over 1 s at 20 fps -> 20.
     dev2 = _ready_device(digits, InferenceConfig(fps=20))
     published.clear()
