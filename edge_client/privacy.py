@@ -15,6 +15,7 @@ claimed: the super node is chosen from label histograms, not drawn at random
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -76,6 +77,12 @@ def noise_for_epsilon(epsilon: float, releases: int, delta: float) -> float:
     return high
 
 
+@functools.lru_cache(maxsize=4096)
+def _spent(counts: tuple[tuple[float, int], ...], delta: float) -> float:
+    """Epsilon of these releases (multiplier, count) at ``delta``, remembered."""
+    return _epsilon(_rdp(dict(counts)), delta)
+
+
 class PrivacyLedger:
     """Releases per participant, by noise multiplier, and the epsilon each has spent at
     ``delta``; a service keeps :meth:`state` on disk, so a restart does not reset it."""
@@ -95,13 +102,15 @@ class PrivacyLedger:
         return sum(self.releases.get(participant, {}).values())
 
     def epsilon(self, participant: str, extra: int = 0) -> float:
-        """Spent so far, or after ``extra`` more releases at the current multiplier."""
+        """Spent so far, or after ``extra`` more releases at the current multiplier (computed
+        once per ledger entry: summaries and scrapes ask for it far more often than a
+        release changes it)."""
         counts = dict(self.releases.get(participant, {}))
         if extra:
             counts[self.noise_multiplier] = counts.get(self.noise_multiplier, 0) + extra
         if not any(counts.values()):
             return 0.0
-        return _epsilon(_rdp(counts), self.delta)
+        return _spent(tuple(sorted(counts.items())), self.delta)
 
     def worst(self) -> float:
         """The largest epsilon any participant has spent (0: none released yet)."""

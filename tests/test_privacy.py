@@ -42,6 +42,20 @@ def test_a_ledger_counts_each_participant_apart():
     assert gaussian_epsilon(0.0, 1, 1e-5) == float("inf")
 
 
+def test_a_ledgers_epsilon_is_computed_once_per_change(monkeypatch):
+    from edge_client import privacy
+    calls = []
+    real = privacy._rdp
+    monkeypatch.setattr(privacy, "_rdp", lambda c: calls.append(c) or real(c))
+    privacy._spent.cache_clear()
+    ledger = PrivacyLedger(noise_multiplier=1.37, delta=1e-5)
+    ledger.record("a")
+    first = [ledger.epsilon("a") for _ in range(5)] + [ledger.worst() for _ in range(5)]
+    assert len(calls) == 1 and len(set(first)) == 1
+    ledger.record("a")
+    assert ledger.epsilon("a") > first[0] and len(calls) == 2
+
+
 def test_the_noise_stage_adds_noise_scaled_to_the_clip_bound():
     pipe = UpdatePipeline(["clip:0.5", "noise:2"])
     assert pipe.noise_multiplier == 2.0 and pipe.id == "clip:0.5-noise:2"
