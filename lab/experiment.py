@@ -188,18 +188,24 @@ def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> Flee
                      prequential_every=cfg.prequential_every)
 
 
+# Privacy and update stages, per role, passed on only where set: a plain run keeps the cache
+# key it had (central_dp_epsilon becomes the stations' central_dp_noise; the cloud's keys
+# lose their "cloud_" for "central_", as CloudConfig names them).
+_DEVICE_KEYS = ("update_stages", "privacy_budget")
+_STATION_KEYS = ("central_dp_clip", "central_dp_noise")
+_CLOUD_KEYS = ("cloud_dp_clip", "cloud_dp_noise")
+
+
 def _strategy(cfg: ExperimentConfig, name: str):
     s = build_strategy(name, cfg.settings)
-    # Privacy and update stages only where set: a plain run keeps the cache key it had.
     device = {"batch_size": cfg.batch_size, "buffer_capacity": cfg.buffer_capacity,
-              "holdout_capacity": cfg.holdout_capacity,
-              **_set(cfg, "update_stages", "privacy_budget"), **s.device}
-    station = {**s.station, **_set(cfg, "central_dp_clip", "central_dp_noise")}
+              "holdout_capacity": cfg.holdout_capacity, **_set(cfg, *_DEVICE_KEYS), **s.device}
+    station = {**s.station, **_set(cfg, *_STATION_KEYS)}
     if cfg.central_dp_epsilon:
         station["central_dp_noise"] = noise_for_epsilon(
             cfg.central_dp_epsilon, _releases(cfg, s), CentralPrivacy.privacy_delta)
     cloud = {**s.cloud, **{k.replace("cloud_", "central_"): v
-                           for k, v in _set(cfg, "cloud_dp_clip", "cloud_dp_noise").items()}}
+                           for k, v in _set(cfg, *_CLOUD_KEYS).items()}}
     return dataclasses.replace(s, device=device, station=station, cloud=cloud)
 
 
@@ -297,9 +303,7 @@ _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "ta
 
 
 # Keys that a run without them never had: left out of the cache key while unset.
-_OFF_UNLESS_SET = frozenset({"update_stages", "privacy_budget", "central_dp_clip",
-                             "central_dp_noise", "central_dp_epsilon", "cloud_dp_clip",
-                             "cloud_dp_noise"})
+_OFF_UNLESS_SET = frozenset({*_DEVICE_KEYS, *_STATION_KEYS, *_CLOUD_KEYS, "central_dp_epsilon"})
 
 
 class _RunCache:
