@@ -115,7 +115,7 @@ ZERO_LINK = LinkSpec()
 # handles, beyond its training (decoding and checks, bookkeeping, its answer's encoding,
 # and the emulating relay's own hop): fitted by `bench/rehearsal.py --calibrate` on a
 # real fleet with links of no latency (docs/experiments.md "The clock against a real fleet").
-HOST_HANDLING_MS = 0.0
+HOST_HANDLING_MS = 2.6
 
 SEGMENT = 1448  # TCP payload per segment on a 1500-byte MTU with timestamps
 FRAME_OVERHEAD = 120  # the MQTT fixed header, topic and the wire format's header, about
