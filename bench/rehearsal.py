@@ -1,8 +1,10 @@
 """Benchmark: the virtual clock's seconds per round against a real fleet on emulated links.
 
 Issue 35's check of ``lab/clock.py``.  The fleet: 2 factories x 3 devices on scikit-learn
-digits (Dirichlet 0.5), the small CNN on numpy, every device a ``pi4-numpy`` board (paced
-to that profile's step time: ``[service] emulate_step_s``), one Mosquitto on loopback, each
+digits (Dirichlet 0.5), the small CNN on numpy, every device a ``pi4-numpy`` (or
+``--profile``) board, paced to that profile's step time (``[service] emulate_step_s``),
+predictions priced at ``--handling-ms`` a message handled (``HOST_HANDLING_MS``;
+``--calibrate`` fits it first on links of no latency), one Mosquitto on loopback, each
 device and the cloud behind a :class:`~lab.relay.LinkRelay` with the setting's link (the
 stations sit beside the broker, as the simulator places them).  For each link setting
 (``--links``, ``LATENCY_MS:LOSS`` pairs) and recipe (``--strategies``) the same fleet is
@@ -14,7 +16,8 @@ predicted and real.  Printed, never asserted: the target (within 15%, the same o
 with the straggler) is read off the output (docs/experiments.md "The clock against a real
 fleet").
 
-Run: ``python bench/rehearsal.py [--links 5:0,40:0.02] [--rounds 5] [--straggler]``.
+Run: ``python bench/rehearsal.py [--links 5:0,40:0.02] [--rounds 5] [--calibrate]
+[--straggler]``.
 Needs Debian's mosquitto.  ``--short`` (``.ci/run``): one link setting, FedAvg and FedGS,
 3 rounds.
 """

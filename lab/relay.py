@@ -143,14 +143,15 @@ class LinkRelay:
                  tb: TracebackType | None) -> None:
         self.stop()
 
-    def _call(self, action: object) -> None:
+    def _call(self, action: Callable[[], object]) -> None:
+        """Run ``action`` on the relay's loop, and wait for it."""
         if self._loop is None:
             raise RuntimeError(f"{self.name} is not running")
         done = threading.Event()
 
         def run() -> None:
             try:
-                action()  # type: ignore[operator]
+                action()
             finally:
                 done.set()
         self._loop.call_soon_threadsafe(run)
