@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,10 @@ from .datasets import Dataset
 from .simulation import FleetSpec, Strategy, plan_fleet, public_settings
 
 __all__ = ["write_fleet", "launch_fleet", "fleet_commands", "Fleet"]
+
+log = logging.getLogger(__name__)
+
+LINGER_S = 30.0  # how long the others may take to end once the cloud has
 
 
 
@@ -209,8 +214,14 @@ def _watch(fleet: Fleet, timeout: float, during: Callable[[Fleet], None] | None,
     if procs["cloud"].returncode != 0:
         raise SaflError(f"the cloud exited with {procs['cloud'].returncode}; "
                         f"see {logs / 'cloud.log'}")
-    for p in procs.values():
-        p.wait(timeout=30)
+    # The cloud's last round ends the run; a participant that never heard the end (a device
+    # whose final model was lost with a broker that kept no sessions, say) is stopped.
+    for name, p in procs.items():
+        try:
+            p.wait(timeout=LINGER_S)
+        except subprocess.TimeoutExpired:
+            log.warning("%s still ran %.0f s after the cloud finished: stopped (see %s)", name,
+                        LINGER_S, logs / f"{name}.log")
     return seen
 
 

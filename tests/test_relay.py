@@ -4,6 +4,7 @@ round, a device's link lost mid-upload."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import socket
@@ -279,3 +280,32 @@ def test_a_device_cut_off_mid_upload_reconnects_and_its_update_arrives(tmp_path,
     assert all(_only_redeliveries(doc.counters) for doc in stations)
     assert relay.counters["bytes_up"] - armed["bytes"] - 20_000 > 38_440
     assert rows[-1]["accuracy"] > 0.3  # it went on learning (chance: 0.1)
+
+
+@pytest.mark.slow
+@needs_mosquitto
+def test_a_participant_that_outlives_the_cloud_is_stopped_not_waited_for(tmp_path, digits,
+                                                                         monkeypatch, caplog):
+    import sys
+
+    from brokers import Mosquitto, fleet_mosquitto
+
+    from lab import launch
+    from lab.simulation import plan_fleet
+    monkeypatch.setattr(launch, "LINGER_S", 1.0)
+    strategy, spec = _fleet(digits, 2)
+    spec = dataclasses.replace(spec, clock=None)
+    # dev000 runs as it should, then its process stays on (as one that missed the end would).
+    lingering = [sys.executable, "-c", "import subprocess, sys, time; subprocess.call([sys."
+                 "executable, '-m', 'safl', 'device', *sys.argv[1:]]); time.sleep(120)"]
+    server = fleet_mosquitto(tmp_path, plan_fleet(strategy, spec))
+    started = time.monotonic()
+    try:
+        rows = launch.launch_fleet(tmp_path / "run", digits, strategy, spec, server.url,
+                                   credentials=lambda user: (user, Mosquitto.PASSWORD),
+                                   commands={"dev000": lingering}, timeout=120)
+    finally:
+        server.stop()
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert "dev000 still ran 1 s after the cloud finished" in caplog.text
+    assert time.monotonic() - started < 60
