@@ -246,8 +246,8 @@ def relayed_fleet(strategy: Strategy, spec: FleetSpec, broker: tuple[str, int]
     if spec.clock is None:
         raise ValueError("a relayed fleet needs the spec's clock (its links)")
     clock = spec.clock
-    seeds = iter(np.random.SeedSequence([clock.seed, 0x5E1A]).generate_state(64 + len(
-        spec.partitions)).tolist())
+    seeds = iter(np.random.SeedSequence([clock.seed, 0x5E1A]).generate_state(
+        1 + len(spec.partitions)).tolist())
     relays = {"cloud": LinkRelay(broker, clock.cloud_link, seed=next(seeds), name="cloud")}
     for values in plan_fleet(strategy, spec).devices:
         did = values["device_id"]

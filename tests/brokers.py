@@ -48,13 +48,13 @@ def acl_lines(fleet: str, stations: dict[str, list[str]]) -> list[str]:
     return lines
 
 
-def fleet_mosquitto(folder: Path, plan: Any, *, extra_users: tuple[str, ...] = ("tester",)
-                    ) -> Mosquitto:
+def fleet_mosquitto(folder: Path, plan: Any, *, extra_users: tuple[str, ...] = ("tester",),
+                    **options: Any) -> Mosquitto:
     """A Mosquitto for a planned fleet (``lab.simulation.plan_fleet``): a login for every
-    participant and ``extra_users``, and the fleet's ACL."""
+    participant and ``extra_users``, the fleet's ACL, and :class:`Mosquitto`'s ``options``."""
     stations = {s["station_id"]: list(s["devices"]) for s in plan.stations}
     users = ["cloud", *extra_users, *stations, *(d for ds in stations.values() for d in ds)]
-    return Mosquitto(folder, users, acl_lines(plan.fleet, stations))
+    return Mosquitto(folder, users, acl_lines(plan.fleet, stations), **options)
 
 
 class _BrokerProcess:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from brokers import Mosquitto, acl_lines
+from brokers import Mosquitto, fleet_mosquitto
 
 from aggregator.checkpoint import load_checkpoint
 from aggregator.status import fleet_status
@@ -64,10 +64,7 @@ def honest(digits) -> float:
 
 
 def _broker(tmp_path, spec, **kw) -> Mosquitto:
-    plan = plan_fleet(STRATEGY, spec)
-    stations = {s["station_id"]: list(s["devices"]) for s in plan.stations}
-    users = ["cloud", "tester", *stations, *(d for ds in stations.values() for d in ds)]
-    return Mosquitto(tmp_path, users, acl_lines(plan.fleet, stations), **kw)
+    return fleet_mosquitto(tmp_path, plan_fleet(STRATEGY, spec), **kw)
 
 
 def _launch(tmp_path, digits, server, spec, strategy=STRATEGY, **kw):

@@ -179,16 +179,13 @@ def test_central_dp_is_on_the_ledger_for_buffered_folds(digits):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("mosquitto") is None, reason="Mosquitto is installed by .ci/run")
 def test_a_buffered_fleet_federates_over_mosquitto(tmp_path, digits):
-    from brokers import Mosquitto, acl_lines
+    from brokers import Mosquitto, fleet_mosquitto
 
     from lab.launch import launch_fleet
     from lab.simulation import plan_fleet
     spec = _spec(digits, rounds=8)
     strategy = _buffered(iteration_timeout=5.0, buffer_size=3)
-    plan = plan_fleet(strategy, spec)
-    stations = {s["station_id"]: list(s["devices"]) for s in plan.stations}
-    users = ["cloud", "tester", *stations, *(d for ds in stations.values() for d in ds)]
-    server = Mosquitto(tmp_path, users, acl_lines(plan.fleet, stations))
+    server = fleet_mosquitto(tmp_path, plan_fleet(strategy, spec))
     try:
         rows = launch_fleet(tmp_path / "run", digits, strategy, spec, server.url,
                             credentials=lambda user: (user, Mosquitto.PASSWORD), timeout=300)

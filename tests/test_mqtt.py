@@ -13,7 +13,7 @@ import time
 import numpy as np
 import paho.mqtt.client as paho
 import pytest
-from brokers import Amqtt, Mosquitto, acl_lines, free_port
+from brokers import Amqtt, Mosquitto, acl_lines, fleet_mosquitto, free_port
 from paho.mqtt.enums import CallbackAPIVersion
 
 from aggregator.status import fleet_status, format_status
@@ -46,10 +46,7 @@ STRATEGY = demo_strategies(super_node_size=2, sync_period=3)[1]  # FedGS
 
 
 def _mosquitto(tmp_path, spec, **kw):
-    plan = plan_fleet(STRATEGY, spec)
-    stations = {s["station_id"]: list(s["devices"]) for s in plan.stations}
-    users = ["cloud", "tester", *stations, *(d for ds in stations.values() for d in ds)]
-    return Mosquitto(tmp_path, users, acl_lines(plan.fleet, stations), **kw)
+    return fleet_mosquitto(tmp_path, plan_fleet(STRATEGY, spec), **kw)
 
 
 def _creds(user):
