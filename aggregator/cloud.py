@@ -238,8 +238,8 @@ class Cloud(RoleBase[CloudState]):
         last = self.round + 1 >= self.config.rounds
         new = self.next_state(_E.LAST_ROUND_CLOSED if last else _E.ROUND_CLOSED)
         if self._updates:
-            self.weights = self.optimizer.step(self.weights, self._fold.result())
-            self.dp.released(self._fold, self.counters)
+            self.weights = self.optimizer.step(self.weights,
+                                               self.dp.release(self._fold, self.counters))
             self.iteration = max(self._updates.values())
         self._updates, self._fold = {}, self._new_fold()
         self.round += 1

@@ -135,6 +135,8 @@ class StationConfig(TrainingSettings, CentralPrivacy):
         check_range("straggler_min_wait", self.straggler_min_wait, 0)
         check_range("straggler_sit_out", self.straggler_sit_out, 0)
         self.check_privacy(self.fusion)
+        if self.mode == "buffered":
+            _internal_syncs_only(self)
         if self.max_selection_share == 0:
             object.__setattr__(self, "max_selection_share",
                                fair_seat_share(self.super_node_size, len(self.devices)))
@@ -172,3 +174,15 @@ class CloudConfig(ServerOptimizerSettings, CentralPrivacy):
         if self.station_weighting not in ("samples", "equal"):
             raise ConfigError("station_weighting", "must be 'samples' or 'equal'")
         self.check_privacy(self.fusion)
+        _internal_syncs_only(self)
+
+
+def _internal_syncs_only(cfg: CentralPrivacy) -> None:
+    """The tree mechanism and the participation cap shape a round of internal syncs; the
+    cloud's rounds and a buffered station's folds have none to shape."""
+    if cfg.central_dp_mechanism != "independent":
+        raise ConfigError("central_dp_mechanism", "the tree is over a synchronous station's "
+                          "internal syncs: only 'independent' here")
+    if cfg.max_participations:
+        raise ConfigError("max_participations", "caps seats in a synchronous station's "
+                          "internal syncs: leave it 0 here")

@@ -125,8 +125,8 @@ class BufferedStation(Station):
         if len(fold) >= max(1, cfg.min_quorum):
             # The mean step, scaled by the buffer's mean staleness weight per sample.
             scale = np.float32(fold.total / samples) if samples else np.float32(1.0)
-            self.weights = (self._model() + scale * fold.result()).astype(np.float32)
-            self.dp.released(fold, self.counters)
+            step = self.dp.release(fold, self.counters)
+            self.weights = (self._model() + scale * step).astype(np.float32)
             self._consumed += samples
             self.counters["buffer_folds"] += 1
         else:

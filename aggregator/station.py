@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 
 import numpy as np
 
@@ -127,6 +128,7 @@ class Station(RoleBase[StationState]):
         self._upload: m.StationUpdate | None = None  # sent, not yet answered by a global model
         self._seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
         self._sitting_out: dict[str, int] = {}  # refused members: left out up to this iteration
+        self._seats: Counter[str] = Counter()  # each device's seats in this round's super nodes
         self.guard = NormGuard(bound=config.update_norm_bound, factor=config.update_norm_factor,
                                initial=config.lr * config.local_steps * config.grad_norm_bound,
                                hard_factor=config.update_norm_hard_factor)
@@ -233,6 +235,7 @@ class Station(RoleBase[StationState]):
                              if d in cfg.devices})
         self.share.restore(meta.recent)
         self.dp.resume(meta.dp_bound)
+        self._new_round()  # a checkpoint is a round's start
         self.tally.restore(meta.tally)
         self.rng.bit_generator.state = meta.rng
         self.counters.update(meta.counters)
@@ -572,6 +575,7 @@ class Station(RoleBase[StationState]):
         self.weights = np.array(msg.weights)
         self.p_real = np.array(msg.p_real)
         self.round, self.iteration = msg.round, msg.iteration
+        self._new_round()
         if msg.final:
             self.state = new
             return [self._model_message(final=True)]
@@ -602,6 +606,7 @@ class Station(RoleBase[StationState]):
             return self._starve(now, len(ready))
         self._collect(self._pick(ready, cfg.super_node_size))
         self.share.record(self.members)
+        self._seats.update(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
         self._began = now
         self._blind = not self.stragglers.informed
@@ -633,6 +638,7 @@ class Station(RoleBase[StationState]):
         and refused or over-seated devices left out where others can fill it,
         ``rand_per_group`` at random, the rest by the selector against ``P_real``."""
         cfg = self.config
+        ready = self._under_cap(ready)
         on_time = [d for d in ready if self._benched.get(d, -1) < self.iteration]
         if len(on_time) >= cfg.min_quorum:
             ready = on_time
@@ -647,6 +653,21 @@ class Station(RoleBase[StationState]):
         picked = self._select(hists.reshape(len(ready), self.num_classes), self._target(),
                               size - n_random, fixed=fixed).tolist() if ready else []
         return tuple(sorted(ready[i] for i in [*fixed, *picked]))
+
+    def _new_round(self) -> None:
+        self._seats.clear()
+        self.dp.new_round()
+
+    def _under_cap(self, ready: list[str]) -> list[str]:
+        """``ready`` less the devices seated ``max_participations`` times this round: a
+        hard cap (unlike the share cap, nobody fills a seat past it), so a round's later
+        super nodes shrink where the cap and the roster cannot fill them."""
+        cap = self.config.max_participations
+        if not cap:
+            return ready
+        under = [d for d in ready if self._seats[d] < cap]
+        self.counters["participation_capped"] += len(ready) - len(under)
+        return under
 
     def _collect(self, members: tuple[str, ...]) -> None:
         """A new super node (or none): no reply, and nothing folded, from an earlier one."""
@@ -667,8 +688,7 @@ class Station(RoleBase[StationState]):
         new = self.next_state(_E.SYNC_DUE if ready is None else self._iteration_event(ready))
         fold, self._fold = self._fold, fold_for(cfg.fusion)
         if len(fold) >= cfg.min_quorum:
-            self.weights = fold.result()
-            self.dp.released(fold, self.counters)
+            self.weights = self.dp.release(fold, self.counters)
             self._consumed += int(fold.total)
         else:
             self.counters["iterations_below_quorum"] += 1

@@ -91,12 +91,13 @@ class PrivacyLedger:
         self.noise_multiplier, self.delta = noise_multiplier, delta
         self.releases: dict[str, dict[float, int]] = {}
 
-    def record(self, participant: str, noise: float | None = None) -> None:
-        """One release of ``participant``'s data, at ``noise`` (default: the ledger's
-        multiplier)."""
+    def record(self, participant: str, noise: float | None = None, times: int = 1) -> None:
+        """``times`` releases of ``participant``'s data, at ``noise`` (default: the ledger's
+        multiplier).  A Gaussian release of ``s`` times the unit sensitivity costs what
+        ``s^2`` unit releases do, so a tree node holding ``n`` of its steps is ``n^2``."""
         z = self.noise_multiplier if noise is None else float(noise)
         counts = self.releases.setdefault(participant, {})
-        counts[z] = counts.get(z, 0) + 1
+        counts[z] = counts.get(z, 0) + times
 
     def count(self, participant: str) -> int:
         return sum(self.releases.get(participant, {}).values())

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregator.central_dp import CentralPrivacy
+from aggregator.central_dp import MECHANISMS, CentralPrivacy, tree_sensitivity
 from aggregator.selection import blas_threads
 from aggregator.server_optimizers import SERVER_OPTIMIZERS
 from edge_client.config import TrainingSettings, check_range, load_config
@@ -97,8 +97,18 @@ class ExperimentConfig(RecipeSettings):
     # device in every one of their releases spends at most this epsilon at delta 1e-5
     # (a hierarchy releases once per iteration, a flat fleet once per round).
     central_dp_epsilon: float = 0.0
+    # The stations' mechanism ("independent" or "tree") and participation cap (0: none),
+    # both counted by central_dp_epsilon's planning (docs/privacy.md).
+    central_dp_mechanism: str = "independent"
+    max_participations: int = 0
     cloud_dp_clip: float = 0.0  # central DP across stations, at the cloud
     cloud_dp_noise: float = 0.0
+    cloud_dp_epsilon: float = 0.0  # or its budget: a station's data is in every round
+    # Local DP by budget: every device clips its step to local_dp_clip and noises it with
+    # the multiplier at which an upload at every one of its chances spends at most
+    # local_dp_epsilon, which is also its privacy_budget.
+    local_dp_epsilon: float = 0.0
+    local_dp_clip: float = 0.0
     model: str = "mlp"
     backend: str = "numpy"
     arrivals_per_step: int = 48
@@ -151,10 +161,16 @@ class ExperimentConfig(RecipeSettings):
             object.__setattr__(self, "lr_decay_rounds", self.lr_decay_fraction * self.rounds)
         check_range("attackers", self.attackers, 0, self.factories * self.devices_per_factory)
         check_range("prequential_every", self.prequential_every, 0)
-        check_range("central_dp_epsilon", self.central_dp_epsilon, 0)
-        if self.central_dp_epsilon and (self.central_dp_noise or not self.central_dp_clip):
-            raise ConfigError("central_dp_epsilon", "sets central_dp_noise from the budget: "
-                              "give central_dp_clip and leave central_dp_noise unset")
+        for budget, clip, noise in (("central_dp_epsilon", "central_dp_clip", "central_dp_noise"),
+                                    ("cloud_dp_epsilon", "cloud_dp_clip", "cloud_dp_noise"),
+                                    ("local_dp_epsilon", "local_dp_clip", "privacy_budget")):
+            check_range(budget, getattr(self, budget), 0)
+            if getattr(self, budget) and (getattr(self, noise) or not getattr(self, clip)):
+                raise ConfigError(budget, f"sets the noise from the budget: give {clip} and "
+                                  f"leave {noise} unset")
+        if self.central_dp_mechanism not in MECHANISMS:
+            raise ConfigError("central_dp_mechanism", f"must be one of {MECHANISMS}")
+        check_range("max_participations", self.max_participations, 0)
         unknown = [s for s in self.strategies if s not in RECIPES]
         if unknown or not self.strategies:
             raise ConfigError("strategies", f"unknown {unknown}; known: {sorted(RECIPES)}")
@@ -204,17 +220,39 @@ def _strategy(cfg: ExperimentConfig, name: str):
     if cfg.central_dp_epsilon:
         station["central_dp_noise"] = noise_for_epsilon(
             cfg.central_dp_epsilon, _releases(cfg, s), CentralPrivacy.privacy_delta)
+    if "central_dp_noise" in station:  # the mechanism and the cap shape central DP only
+        station.update(_set(cfg, "max_participations"))
+        if cfg.central_dp_mechanism != CentralPrivacy.central_dp_mechanism:
+            station["central_dp_mechanism"] = cfg.central_dp_mechanism
+    if cfg.local_dp_epsilon:
+        z = noise_for_epsilon(cfg.local_dp_epsilon, _releases(cfg, s, local=True),
+                              CentralPrivacy.privacy_delta)
+        device["update_stages"] = (*cfg.update_stages, f"clip:{cfg.local_dp_clip}",
+                                   f"noise:{z:.6g}")
+        device["privacy_budget"] = cfg.local_dp_epsilon
     cloud = {**s.cloud, **{k.replace("cloud_", "central_"): v
                            for k, v in _set(cfg, *_CLOUD_KEYS).items()}}
+    if cfg.cloud_dp_epsilon:  # each station's data is in every round's release
+        rounds = 2 * cfg.rounds if cfg.samples else cfg.rounds
+        cloud["central_dp_noise"] = noise_for_epsilon(cfg.cloud_dp_epsilon, rounds,
+                                                      CentralPrivacy.privacy_delta)
     return dataclasses.replace(s, device=device, station=station, cloud=cloud)
 
 
-def _releases(cfg: ExperimentConfig, s: Strategy) -> int:
-    """The most central-DP releases one device's data can enter in a run of ``s``: every
-    internal synchronisation of a hierarchy, every round of a flat fleet (a run trained to
-    ``samples`` may take up to twice its nominal rounds, as :func:`_fleet` allows)."""
+def _releases(cfg: ExperimentConfig, s: Strategy, local: bool = False) -> int:
+    """The most releases one device's data can cost in a run of ``s``, in unit releases:
+    every internal synchronisation of a hierarchy, every round of a flat fleet (a run
+    trained to ``samples`` may take up to twice its nominal rounds, as :func:`_fleet`
+    allows); at the stations at most ``max_participations`` of a round's, and with the tree
+    mechanism its worst seating's charges (``local``: its own noised uploads)."""
     rounds = 2 * cfg.rounds if cfg.samples else cfg.rounds
-    return rounds if s.flat else rounds * cfg.sync_period
+    syncs = 1 if s.flat else cfg.sync_period
+    if local:
+        return rounds * syncs
+    seats = min(cfg.max_participations or syncs, syncs)
+    if cfg.central_dp_mechanism == "tree":
+        return rounds * tree_sensitivity(syncs, seats)
+    return rounds * seats
 
 
 def _set(cfg: ExperimentConfig, *keys: str) -> dict[str, Any]:
@@ -302,8 +340,11 @@ _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "ta
                            "long_local_steps"})
 
 
-# Keys that a run without them never had: left out of the cache key while unset.
-_OFF_UNLESS_SET = frozenset({*_DEVICE_KEYS, *_STATION_KEYS, *_CLOUD_KEYS, "central_dp_epsilon"})
+# Keys that a run without them never had: left out of the cache key at their default.
+_OFF_UNLESS_SET = frozenset({*_DEVICE_KEYS, *_STATION_KEYS, *_CLOUD_KEYS, "central_dp_epsilon",
+                             "central_dp_mechanism", "max_participations", "cloud_dp_epsilon",
+                             "local_dp_epsilon", "local_dp_clip"})
+_DEFAULT = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
 
 
 class _RunCache:
@@ -319,7 +360,8 @@ class _RunCache:
         self.cfg = cfg
         self.tag = engine.cache_tag if engine else ""
         self.fleet = repr({k: v for k, v in sorted(vars(cfg).items())
-                           if k not in _NOT_RUN_KEYS and (k not in _OFF_UNLESS_SET or v)})
+                           if k not in _NOT_RUN_KEYS
+                           and (k not in _OFF_UNLESS_SET or v != _DEFAULT[k])})
         self.fresh = fresh
 
     def _key(self, name: str, seed: int, attack: str) -> str:

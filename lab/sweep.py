@@ -7,7 +7,9 @@ seeds of the figures :func:`lab.experiment.run_summary` defines, and the paired 
 of each setting against the first one with the bytes into the stations (so a sweep of
 ``update_stages`` or privacy settings answers "what does it cost, what does it save");
 ``--report`` puts the table in ``docs/results.md`` as a section.  Finished runs are kept
-per setting, so an interrupted sweep resumes.
+per setting, so an interrupted sweep resumes.  ``cases``, a list of tables, gives settings
+that are not a grid (one mechanism at several budgets, another at others): each case is
+crossed with the other keys' combinations, and may name its own ``strategies``.
 """
 
 from __future__ import annotations
@@ -42,19 +44,31 @@ from .summary import epsilon_column, mean_sd, per_run, run_summary
 __all__ = ["run_sweep", "load_grid"]
 
 
+def _value(v: Any) -> Any:
+    # A list-valued key (update_stages) takes tuples, as the [experiment] table gives them.
+    return tuple(v) if isinstance(v, list) else v
+
+
 def load_grid(path: Path) -> list[dict[str, Any]]:
-    """Every combination of the ``[sweep]`` table's values, as ``[experiment]`` overrides."""
-    table = read_toml(path, "sweep").get("sweep", {})
+    """Every combination of the ``[sweep]`` table's values (each ``case`` crossed with the
+    rest), as ``[experiment]`` overrides."""
+    table = dict(read_toml(path, "sweep").get("sweep", {}))
+    cases = table.pop("cases", [{}])
     known = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    if not isinstance(cases, list) or not cases or not all(isinstance(c, dict) for c in cases):
+        raise ConfigError("sweep.cases", "must be a non-empty list of tables of settings")
+    for key in [k for case in cases for k in case]:
+        if key not in known:
+            raise ConfigError(f"sweep.cases.{key}", "is not an [experiment] key")
     for key, values in table.items():
         if key not in known:
             raise ConfigError(f"sweep.{key}", "is not an [experiment] key")
         if not isinstance(values, list) or not values:
             raise ConfigError(f"sweep.{key}", "must be a non-empty list of values")
     keys = list(table)
-    # A list-valued key (update_stages) takes tuples, as the [experiment] table gives them.
-    values = [[tuple(v) if isinstance(v, list) else v for v in table[k]] for k in keys]
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
+    values = [[_value(v) for v in table[k]] for k in keys]
+    return [{**{k: _value(v) for k, v in case.items()}, **dict(zip(keys, combo, strict=True))}
+            for case in cases for combo in itertools.product(*values)]
 
 
 def _text(v: Any) -> str:
@@ -64,7 +78,7 @@ def _text(v: Any) -> str:
 
 def _label(point: dict[str, Any]) -> str:
     """A grid point's folder name: ``lr=0.1_update_stages=topk:0.1+int8:256``."""
-    return "_".join(f"{k}={_text(v)}" for k, v in point.items()) or "base"
+    return "_".join(f"{k}={_text(v)}" for k, v in point.items() if k != "strategies") or "base"
 
 
 def _runs(base: ExperimentConfig, points: list[dict[str, Any]], out: Path, jobs: int,
@@ -135,12 +149,16 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1,
     out = Path(out or Path("runs") / f"{base.name}-sweep")
     done = _runs(base, points, out, jobs, load_simulation(path, ray), ray)
     rows = []
+    columns = list(dict.fromkeys(k for point in points for k in point if k != "strategies"))
     for name in base.strategies:
         seeds = range(base.seed, base.seed + base.seeds)
         first = None
         for point in points:
+            if (_label(point), name, base.seed) not in done:
+                continue  # a case with strategies of its own
             runs = [done[(_label(point), name, s)] for s in seeds]
-            rows.append(_row(point, runs, first, base.target_accuracy))
+            shown = {k: point.get(k, "-") for k in columns}
+            rows.append(_row(shown, runs, first, base.target_accuracy))
             if first is None:
                 first = ([run_summary(r, base.target_accuracy)["accuracy"] for r in runs],
                          float(np.mean([_bytes_in(r) for r in runs])))
@@ -150,8 +168,8 @@ def run_sweep(path: Path, *, out: Path | None = None, jobs: int = 1,
     print(f"wrote {out / 'sweep.csv'}")
     if report:
         settings = {k: v for k, v in vars(base).items()
-                    if k not in ("name", "strategies", "attacks", *points[0])}
-        section = markdown_section(f"{base.name}: sweep of {', '.join(points[0])}",
+                    if k not in ("name", "strategies", "attacks", *columns)}
+        section = markdown_section(f"{base.name}: sweep of {', '.join(columns)}",
                                    f"safl sweep {path} --jobs {jobs}", settings, rows,
                                    sweep_claims(rows))
         write_report(report, [section])

@@ -310,8 +310,7 @@ def test_adaptive_clipping_follows_the_target_quantile_and_pays_for_its_count():
             step = rng.normal(size=16).astype(np.float32)
             fold.add(step / np.linalg.norm(step) * np.float32(rng.uniform(0.5, 1.5)), 1,
                      key=f"d{k}")
-        fold.result()
-        dp.released(fold, counters)
+        dp.release(fold, counters)
     assert 0.8 < dp.bound < 1.2  # from 10 to about the median norm, 1
     # Each release is two for every contributor: the noised sum and the noised count.
     assert dp.privacy.releases["d0"] == {1.0: 150, 0.5: 150}
