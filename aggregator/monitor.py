@@ -101,7 +101,8 @@ class FleetHistory:
             return None
         checked = dataclasses.replace(
             doc, local_accuracy=fraction("local_accuracy", doc.local_accuracy),
-            prequential_accuracy=fraction("prequential_accuracy", doc.prequential_accuracy))
+            prequential_accuracy=fraction("prequential_accuracy", doc.prequential_accuracy),
+            shadow_accuracy=fraction("shadow_accuracy", doc.shadow_accuracy))
         self.status.devices[doc.device] = checked
         return checked
 
@@ -146,6 +147,8 @@ class FleetHistory:
         return {**row, "station": doc.station, "state": doc.state.value, "round": doc.round,
                 "iteration": doc.iteration, "local_accuracy": doc.local_accuracy,
                 "prequential_accuracy": doc.prequential_accuracy, "epsilon": doc.epsilon,
+                "deployed_round": doc.deployed_round, "shadow_accuracy": doc.shadow_accuracy,
+                "promotions_refused": doc.counters.get("promotions_refused", 0),
                 "uploads": doc.counters.get("uploads", 0),
                 "skips": counted(doc.counters, "skipped."),
                 "refused": seen_by.device_refused.get(did, 0) if seen_by else None,

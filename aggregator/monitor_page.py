@@ -166,7 +166,9 @@ function render(doc) {
   table('devices', [['id', 'device'], ['station', 'station'], ['presence', 'presence'],
     ['state', 'state'], ['round', 'round'], ['iteration', 'iter'],
     ['local_accuracy', 'held-out', 3], ['prequential_accuracy', 'prequential', 3],
-    ['uploads', 'uploads'], ['skips', 'skips'], ['refused', 'refused'], ['clipped', 'clipped'],
+    ['deployed_round', 'in use'], ['shadow_accuracy', 'candidate', 3],
+    ['promotions_refused', 'refused models'], ['uploads', 'uploads'], ['skips', 'skips'],
+    ['refused', 'refused'], ['clipped', 'clipped'],
     ['frames_dropped', 'frames dropped'], ['bytes_out', 'bytes out'], ['bytes_in', 'bytes in']],
     doc.devices);
   chart('global-accuracy', [{name: 'global', color: COLORS[0], points: doc.global_accuracy}],

@@ -140,6 +140,13 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                     if cloud and cloud.epsilon_cloud is not None else ""))
     devices = {s: o for (r, s), o in found.presence.items() if r == m.Participant.DEVICE}
     lines.append(f"devices online: {sum(devices.values())} of {len(devices)} seen")
+    kept = {d: doc for d, doc in sorted(found.devices.items())
+            if doc.counters.get("promotions_refused")}
+    if kept:
+        lines.append("models kept out of use: " + ", ".join(
+            f"{d} {doc.counters['promotions_refused']} (predicts with round "
+            f"{doc.deployed_round}, last candidate {_fraction(doc.shadow_accuracy)})"
+            for d, doc in kept.items()))
     lines.append(f"{'station':<10} {'presence':<9} {'state':<11} {'round':>5} {'iter':>5} "
                  f"{'online':>7} {'uploads':>8} {'skips':>6} {'rejected':>9}  device accuracy")
     stations = sorted({s for (r, s) in found.presence if r == m.Participant.STATION}

@@ -19,9 +19,13 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import SaflError
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+    from .trainers import Trainer
 
 __all__ = ["main", "version", "add_common_arguments", "add_role_arguments",
            "add_device_arguments", "overrides", "run_device", "run_export", "run_backends",
@@ -102,12 +106,9 @@ def run_device(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_export(args: argparse.Namespace) -> int:
-    """Export the deployable model a device keeps in its ``[service] state_dir``."""
+def _kept_model(args: argparse.Namespace) -> tuple[str, Trainer, ModelConfig]:
+    """A device file's state directory, its model's trainer, and its ``[model]`` table."""
     from .service import DEVICE_TABLES, load_role_file, model_trainer
-    from .serving import load_deployable
-    from .trainers import layout_hash
-    from .trainers.onnx_export import export_onnx
 
     cfg = load_role_file(args.config, DEVICE_TABLES,
                          overrides(args, service={"state_dir": "state_dir"}))
@@ -116,14 +117,35 @@ def run_export(args: argparse.Namespace) -> int:
         from .errors import ConfigError
         raise ConfigError("state_dir", "the device keeps its deployable model in [service] "
                           "state_dir: set it (or pass --state-dir)")
-    model = cfg["model"]
-    trainer = model_trainer(model, cfg["device"].lr)
+    return state_dir, model_trainer(cfg["model"], cfg["device"].lr), cfg["model"]
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Export the deployable model a device keeps in its ``[service] state_dir``."""
+    from .serving import load_deployable
+    from .trainers import layout_hash
+    from .trainers.onnx_export import export_onnx
+
+    state_dir, trainer, model = _kept_model(args)
     saved = load_deployable(state_dir, layout_hash=layout_hash(trainer.layout))
     out = export_onnx(trainer, saved.weights, args.out, input_shape=tuple(model.input_shape),
                       num_classes=model.num_classes, model_round=saved.round,
                       model_name=model.spec)
     print(f"wrote {out}: {model.spec}, round {saved.round}, input {tuple(model.input_shape)}, "
           f"{model.num_classes} classes")
+    return 0
+
+
+def run_rollback(args: argparse.Namespace) -> int:
+    """Put the model a device used before its latest promotion back into use."""
+    from .serving import roll_back
+    from .trainers import layout_hash
+
+    state_dir, trainer, _ = _kept_model(args)
+    now, aside = roll_back(state_dir, layout_hash=layout_hash(trainer.layout))
+    print(f"{state_dir}: the model of round {now.round} (iteration {now.iteration}) is in "
+          f"use again; round {aside.round}'s is set aside (a second rollback restores it). "
+          "Start the device for it to take effect.")
     return 0
 
 
@@ -168,16 +190,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _export_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="safl-device export", description="write the "
-                                     "device's deployable model as ONNX (its input shape, "
-                                     "class count and round in the metadata)")
+def _kept_model_parser(command: str, description: str) -> argparse.ArgumentParser:
+    """A command on the model a device keeps: its TOML file, and where it keeps it."""
+    parser = argparse.ArgumentParser(prog=f"safl-device {command}", description=description)
     add_common_arguments(parser, "safl-device")
     parser.add_argument("--config", type=Path, required=True, help="the device's TOML file")
-    parser.add_argument("--out", type=Path, required=True, help="the .onnx file to write")
     parser.add_argument("--state-dir", default=None,
                         help="where the device keeps its model (overrides [service])")
     return parser
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    parser = _kept_model_parser("export", "write the device's deployable model as ONNX (its "
+                                "input shape, class count and round in the metadata)")
+    parser.add_argument("--out", type=Path, required=True, help="the .onnx file to write")
+    return parser
+
+
+def _rollback_parser() -> argparse.ArgumentParser:
+    return _kept_model_parser("rollback", "put the model the device predicted with before "
+                              "its latest promotion back into use (stop the device first)")
 
 
 def _backends_parser() -> argparse.ArgumentParser:
@@ -195,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _backends_parser().parse_args(argv[1:])
         setup_logging(args, service=False)
         return run_guarded(run_backends, args, "safl-device backends")
+    if argv[:1] == ["rollback"]:
+        args = _rollback_parser().parse_args(argv[1:])
+        setup_logging(args, service=False)
+        return run_guarded(run_rollback, args, "safl-device rollback")
     if argv[:1] == ["export"]:
         args = _export_parser().parse_args(argv[1:])
         setup_logging(args, service=False)

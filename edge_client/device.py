@@ -25,6 +25,7 @@ from .documents import DeviceSummary
 from .inference import NOT_PREDICTED, Prequential, one_in, predict
 from .pipeline import UpdatePipeline
 from .privacy import LedgerState, PrivacyLedger
+from .promotion import MIN_EVIDENCE, ShadowWindow, Verdict, judge_on
 from .role import RoleBase, RoleEvent
 from .safl import annealed_merge, performance_gap, upload_probability
 from .states import DeviceState
@@ -112,6 +113,11 @@ class Device(RoleBase[DeviceState]):
         # model exists to merge.  Its round, for whoever acts on a prediction.
         self.deployable: np.ndarray | None = None
         self.deployable_round = self.deployable_iteration = 0
+        # Candidates are judged against it on the recent labelled samples (promotion.py).
+        self.shadow = (ShadowWindow(inference.promote_window, sample_shape)
+                       if inference is not None and inference.promote == "not_worse" else None)
+        self.last_verdict = Verdict(True)
+        self._refused_in_a_row = 0
         self.last_inference_s = 0.0  # per sample, of the last prediction
         self.trainer = trainer
         self.trainer.lr = config.lr
@@ -172,10 +178,15 @@ class Device(RoleBase[DeviceState]):
         if pre is None:
             return {}
         per = pre.per_class()
+        verdict = self.last_verdict
         return {"prequential_accuracy": pre.accuracy,
                 **{f"prequential_accuracy.class_{k}": float(a) for k, a in enumerate(per)
                    if a == a},
-                "inference_seconds": self.last_inference_s}
+                "inference_seconds": self.last_inference_s,
+                "deployed_round": self.deployable_round,
+                **({"shadow_accuracy": verdict.shadow_accuracy,
+                    "deployed_accuracy": float(verdict.deployed_accuracy or 0.0)}
+                   if verdict.shadow_accuracy is not None else {})}
 
     def subscriptions(self) -> list[str]:
         return device_topics(self.config.fleet, self.config.station)
@@ -218,6 +229,8 @@ class Device(RoleBase[DeviceState]):
         if self.prequential is not None and predicted is None:
             predicted = self._predict_every(x)
         self.buffer.push(x, y)  # validates shapes and labels before anything is scored
+        if self.shadow is not None:
+            self.shadow.add(x, y, predicted)
         if self.prequential is not None and predicted is not None:
             self.counters["prequential.scored"] += self.prequential.score(y, predicted)
         nxt = self._next_counts()
@@ -263,9 +276,9 @@ class Device(RoleBase[DeviceState]):
                      self.counters["skipped.gate"])
         self._model = message
         self.state = new
-        if self._local is None or message.iteration - self._local_iteration \
-                > self.config.merge_max_age:
-            self._deploy(message, message.weights)  # nothing fresh to merge
+        # Every broadcast is a candidate, so that a device its station leaves out keeps up;
+        # a selected one offers its merged model too, in begin_steps.
+        self._deploy(message, message.weights)
         if parked is None or message.iteration < parked.iteration:
             return []
         if not completes or message.final:
@@ -320,9 +333,43 @@ class Device(RoleBase[DeviceState]):
         return predicted
 
     def _deploy(self, model: m.StationModel, weights: np.ndarray) -> None:
-        if self.inference is not None:
-            self.deployable = weights
-            self.deployable_round, self.deployable_iteration = model.round, model.iteration
+        """Offer ``weights`` (of ``model``'s round) to the line: promoted, or kept out."""
+        if self.inference is None:
+            return
+        verdict = self.last_verdict = self._judge(weights)
+        if not verdict.promoted:
+            self.counters["promotions_refused"] += 1
+            self._refused_in_a_row += 1
+            say = log.warning if self._refused_in_a_row == 1 else log.debug  # once a streak
+            say("device %s: the model of round %d (iteration %d) scored %.3f on %d "
+                     "recent samples, the deployed one of round %d %.3f: the line keeps "
+                     "the deployed one", self.id, model.round, model.iteration,
+                     verdict.shadow_accuracy, verdict.samples, self.deployable_round,
+                     verdict.deployed_accuracy)
+            return
+        self.counters["promotions"] += 1
+        self._refused_in_a_row = 0
+        self.restore_deployable(model.round, model.iteration, weights)
+
+    def restore_deployable(self, round_: int, iteration: int, weights: np.ndarray) -> None:
+        """Put ``weights`` into use (a promotion, or what a restart found on disk)."""
+        self.deployable = weights
+        self.deployable_round, self.deployable_iteration = round_, iteration
+
+    def _judge(self, weights: np.ndarray) -> Verdict:
+        """The shadow score of a candidate: on the recent labelled samples, or the held-out
+        slice while too few have arrived; promoted unscored where nothing is deployed yet
+        or no evidence exists (``promotions.unscored``)."""
+        if self.shadow is None or self.deployable is None:
+            return Verdict(True)
+        margin = self.inference.promote_margin if self.inference is not None else 0.0
+        if len(self.shadow) >= min(MIN_EVIDENCE, self.shadow.size):
+            return self.shadow.judge(self.trainer, weights, self.deployable, margin)
+        hx, hy = self.buffer.holdout()
+        if len(hy) >= MIN_EVIDENCE:
+            return judge_on(self.trainer, hx, hy, weights, self.deployable, margin)
+        self.counters["promotions.unscored"] += 1
+        return Verdict(True)
 
     def _on_station_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
         """The station (re)appeared: it may have restarted from an older checkpoint, so the
@@ -479,6 +526,8 @@ class Device(RoleBase[DeviceState]):
                              iteration=model.iteration if model else 0,
                              local_accuracy=acc if samples else None,
                              prequential_accuracy=pre.accuracy if pre and pre.samples else None,
+                             deployed_round=self.deployable_round if self.deployable is not None
+                             else None, shadow_accuracy=self.last_verdict.shadow_accuracy,
                              epsilon=self.epsilon or None, counters=dict(self.counters), **extra)
 
     @property

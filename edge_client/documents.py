@@ -87,6 +87,8 @@ class DeviceSummary:
     iteration: int
     local_accuracy: float | None = None  # held-out accuracy of its deployable model
     prequential_accuracy: float | None = None  # test-then-train on its stream
+    deployed_round: int | None = None  # of the model the line predicts with
+    shadow_accuracy: float | None = None  # of the last candidate, on the recent samples
     epsilon: float | None = None  # what its local DP has spent
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)

@@ -65,6 +65,11 @@ HELP = {
     "iteration": "the current station iteration",
     "devices_online": "roster devices online at a station",
     "last_accuracy": "test accuracy of the last global model",
+    "promotions": "candidate models a device put into use (kind unscored: with no evidence)",
+    "promotions_refused": "candidate models kept out of use: worse than the deployed one",
+    "deployed_round": "the round of the model a device predicts with",
+    "shadow_accuracy": "the last candidate model's accuracy on the recent labelled samples",
+    "deployed_accuracy": "the deployed model's accuracy on the same samples",
 }
 
 

@@ -31,7 +31,7 @@ from .metrics import Collect, MetricsServer
 from .mqtt import MqttTransport
 from .privacy import keep_privacy_ledger
 from .runner import RoleRunner, StopFlag, pace_replay, serve
-from .serving import DeployableKeeper, StreamFeed
+from .serving import DeployableKeeper, StreamFeed, resume_deployable
 from .sources import LiveLabels, SourcePump, build_source
 from .sources.replay import ReplaySource
 from .topics import predictions_topic, summary_topic
@@ -130,6 +130,7 @@ class DeviceService:
         if device.pipeline.noise:
             keep_privacy_ledger(device, self.service.state_dir)
         if self.service.state_dir:
+            resume_deployable(self.service.state_dir, device, transport.layout_hash)
             self.keeper = DeployableKeeper(self.service.state_dir, device,
                                            transport.layout_hash)
         keep = (self.keeper,) if self.keeper else ()

@@ -13,6 +13,7 @@ the line's label arrives (:meth:`on_label`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,11 +32,12 @@ from .sources.live_labels import LiveLabels
 from .sources.pump import UNLABELLED, Drained, SourcePump
 
 __all__ = ["StreamFeed", "DeployableKeeper", "save_deployable", "load_deployable",
-           "DEPLOYABLE_FILE", "SAVE_EVERY"]
+           "resume_deployable", "roll_back", "DEPLOYABLE_FILE", "PREVIOUS_FILE", "SAVE_EVERY"]
 
 log = logging.getLogger(__name__)
 
 DEPLOYABLE_FILE = "deployable.frame"  # in the device's state directory
+PREVIOUS_FILE = "deployable.previous.frame"  # the one it replaced: what a rollback restores
 SAVE_EVERY = 5.0  # seconds between writes of the deployable model (an SD card wears)
 
 
@@ -162,6 +164,8 @@ def save_deployable(folder: str | Path, device: Device, layout_hash: str) -> Pat
     if device.deployable is None:
         return None
     path = Path(folder) / DEPLOYABLE_FILE
+    if path.exists() and _frame_iteration(path) not in (None, device.deployable_iteration):
+        os.replace(path, Path(folder) / PREVIOUS_FILE)  # kept for a rollback
     frame = encode(m.StationModel(fleet=device.config.fleet, sender=device.config.station,
                                   round=device.deployable_round,
                                   iteration=device.deployable_iteration,
@@ -170,10 +174,52 @@ def save_deployable(folder: str | Path, device: Device, layout_hash: str) -> Pat
     return path
 
 
-def load_deployable(folder: str | Path, *, layout_hash: str) -> m.StationModel:
+def _frame_iteration(path: Path) -> int | None:
+    try:
+        return decode(path.read_bytes(), max_size=path.stat().st_size + 1).message.iteration
+    except (OSError, MessageError):
+        return None
+
+
+def resume_deployable(folder: str | Path, device: Device, layout_hash: str) -> None:
+    """Put the model a device was predicting with before a restart back into use, so that
+    the first candidate after it is judged against it; a torn or foreign file is logged and
+    counted (``errors.deployable``), and the device starts without one."""
+    if not (Path(folder) / DEPLOYABLE_FILE).exists():
+        return
+    try:
+        saved = load_deployable(folder, layout_hash=layout_hash)
+    except ConfigError as exc:
+        device.counters["errors.deployable"] += 1
+        log.error("device %s: the deployable model it kept cannot be used: %s", device.id, exc)
+        return
+    device.restore_deployable(saved.round, saved.iteration, np.array(saved.weights))
+    log.info("device %s: predicting with the model of round %d it kept", device.id, saved.round)
+
+
+def roll_back(folder: str | Path, *, layout_hash: str) -> tuple[m.StationModel, m.StationModel]:
+    """Swap the deployable model in ``folder`` with the one it replaced (so that a second
+    rollback undoes the first); returns (now in use, set aside).  The device must be
+    stopped: a running one keeps the model it holds and writes it back."""
+    folder = Path(folder)
+    current = load_deployable(folder, layout_hash=layout_hash)
+    if not (folder / PREVIOUS_FILE).exists():
+        raise ConfigError("state_dir", f"no earlier model in {folder} to roll back to: the "
+                          "device has deployed one model only")
+    previous = load_deployable(folder, layout_hash=layout_hash, name=PREVIOUS_FILE)
+    # Killed at any point, no model is lost: the one in use is copied aside first.
+    aside = folder / (PREVIOUS_FILE + ".swap")
+    write_atomic(aside, (folder / DEPLOYABLE_FILE).read_bytes())
+    write_atomic(folder / DEPLOYABLE_FILE, (folder / PREVIOUS_FILE).read_bytes())
+    os.replace(aside, folder / PREVIOUS_FILE)
+    return previous, current
+
+
+def load_deployable(folder: str | Path, *, layout_hash: str,
+                    name: str = DEPLOYABLE_FILE) -> m.StationModel:
     """The deployable model a device left in ``folder``; a missing, torn or foreign file is
     a :class:`ConfigError` on ``state_dir`` that says which."""
-    path = Path(folder) / DEPLOYABLE_FILE
+    path = Path(folder) / name
     try:
         data = path.read_bytes()
     except OSError as exc:

@@ -41,6 +41,7 @@ from .clock import (
     Port,
     TimedBus,
 )
+from .fleet import PREQUENTIAL_PROMOTE
 
 if TYPE_CHECKING:
     from .fleet import FleetSpec
@@ -153,7 +154,8 @@ class Factory:
             dev = Device(cfg, shared[backend] if spec.share_trainers else trainer(backend),
                          num_classes=plan.num_classes, sample_shape=plan.sample_shape,
                          rng=np.random.default_rng(cfg.seed),
-                         inference=InferenceConfig(every=spec.prequential_every, publish=False)
+                         inference=InferenceConfig(every=spec.prequential_every, publish=False,
+                                                   promote=PREQUENTIAL_PROMOTE)
                          if spec.prequential_every else None)
             source = ReplaySource(x, y, np.random.default_rng(seed))
             dev.buffer.push(*source.read(spec.initial_samples))

@@ -20,8 +20,14 @@ from edge_client.config import DeviceConfig, TrainingSettings
 
 from .clock import ClockConfig, assign_profiles, check_batched_steps
 
-__all__ = ["Strategy", "FleetSpec", "FleetPlan", "plan_fleet", "device_id"]
+__all__ = ["Strategy", "FleetSpec", "FleetPlan", "plan_fleet", "device_id",
+           "PREQUENTIAL_PROMOTE"]
 
+
+# An experiment's prequential accuracy scores the federation's models as they arrive, as
+# the figures in docs/results.md always have; safe promotion (a device's default) would
+# score the line's choice among them instead, at a forward pass over its window per model.
+PREQUENTIAL_PROMOTE = "always"
 
 @dataclass(frozen=True)
 class Strategy:

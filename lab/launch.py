@@ -27,6 +27,7 @@ from edge_client.errors import SaflError
 
 from .clock import PROFILES
 from .datasets import Dataset
+from .fleet import PREQUENTIAL_PROMOTE
 from .simulation import FleetSpec, Strategy, plan_fleet, public_settings
 
 __all__ = ["write_fleet", "launch_fleet", "fleet_commands", "Fleet"]
@@ -98,7 +99,8 @@ def _rehearsed(spec: FleetSpec, values: dict[str, Any]) -> dict[str, Any]:
         step_s *= spec.clock.slow_factor
     return {"service": {"emulate_step_s": step_s},
             "inference": {"enabled": spec.prequential_every > 0,
-                          "every": max(1, spec.prequential_every), "publish": False}}
+                          "every": max(1, spec.prequential_every), "publish": False,
+                          "promote": PREQUENTIAL_PROMOTE}}
 
 
 @dataclass

@@ -57,7 +57,8 @@ def _metrics(port: int) -> dict[str, float]:
 class Federation:
     """Mosquitto, the cloud, a station and a camera device, each its own process."""
 
-    def __init__(self, tmp: Path, uri: str) -> None:
+    def __init__(self, tmp: Path, uri: str, *, promote: str = "not_worse", window: int = 100,
+                 hostile: tuple[Path, float] | None = None) -> None:
         acl = acl_lines(FLEET, {STATION: [DEVICE]}) + [
             f"user line-{STATION}", f"topic write line/{STATION}/#", "",
             f"user {DEVICE}", f"topic read line/{STATION}/#", ""]
@@ -78,7 +79,8 @@ class Federation:
                       + MODEL + f'[source]\nkind = "camera"\nuri = "{uri}"\n'
                       f'label_topic = "{LABELS}"\ngrayscale = true\nresize = [8, 8]\n'
                       'retries = 10\nbackoff = 0.2\ntimeout = 5.0\n'
-                      f'[inference]\njsonl = "{self.jsonl}"\nwindow = 100\n'
+                      f'[inference]\njsonl = "{self.jsonl}"\nwindow = {window}\n'
+                      f'promote = "{promote}"\n'
                       f'[service]\nmetrics_port = {self.metrics_port}\n'
                       f'state_dir = "{tmp / "state"}"\n' + _broker_table(url, DEVICE)}
         self.procs = {}
@@ -88,6 +90,10 @@ class Federation:
             command = [sys.executable, "-m", "safl", role, "--config", str(path)]
             if role == "device":
                 command = [sys.executable, "-m", "edge_client", "--config", str(path)]
+            if role == "station" and hostile is not None:  # it turns on its devices
+                command = [sys.executable, str(Path(__file__).parent / "hostile_station.py"),
+                           "--config", str(path), "--weights", str(hostile[0]),
+                           "--after", str(hostile[1])]
             self.procs[role] = subprocess.Popen(command, stdout=open(tmp / f"{role}.log", "w"),
                                                 stderr=subprocess.STDOUT,
                                                 env={**os.environ,
@@ -127,12 +133,12 @@ class Federation:
         self.broker.stop()
 
 
-def _run(tmp_path, digits, kind: str, seconds: float, outage_at: float | None):
+def _run(tmp_path, digits, kind: str, seconds: float, outage_at: float | None, **federation):
     server = StreamServer(kind, free_port(), tmp_path / f"{kind}.log")
     # ffmpeg listens only once it runs: the device starts after it (a camera that boots late
     # is the outage's case, tested below), else its first backoff eats the run.
     time.sleep(2.0)
-    fed = Federation(tmp_path, server.uri)
+    fed = Federation(tmp_path, server.uri, **federation)
     line = Line(digits.x_train, digits.y_train, CLASSES, topic=LABELS,
                 publish=fed.publish_label, seed=1)
     samples, outage = [], None
@@ -216,3 +222,46 @@ def test_an_rtsp_camera_is_predicted_at_its_rate_and_learned_from(tmp_path, digi
     assert rate >= 0.6 * FPS and joined >= 0.6 * sent
     early, end = _learned(samples, final)
     assert end >= 0.6, (early, end)
+
+
+def _shuffled_model(digits, path: Path) -> Path:
+    """Weights of the line's model trained on shuffled labels: the right size, finite and of
+    a trained model's norm, so nothing on the wire tells them apart; near chance on the line."""
+    from edge_client.trainers import build_trainer
+
+    trainer = build_trainer("softmax", input_shape=(8, 8), num_classes=4, lr=0.5, seed=2)
+    keep = np.isin(digits.y_train, CLASSES)
+    x, y = digits.x_train[keep], np.random.default_rng(3).permutation(digits.y_train[keep])
+    for k in range(200):
+        at = 32 * (k % (len(y) // 32))
+        trainer.train_step(x[at:at + 32], y[at:at + 32])
+    np.save(path, trainer.get_flat())
+    return path
+
+
+@pytest.mark.skipif(not have_ffmpeg(), reason="ffmpeg is installed by .ci/run")
+@pytest.mark.parametrize("promote", ["not_worse", "always"])
+def test_a_station_turned_bad_does_not_reach_a_guarded_line(tmp_path, digits, promote):
+    """From ``attack`` seconds on the station sends a model trained on shuffled labels every
+    iteration: a device with ``promote = "not_worse"`` keeps predicting with the model it
+    had, one with ``"always"`` puts each into use."""
+    seconds, attack = 70.0, 40.0
+    fed, line, samples, final, _, start, log = _run(
+        tmp_path, digits, "mjpeg", seconds, None, promote=promote, window=60,
+        hostile=(_shuffled_model(digits, tmp_path / "bad.npy"), attack))
+    _report(f"mjpeg, a bad station, promote = {promote}", fed, line, samples, final, start,
+            seconds)
+    curve = [(t, m.get("safl_prequential_accuracy", np.nan)) for t, m in samples]
+    at_attack = next(a for t, a in curve if t >= attack - 2.0)  # the window before it
+    end = final["safl_prequential_accuracy"]  # a window (60 labels, 20 s) after it
+    print(f"  prequential accuracy at the attack {at_attack:.3f}, at the end {end:.3f}; "
+          f"promotions {final.get('safl_promotions_total', 0):.0f}, refused "
+          f"{final.get('safl_promotions_refused_total', 0):.0f}")
+    assert at_attack >= 0.5, curve  # it had learned (chance is 0.25)
+    if promote == "not_worse":
+        assert final["safl_promotions_refused_total"] >= 5
+        assert end >= at_attack - 0.05, (at_attack, end)
+        assert "the line keeps the deployed one" in log
+    else:
+        assert not final.get("safl_promotions_refused_total")
+        assert end <= at_attack - 0.2, (at_attack, end)

@@ -72,20 +72,23 @@ def test_each_labelled_sample_is_predicted_before_it_is_trained_on(digits):
         expected)
 
 
-def test_the_deployable_model_is_the_merged_start_the_device_would_serve(digits):
+def test_every_model_and_the_merged_start_are_candidates_for_the_line(digits):
     dev = _device(digits, mix=0.5, temperature=5.0)
     dev.ingest(digits.x_train[:64], digits.y_train[:64], 0.0)
     w0 = np.zeros(dev.trainer.num_params, np.float32)
     dev.handle(_model(w0, 0), 0.0)
-    assert dev.deployable is not None and not dev.deployable.any()  # no local model yet
+    assert dev.deployable is not None and not dev.deployable.any()  # nothing to compare with
     dev.handle(m.Selection(fleet="default", sender="s0", round=0, iteration=0,
                            members=("d0",), deadline=60.0), 0.0)
-    dev.handle(_model(np.ones_like(w0), 1), 0.0)
-    # A fresh local model exists: the device serves the merge it made, not the raw aggregate.
-    assert dev.deployable_iteration == 0 and not np.array_equal(dev.deployable, np.ones_like(w0))
+    # An unselected device keeps up with its station: the broadcast is a candidate (as good
+    # as the zeros on these samples: both predict one class), promoted.
+    dev.handle(_model(np.full_like(w0, 1e-3), 1), 0.0)
+    assert dev.deployable_iteration == 1 and dev.counters["promotions"] == 3
     dev.handle(m.Selection(fleet="default", sender="s0", round=0, iteration=1,
                            members=("d0",), deadline=60.0), 0.0)
-    assert dev.deployable_iteration == 1
+    # Selected, with a fresh local model: the merge it made is the next candidate.
+    assert dev.deployable_iteration == 1 and not np.array_equal(dev.deployable,
+                                                                np.full_like(w0, 1e-3))
     assert not Device(dev.config, dev.trainer, num_classes=10, sample_shape=(8, 8),
                       rng=np.random.default_rng(0)).prequential  # the simulator's default
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..errors import ConfigError
 from .loading import check_range
 
-__all__ = ["InferenceConfig"]
+__all__ = ["InferenceConfig", "PROMOTE"]
+
+PROMOTE = ("not_worse", "always")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -19,7 +22,10 @@ class InferenceConfig:
     predicted per loop turn: a backlog beyond it is skipped (``inference_skipped``) so that
     inference never holds training up.  ``window`` labelled samples make the prequential
     accuracy.  ``publish`` sends each prediction on the device's ``predictions`` topic;
-    ``jsonl`` also appends them to that file ("": no file).
+    ``jsonl`` also appends them to that file ("": no file).  ``promote`` decides which
+    model the line uses (``edge_client/promotion.py``): "not_worse" puts a candidate into
+    use only if its accuracy on the last ``promote_window`` labelled samples is at least
+    the deployed model's less ``promote_margin``; "always" uses every model that arrives.
     """
 
     enabled: bool = True
@@ -29,9 +35,16 @@ class InferenceConfig:
     window: int = 500
     publish: bool = True
     jsonl: str = ""
+    promote: str = "not_worse"
+    promote_window: int = 200
+    promote_margin: float = 0.02
 
     def __post_init__(self) -> None:
         check_range("fps", self.fps, 0)
         check_range("every", self.every, 1)
         check_range("max_batch", self.max_batch, 1)
         check_range("window", self.window, 1)
+        if self.promote not in PROMOTE:
+            raise ConfigError("promote", f"must be one of {PROMOTE}, got {self.promote!r}")
+        check_range("promote_window", self.promote_window, 1)
+        check_range("promote_margin", self.promote_margin, 0, 1)

@@ -1,0 +1,161 @@
+"""Safe promotion: a candidate model goes into use on the line only if it is not worse than
+the deployed one on the recent labelled samples; a bad model is kept out, and an operator
+can roll back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_client import messages as m
+from edge_client.config import DeviceConfig, InferenceConfig
+from edge_client.device import Device
+from edge_client.errors import ConfigError
+from edge_client.promotion import ShadowWindow
+from edge_client.trainers import build_trainer
+
+
+def _trained(digits, labels=None, steps=80):
+    """Softmax weights trained on digits (``labels``: shuffled ones, a bad model that is
+    plausible on the wire: the right shape, finite, of the usual norm)."""
+    t = build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.5, seed=1)
+    y = digits.y_train[:600] if labels is None else labels
+    for k in range(steps):
+        sl = slice(32 * (k % 18), 32 * (k % 18) + 32)
+        t.train_step(digits.x_train[sl], y[sl])
+    return t.get_flat()
+
+
+def _device(promote: str, **inference):
+    return Device(DeviceConfig(device_id="d0", station="s0", batch_size=16, holdout_every=0),
+                  build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.1, seed=0),
+                  num_classes=10, sample_shape=(8, 8), rng=np.random.default_rng(0),
+                  inference=InferenceConfig(promote=promote, **inference))
+
+
+def _model(weights, iteration):
+    return m.StationModel(fleet="default", sender="s0", round=iteration, iteration=iteration,
+                          weights=weights)
+
+
+def _stream(dev, digits, lo, hi, chunk=20):
+    """Accuracy of the line's predictions over samples lo..hi of the training split past
+    what the models were trained on (600 on), each predicted before the device takes it."""
+    hits = 0
+    for at in range(lo, hi, chunk):
+        x, y = digits.x_train[600 + at:600 + at + chunk], digits.y_train[600 + at:600 + at + chunk]
+        predicted = dev.infer(x)[0]
+        hits += int((predicted == y).sum())
+        dev.ingest(x, y, 0.0, predicted=predicted)
+    return hits / (hi - lo)
+
+
+@pytest.mark.parametrize("promote", ["not_worse", "always"])
+def test_a_bad_model_from_the_station_is_kept_off_the_line(digits, promote):
+    good = _trained(digits)
+    shuffled = _trained(digits, labels=np.random.default_rng(5).permutation(
+        digits.y_train[:600]))
+    dev = _device(promote)
+    dev.handle(_model(good, 0), 0.0)
+    before = _stream(dev, digits, 0, 200)
+    dev.handle(_model(shuffled, 1), 0.0)  # plausible on the wire, bad on the line
+    after = _stream(dev, digits, 200, 400)
+    assert before > 0.8
+    if promote == "not_worse":
+        assert after > before - 0.05 and dev.deployable_round == 0
+        assert dev.counters["promotions_refused"] == 1 and dev.counters["promotions"] == 1
+        assert dev.last_verdict.shadow_accuracy < 0.3 < 0.8 < dev.last_verdict.deployed_accuracy
+        gauges = dev.metrics()
+        assert gauges["deployed_round"] == 0 and gauges["shadow_accuracy"] < 0.3
+        assert dev.summary().deployed_round == 0
+    else:
+        assert after < before - 0.5 and dev.deployable_round == 1
+        assert dev.counters["promotions"] == 2 and not dev.counters["promotions_refused"]
+    dev.handle(_model(_trained(digits, steps=120), 2), 0.0)  # a good one still goes in
+    assert dev.deployable_round == 2
+
+
+def test_a_candidate_within_the_margin_is_promoted_and_one_beyond_it_is_not(digits):
+    good = _trained(digits)
+    dev = _device("not_worse", promote_margin=0.05)
+    dev.handle(_model(good, 0), 0.0)
+    _stream(dev, digits, 0, 200)
+    noisy = good + np.random.default_rng(0).normal(0, 0.05, good.size).astype(np.float32)
+    dev.handle(_model(noisy, 1), 0.0)  # a little worse or better: within 5 points
+    assert dev.deployable_round == 1
+    worse = good * np.float32(-1.0)
+    dev.handle(_model(worse, 2), 0.0)
+    assert dev.deployable_round == 1 and dev.counters["promotions_refused"] == 1
+
+
+def test_the_held_out_slice_judges_while_no_labels_have_arrived(digits):
+    dev = Device(DeviceConfig(device_id="d0", station="s0", batch_size=16, holdout_every=2),
+                 build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.1, seed=0),
+                 num_classes=10, sample_shape=(8, 8), rng=np.random.default_rng(0),
+                 inference=InferenceConfig(promote_window=500))
+    dev.handle(_model(_trained(digits), 0), 0.0)
+    # Samples loaded before the stream (a source's ``initial``) fill the buffer only.
+    dev.buffer.push(digits.x_train[600:700], digits.y_train[600:700])  # 50 held out
+    dev.handle(_model(-_trained(digits), 1), 0.0)
+    assert dev.deployable_round == 0 and dev.last_verdict.samples == 50
+
+
+def test_the_window_keeps_the_deployed_models_hits_from_its_predictions_on_arrival():
+    w = ShadowWindow(4, (2,))
+    x = np.zeros((6, 2), np.float32)
+    w.add(x, np.array([0, 1, 2, 3, 4, 5]), np.array([0, 9, 2, -1, 4, 9]))
+    # Only the last four samples (2, 3, 4, 5) are kept; 3 was not predicted.
+    assert len(w) == 4 and w._hits.tolist() == [1, -1, 1, 0]
+    w.add(x[:1], np.array([7]), None)  # overwrites the oldest, 2, as unknown
+    assert w._hits.tolist() == [-1, -1, 1, 0] and w._y.tolist() == [7, 3, 4, 5]
+    with pytest.raises(ConfigError, match="promote"):
+        InferenceConfig(promote="sometimes")
+
+
+def _toml(tmp_path):
+    toml = tmp_path / "dev.toml"
+    toml.write_text('[device]\ndevice_id = "d0"\nstation = "s0"\n[model]\nname = "softmax"\n'
+                    'input_shape = [8, 8]\nnum_classes = 10\n[source]\nkind = "synthetic"\n'
+                    f'[service]\nstate_dir = "{tmp_path / "state"}"\n')
+    return toml
+
+
+def test_a_restarted_device_judges_candidates_against_the_model_it_kept(digits, tmp_path):
+    from edge_client.serving import resume_deployable, save_deployable
+    from edge_client.trainers import layout_hash
+
+    dev = _device("not_worse")
+    dev.handle(_model(_trained(digits), 4), 0.0)
+    lay = layout_hash(dev.trainer.layout)
+    save_deployable(tmp_path, dev, lay)
+    again = _device("not_worse")  # restarted: its window is empty, its model on disk
+    resume_deployable(tmp_path, again, lay)
+    assert again.deployable_round == 4
+    _stream(again, digits, 0, 100)
+    again.handle(_model(-_trained(digits), 5), 0.0)
+    assert again.deployable_round == 4 and again.counters["promotions_refused"] == 1
+    (tmp_path / "deployable.frame").write_bytes(b"torn")
+    torn = _device("not_worse")
+    resume_deployable(tmp_path, torn, lay)  # said and counted, and it starts without
+    assert torn.deployable is None and torn.counters["errors.deployable"] == 1
+
+
+def test_an_operator_rolls_back_to_the_model_in_use_before(digits, tmp_path, capsys):
+    from edge_client.cli import main as device_main
+    from edge_client.serving import load_deployable, save_deployable
+    from edge_client.trainers import layout_hash
+
+    toml, state = _toml(tmp_path), tmp_path / "state"
+    dev = _device("always")
+    lay = layout_hash(dev.trainer.layout)
+    dev.handle(_model(_trained(digits), 1), 0.0)
+    save_deployable(state, dev, lay)
+    assert device_main(["rollback", "--config", str(toml)]) == 2  # one model only: said
+    assert "no earlier model" in capsys.readouterr().err
+    dev.handle(_model(_trained(digits, steps=10), 2), 0.0)
+    save_deployable(state, dev, lay)  # the model of round 1 is kept beside it
+    assert device_main(["rollback", "--config", str(toml)]) == 0
+    assert "round 1" in capsys.readouterr().out
+    assert load_deployable(state, layout_hash=lay).round == 1
+    assert device_main(["rollback", "--config", str(toml)]) == 0  # and back again
+    assert load_deployable(state, layout_hash=lay).round == 2
