@@ -129,13 +129,17 @@ class Station(RoleBase[StationState]):
         self._seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
         self._sitting_out: dict[str, int] = {}  # refused members: left out up to this iteration
         self._seats: Counter[str] = Counter()  # each device's seats in this round's super nodes
+        self.pipeline = UpdatePipeline(config.update_stages)
+        # Under local DP every honest step carries its noise: the guard starts from that
+        # length (else it would refuse every noised update before any joined its history).
         self.guard = NormGuard(bound=config.update_norm_bound, factor=config.update_norm_factor,
-                               initial=config.lr * config.local_steps * config.grad_norm_bound,
+                               initial=max(config.lr * config.local_steps
+                                           * config.grad_norm_bound,
+                                           self.pipeline.noised_step_bound(num_params)),
                                hard_factor=config.update_norm_hard_factor)
         self.share = ShareCap(config.share_window, config.max_selection_share)
         self.replay = ReplayGuard(num_params, seed=config.seed,
                                   tolerance=config.replay_tolerance)
-        self.pipeline = UpdatePipeline(config.update_stages)
         self.dp = CentralDP(config, config.seed)
         self.tally = ClaimTally(config.devices)
         self.stragglers = StragglerWatch(factor=config.straggler_factor,

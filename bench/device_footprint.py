@@ -96,6 +96,8 @@ dev = Device(DeviceConfig(device_id="d", station="s", mix=0.5, temperature=50.0,
              inference=InferenceConfig() if serving else None)
 rng = np.random.default_rng(1)
 zbar = trainer.get_flat()
+scores = lambda: dev.counters["promotions"] + dev.counters["promotions_refused"]
+scored_from = None
 times, frame_times, shadow_times = [], [], []
 for t in range(iterations + 5):
     x, y = rng.random((32, *shape), dtype=np.float32), rng.integers(0, 10, 32)
@@ -109,10 +111,12 @@ for t in range(iterations + 5):
             if t >= 5:
                 frame_times.append(time.perf_counter() - start)
     dev.ingest(x, y, 0.0, predicted=predicted)
-    start = time.perf_counter()
+    if t == 5:
+        scored_from = scores()
+    before, start = scores(), time.perf_counter()
     dev.handle(m.StationModel(fleet="default", sender="s", round=0, iteration=t,
                               weights=zbar), 0.0)
-    if t >= 5 and serving:  # the candidate's shadow score (the window is full by then)
+    if t >= 5 and scores() > before:  # a shadow score (the window is full by then)
         shadow_times.append(time.perf_counter() - start)
     start = time.perf_counter()
     out = dev.handle(m.Selection(fleet="default", sender="s", round=0, iteration=t,
@@ -126,6 +130,10 @@ with open("/proc/self/status") as fh:
 print(json.dumps({"import_s": import_s, "step_ms": 1e3 * float(np.median(times)),
                   "frame_ms": 1e3 * float(np.median(frame_times)) if frame_times else None,
                   "shadow_ms": 1e3 * float(np.median(shadow_times)) if shadow_times else None,
+                  # candidates scored per iteration: a broadcast, and where it was scored
+                  # the merged model too, one iteration in promote_every
+                  "scores_per_iteration": (scores() - scored_from) / iterations if serving
+                  else 0.0,
                   "peak_rss_mb": rss_mb, "params": trainer.num_params,
                   "torch_loaded": "torch" in sys.modules}))
 """
@@ -180,14 +188,18 @@ def main() -> None:
     print("\ninference on the stream: each frame predicted alone by the deployable model "
           "before it is buffered (docs/sources.md); the same run with inference off beside it")
     print(f"{'backend':<10} {'model':<10} {'frame ms':>9} {'step ms':>8} {'frame/step':>11} "
-          f"{'shadow ms':>10} {'shadow/step':>12} "
+          f"{'shadow ms':>10} {'shadow/step':>12} {'a iteration':>12} "
           f"{'RSS off MB':>11} {'RSS on MB':>10} {'on/off':>7}")
     for name in wanted:
         r, off = served[name], rows[name]
-        print(f"{name:<10} {models[name]:<10} {r['frame_ms']:>9.3f} {r['step_ms']:>8.2f} "
-              f"{r['frame_ms'] / r['step_ms']:>11.2f} {r['shadow_ms']:>10.2f} "
-              f"{r['shadow_ms'] / r['step_ms']:>12.2f} {off['peak_rss_mb']:>11.1f} "
+        step = off["step_ms"]  # the step without inference: what the scores are priced in
+        shadow = r["shadow_ms"] / step
+        print(f"{name:<10} {models[name]:<10} {r['frame_ms']:>9.3f} {step:>8.2f} "
+              f"{r['frame_ms'] / step:>11.2f} {r['shadow_ms']:>10.2f} {shadow:>12.2f} "
+              f"{shadow * r['scores_per_iteration']:>12.2f} {off['peak_rss_mb']:>11.1f} "
               f"{r['peak_rss_mb']:>10.1f} {r['peak_rss_mb'] / off['peak_rss_mb']:>7.3f}")
+    print("shadow: one candidate's score on the 200-sample window; a iteration: those scores "
+          "spread over the iterations (promote_every 10, a selected device)")
     print("targets: small_cnn frame < 0.2x a step, shadow score < 0.2x a step; RSS with "
           "inference on < 1.10x off")
     merge = {}

@@ -118,6 +118,7 @@ class Device(RoleBase[DeviceState]):
                        if inference is not None and inference.promote == "not_worse" else None)
         self.last_verdict = Verdict(True)
         self._refused_in_a_row = 0
+        self._scored_at = -1 << 62  # station iteration of the last scored candidate
         self.last_inference_s = 0.0  # per sample, of the last prediction
         self.trainer = trainer
         self.trainer.lr = config.lr
@@ -332,9 +333,12 @@ class Device(RoleBase[DeviceState]):
                 predicted[chosen] = out[0]
         return predicted
 
-    def _deploy(self, model: m.StationModel, weights: np.ndarray) -> None:
-        """Offer ``weights`` (of ``model``'s round) to the line: promoted, or kept out."""
+    def _deploy(self, model: m.StationModel, weights: np.ndarray, merged: bool = False) -> None:
+        """Offer ``weights`` (of ``model``'s round; ``merged``: the device's own start
+        from it) to the line: promoted, or kept out."""
         if self.inference is None:
+            return
+        if self._between_scores(model, merged):
             return
         verdict = self.last_verdict = self._judge(weights)
         if not verdict.promoted:
@@ -350,6 +354,20 @@ class Device(RoleBase[DeviceState]):
         self.counters["promotions"] += 1
         self._refused_in_a_row = 0
         self.restore_deployable(model.round, model.iteration, weights)
+
+    def _between_scores(self, model: m.StationModel, merged: bool) -> bool:
+        """Whether ``model`` arrived within ``promote_every`` iterations of the last scored
+        candidate (then it waits: the line keeps its model); a final model is always
+        scored, and so is a selected device's merged model of the iteration just scored."""
+        if self.shadow is None or self.deployable is None or model.final \
+                or (merged and model.iteration == self._scored_at):
+            return False
+        every = self.inference.promote_every if self.inference is not None else 1
+        if 0 <= model.iteration - self._scored_at < every:
+            self.counters["promotions.waiting"] += 1
+            return True
+        self._scored_at = model.iteration
+        return False
 
     def restore_deployable(self, round_: int, iteration: int, weights: np.ndarray) -> None:
         """Put ``weights`` into use (a promotion, or what a restart found on disk)."""
@@ -440,7 +458,7 @@ class Device(RoleBase[DeviceState]):
         # model.weights is read-only; the merge, the trainer and the gate only read it
         start = self._start_model(model.weights, t)
         self.trainer.set_flat(start)
-        self._deploy(model, start)
+        self._deploy(model, start, merged=True)
         self._measure_local(t)
         batches = []
         for _ in range(cfg.local_steps):

@@ -220,6 +220,15 @@ class UpdatePipeline:
         """Local DP's noise multiplier (0: no noise stage)."""
         return self.noise.multiplier if self.noise else 0.0
 
+    def noised_step_bound(self, num_params: int) -> float:
+        """The longest step an honest device sends through a noise stage: the clip bound
+        plus the noise's norm, which passes ``sqrt(d) + 4`` standard deviations with
+        probability under ``exp(-8)`` (Gaussian concentration); 0 without noise.  A
+        station's distance guard starts from it, not from an unnoised step's length."""
+        if self.noise is None or self.clip is None:
+            return 0.0
+        return self.clip.bound * (1 + self.noise.multiplier * (np.sqrt(num_params) + 4))
+
     def encode(self, step: np.ndarray, residual: np.ndarray | None, rng: np.random.Generator,
                noise_rng: np.random.Generator | None = None
                ) -> tuple[Encoded, np.ndarray | None]:

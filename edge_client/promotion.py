@@ -26,6 +26,7 @@ __all__ = ["ShadowWindow", "Verdict", "judge_on", "MIN_EVIDENCE"]
 log = logging.getLogger(__name__)
 
 MIN_EVIDENCE = 32  # labelled samples below which a comparison says too little to act on
+CHUNK = 32  # samples a shadow forward pass takes at once: a CNN's buffers grow with it
 _UNKNOWN = -1  # a window slot the deployed model has not predicted
 
 
@@ -73,8 +74,8 @@ class ShadowWindow:
         x, y, hits = self._x[:n], self._y[:n], self._hits[:n]
         unknown = np.flatnonzero(hits == _UNKNOWN)
         if len(unknown):
-            hits[unknown] = predict(trainer, x[unknown], deployed)[0] == y[unknown]
-        shadow = predict(trainer, x, candidate)[0] == y
+            hits[unknown] = _classes(trainer, x[unknown], deployed) == y[unknown]
+        shadow = _classes(trainer, x, candidate) == y
         verdict = _verdict(float(shadow.mean()), float(hits.mean()), margin, n)
         if verdict.promoted:
             hits[:] = shadow
@@ -85,9 +86,14 @@ def judge_on(trainer: Trainer, x: np.ndarray, y: np.ndarray, candidate: np.ndarr
              deployed: np.ndarray, margin: float) -> Verdict:
     """Score ``candidate`` beside ``deployed`` on samples kept for nothing else (the
     held-out slice)."""
-    shadow = float(np.mean(predict(trainer, x, candidate)[0] == y))
-    return _verdict(shadow, float(np.mean(predict(trainer, x, deployed)[0] == y)), margin,
+    shadow = float(np.mean(_classes(trainer, x, candidate) == y))
+    return _verdict(shadow, float(np.mean(_classes(trainer, x, deployed) == y)), margin,
                     len(y))
+
+
+def _classes(trainer: Trainer, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    return np.concatenate([predict(trainer, x[i:i + CHUNK], weights)[0]
+                           for i in range(0, len(x), CHUNK)])
 
 
 def _verdict(shadow: float, deployed: float, margin: float, n: int) -> Verdict:

@@ -80,7 +80,9 @@ class Federation:
                       f'label_topic = "{LABELS}"\ngrayscale = true\nresize = [8, 8]\n'
                       'retries = 10\nbackoff = 0.2\ntimeout = 5.0\n'
                       f'[inference]\njsonl = "{self.jsonl}"\nwindow = {window}\n'
-                      f'promote = "{promote}"\n'
+                      # one shadow score in 2 iterations, not 10: this federation's
+                      # iterations are seconds apart, a plant's a fraction of that
+                      f'promote = "{promote}"\npromote_every = 2\n'
                       f'[service]\nmetrics_port = {self.metrics_port}\n'
                       f'state_dir = "{tmp / "state"}"\n' + _broker_table(url, DEVICE)}
         self.procs = {}
@@ -259,7 +261,7 @@ def test_a_station_turned_bad_does_not_reach_a_guarded_line(tmp_path, digits, pr
           f"{final.get('safl_promotions_refused_total', 0):.0f}")
     assert at_attack >= 0.5, curve  # it had learned (chance is 0.25)
     if promote == "not_worse":
-        assert final["safl_promotions_refused_total"] >= 5
+        assert final["safl_promotions_refused_total"] >= 3
         assert end >= at_attack - 0.05, (at_attack, end)
         assert "the line keeps the deployed one" in log
     else:

@@ -238,6 +238,25 @@ def test_a_sweep_of_update_stages_reports_what_they_cost_and_save(tmp_path, caps
     assert report.read_text() == text  # rewritten in place, from the finished runs
 
 
+def test_sweep_cases_are_settings_that_are_not_a_grid(tmp_path):
+    from lab.sweep import load_grid
+
+    config = tmp_path / "cases.toml"
+    config.write_text(open("experiments/quick.toml").read().replace("rounds = 6", "rounds = 2")
+                      + 'strategies = ["fedgs", "fedavg"]\n\n[sweep]\nseed = [0]\ncases = [\n'
+                        '  {},\n  {lr = 0.2, strategies = ["fedgs"]},\n]\n')
+    assert load_grid(config) == [{"seed": 0}, {"lr": 0.2, "strategies": ("fedgs",), "seed": 0}]
+    assert main(["sweep", str(config), "--out", str(tmp_path / "s")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "s" / "sweep.csv")))
+    # A case's own strategies run alone; a key a case leaves unset shows as "-".
+    assert [(r["lr"], r["strategy"]) for r in rows] == [("-", "fedgs"), ("0.2", "fedgs"),
+                                                        ("-", "fedavg")]
+    assert rows[1]["vs_first"] and not rows[2]["vs_first"]
+    config.write_text(config.read_text().replace("{},", "{learning_rate = 1},"))
+    with pytest.raises(ConfigError, match="sweep.cases.learning_rate"):
+        load_grid(config)
+
+
 def test_a_report_rewrites_its_own_sections_and_keeps_the_others(tmp_path):
     from lab.results import REPORT_HEAD, write_report
 

@@ -73,7 +73,7 @@ def test_each_labelled_sample_is_predicted_before_it_is_trained_on(digits):
 
 
 def test_every_model_and_the_merged_start_are_candidates_for_the_line(digits):
-    dev = _device(digits, mix=0.5, temperature=5.0)
+    dev = _device(digits, InferenceConfig(promote_every=1), mix=0.5, temperature=5.0)
     dev.ingest(digits.x_train[:64], digits.y_train[:64], 0.0)
     w0 = np.zeros(dev.trainer.num_params, np.float32)
     dev.handle(_model(w0, 0), 0.0)

@@ -122,6 +122,22 @@ def test_devices_stop_uploading_when_their_budget_is_spent(digits):
     assert run.rows[-1]["uploads"] <= 16
 
 
+def test_a_station_fuses_honest_locally_noised_steps_from_the_first():
+    """Before its guard has a history, it starts from a noised step's length: an unnoised
+    step's (lr x steps x gradient bound) refused every noised update of a FedGS fleet."""
+    from test_pipeline import _encoded_update, _station
+
+    stages = ("clip:1.0", "noise:10")
+    st, pipe = _station(stages), UpdatePipeline(list(stages))
+    rng = np.random.default_rng(0)
+    for d in ("d0", "d1"):
+        step = np.full(8, 0.1, np.float32)
+        enc, _ = pipe.encode(step, None, rng)
+        st.handle(_encoded_update(d, pipe, step, weights=enc.values), 1.0)
+    assert st.counters["received_updates"] == 2 and not st.counters["rejected.update_norm"]
+    assert st.guard.initial == pytest.approx(1.0 * (1 + 10 * (np.sqrt(8) + 4)))
+
+
 def test_a_restarted_device_remembers_what_it_has_spent(digits, tmp_path):
     from edge_client.device import Device
     from edge_client.privacy import PRIVACY_FILE, keep_privacy_ledger

@@ -4,6 +4,8 @@ can roll back."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -27,6 +29,7 @@ def _trained(digits, labels=None, steps=80):
 
 
 def _device(promote: str, **inference):
+    inference.setdefault("promote_every", 1)  # every candidate scored, but where tested
     return Device(DeviceConfig(device_id="d0", station="s0", batch_size=16, holdout_every=0),
                   build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.1, seed=0),
                   num_classes=10, sample_shape=(8, 8), rng=np.random.default_rng(0),
@@ -88,11 +91,26 @@ def test_a_candidate_within_the_margin_is_promoted_and_one_beyond_it_is_not(digi
     assert dev.deployable_round == 1 and dev.counters["promotions_refused"] == 1
 
 
+def test_one_candidate_is_scored_in_promote_every_iterations(digits):
+    dev = _device("not_worse", promote_every=5)
+    dev.handle(_model(_trained(digits), 0), 0.0)  # nothing deployed: in, unscored
+    _stream(dev, digits, 0, 100)
+    good = _trained(digits, steps=120)
+    for it in range(1, 12):
+        dev.handle(_model(good, it), 0.0)
+    # Scored at 1, 6 and 11: the line followed at each check and kept its model between.
+    assert dev.counters["promotions"] == 4 and dev.counters["promotions.waiting"] == 8
+    assert dev.deployable_iteration == 11
+    final = dataclasses.replace(_model(-good, 12), final=True)
+    dev.handle(final, 0.0)  # a final model is judged at once
+    assert dev.counters["promotions_refused"] == 1 and dev.deployable_iteration == 11
+
+
 def test_the_held_out_slice_judges_while_no_labels_have_arrived(digits):
     dev = Device(DeviceConfig(device_id="d0", station="s0", batch_size=16, holdout_every=2),
                  build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.1, seed=0),
                  num_classes=10, sample_shape=(8, 8), rng=np.random.default_rng(0),
-                 inference=InferenceConfig(promote_window=500))
+                 inference=InferenceConfig(promote_window=500, promote_every=1))
     dev.handle(_model(_trained(digits), 0), 0.0)
     # Samples loaded before the stream (a source's ``initial``) fill the buffer only.
     dev.buffer.push(digits.x_train[600:700], digits.y_train[600:700])  # 50 held out

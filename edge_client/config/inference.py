@@ -25,7 +25,10 @@ class InferenceConfig:
     ``jsonl`` also appends them to that file ("": no file).  ``promote`` decides which
     model the line uses (``edge_client/promotion.py``): "not_worse" puts a candidate into
     use only if its accuracy on the last ``promote_window`` labelled samples is at least
-    the deployed model's less ``promote_margin``; "always" uses every model that arrives.
+    the deployed model's less ``promote_margin``, and scores one candidate in
+    ``promote_every`` station iterations (the first to arrive once they have passed; a
+    candidate a forward pass over the window costs, the rest wait for the next); "always"
+    uses every model that arrives.
     """
 
     enabled: bool = True
@@ -38,6 +41,7 @@ class InferenceConfig:
     promote: str = "not_worse"
     promote_window: int = 200
     promote_margin: float = 0.02
+    promote_every: int = 10
 
     def __post_init__(self) -> None:
         check_range("fps", self.fps, 0)
@@ -48,3 +52,4 @@ class InferenceConfig:
             raise ConfigError("promote", f"must be one of {PROMOTE}, got {self.promote!r}")
         check_range("promote_window", self.promote_window, 1)
         check_range("promote_margin", self.promote_margin, 0, 1)
+        check_range("promote_every", self.promote_every, 1)
