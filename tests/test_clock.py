@@ -162,7 +162,8 @@ def test_a_rehearsed_fleet_trains_at_its_profiles_pace_and_predicts_as_simulated
     dev0, dev1 = (tomllib.loads(paths[d].read_text()) for d in ("dev000", "dev001"))
     assert dev0["service"]["emulate_step_s"] == step
     assert dev1["service"]["emulate_step_s"] == pytest.approx(30 * step)
-    assert dev0["inference"] == {"enabled": False, "every": 1, "publish": False}
+    assert dev0["inference"] == {"enabled": False, "every": 1, "publish": False,
+                                 "promote": "always"}
     plain = write_fleet(tmp_path / "plain", digits, FEDGS, _spec(digits, devices=4),
                         "mqtt://127.0.0.1:1")
     assert "service" not in tomllib.loads(plain["dev000"].read_text())
