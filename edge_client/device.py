@@ -108,9 +108,9 @@ class Device(RoleBase[DeviceState]):
         self.inference = inference
         self.prequential = (Prequential(inference.window, num_classes)
                             if inference is not None and inference.enabled else None)
-        # The model the device would deploy: the aggregate after the annealed merge (the
-        # one ``local_accuracy`` describes), or the latest aggregate while no fresh local
-        # model exists to merge.  Its round, for whoever acts on a prediction.
+        # The model the line predicts with: the last candidate promoted (a broadcast, or
+        # the aggregate after the annealed merge when selected).  Its round, for whoever
+        # acts on a prediction.
         self.deployable: np.ndarray | None = None
         self.deployable_round = self.deployable_iteration = 0
         # Candidates are judged against it on the recent labelled samples (promotion.py).
@@ -345,11 +345,10 @@ class Device(RoleBase[DeviceState]):
             self.counters["promotions_refused"] += 1
             self._refused_in_a_row += 1
             say = log.warning if self._refused_in_a_row == 1 else log.debug  # once a streak
-            say("device %s: the model of round %d (iteration %d) scored %.3f on %d "
-                     "recent samples, the deployed one of round %d %.3f: the line keeps "
-                     "the deployed one", self.id, model.round, model.iteration,
-                     verdict.shadow_accuracy, verdict.samples, self.deployable_round,
-                     verdict.deployed_accuracy)
+            say("device %s: the model of round %d (iteration %d) scored %.3f on %d recent "
+                "samples, the deployed one of round %d %.3f: the line keeps the deployed one",
+                self.id, model.round, model.iteration, verdict.shadow_accuracy,
+                verdict.samples, self.deployable_round, verdict.deployed_accuracy)
             return
         self.counters["promotions"] += 1
         self._refused_in_a_row = 0
