@@ -146,7 +146,9 @@ class DeployableKeeper:
 
     def __init__(self, folder: str | Path, device: Device, layout_hash: str) -> None:
         self.folder, self.device, self.layout_hash = folder, device, layout_hash
-        self._iteration, self._at = -1, -SAVE_EVERY  # of the model on disk
+        # Of the model on disk: a model resumed from there is on disk already.
+        self._iteration = device.deployable_iteration if device.deployable is not None else -1
+        self._at = -SAVE_EVERY
 
     def __call__(self, now: float) -> None:
         if self.device.deployable_iteration != self._iteration and \
@@ -154,18 +156,24 @@ class DeployableKeeper:
             self.save(now)
 
     def save(self, now: float = 0.0) -> None:
-        if save_deployable(self.folder, self.device, self.layout_hash) is not None:
+        if save_deployable(self.folder, self.device, self.layout_hash,
+                           on_disk=self._iteration) is not None:
             self._iteration, self._at = self.device.deployable_iteration, now
 
 
-def save_deployable(folder: str | Path, device: Device, layout_hash: str) -> Path | None:
+def save_deployable(folder: str | Path, device: Device, layout_hash: str,
+                    on_disk: int | None = None) -> Path | None:
     """Write the device's deployable model to its state directory as one wire frame (the
-    versioned, checksummed format models travel in), atomically; None before it has one."""
+    versioned, checksummed format models travel in), atomically; None before it has one.
+    The model it replaces is kept beside it for a rollback; ``on_disk``, the iteration of
+    the model there where the caller knows it, spares reading the file to tell."""
     if device.deployable is None:
         return None
     path = Path(folder) / DEPLOYABLE_FILE
-    if path.exists() and _frame_iteration(path) not in (None, device.deployable_iteration):
-        os.replace(path, Path(folder) / PREVIOUS_FILE)  # kept for a rollback
+    if path.exists():
+        there = _frame_iteration(path) if on_disk is None else on_disk
+        if there not in (None, -1, device.deployable_iteration):
+            os.replace(path, Path(folder) / PREVIOUS_FILE)
     frame = encode(m.StationModel(fleet=device.config.fleet, sender=device.config.station,
                                   round=device.deployable_round,
                                   iteration=device.deployable_iteration,

@@ -177,3 +177,21 @@ def test_an_operator_rolls_back_to_the_model_in_use_before(digits, tmp_path, cap
     assert load_deployable(state, layout_hash=lay).round == 1
     assert device_main(["rollback", "--config", str(toml)]) == 0  # and back again
     assert load_deployable(state, layout_hash=lay).round == 2
+
+
+def test_a_candidate_exactly_at_the_margin_is_promoted_and_one_sample_below_is_not():
+    trainer = build_trainer("softmax", input_shape=(2,), num_classes=2, lr=0.1, seed=0)
+    w = ShadowWindow(50, (2,))
+    x = np.zeros((50, 2), np.float32)
+    deployed, candidate = trainer.get_flat(), trainer.get_flat()
+    label = int(trainer.logits(x[:1], candidate).argmax())  # what both predict on zeros
+    y = np.full(50, label)
+    w.add(x, y, np.full(50, label))  # the deployed model: 50 of 50
+    y2 = y.copy()
+    y2[:1] = 1 - label  # the candidate predicts `label` everywhere: 49 of 50 now
+    w._y[:] = y2
+    assert w.judge(trainer, candidate, deployed, margin=0.02).promoted  # 0.98 = 1.0 - 0.02
+    w.add(x, y, np.full(50, label))
+    y2[:2] = 1 - label
+    w._y[:] = y2
+    assert not w.judge(trainer, candidate, deployed, margin=0.02).promoted  # 0.96
