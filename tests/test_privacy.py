@@ -135,7 +135,14 @@ def test_a_station_fuses_honest_locally_noised_steps_from_the_first():
         enc, _ = pipe.encode(step, None, rng)
         st.handle(_encoded_update(d, pipe, step, weights=enc.values), 1.0)
     assert st.counters["received_updates"] == 2 and not st.counters["rejected.update_norm"]
-    assert st.guard.initial == pytest.approx(1.0 * (1 + 10 * (np.sqrt(8) + 4)))
+    bound = 1.0 * (1 + 10 * (np.sqrt(8) + 4))
+    assert st.guard.initial == pytest.approx(bound)
+    # A step at the bound (less float32's rounding) is fused as sent; 1% longer is clipped.
+    for it, length in ((1, bound * 0.9999), (2, bound * 1.01)):
+        for d in ("d0", "d1"):
+            step = np.full(8, length / np.sqrt(8), np.float32)
+            st.handle(_encoded_update(d, pipe, step, iteration=it, weights=step), 1.0)
+        assert st.counters["clipped.update_norm"] == (0 if it == 1 else 2)
 
 
 def test_a_restarted_device_remembers_what_it_has_spent(digits, tmp_path):
