@@ -381,6 +381,9 @@ class Station(RoleBase[StationState]):
         if not 0.0 <= msg.prequential_accuracy <= 1.0:
             self._clip("prequential_accuracy")
             msg = dataclasses.replace(msg, prequential_accuracy=0.0, prequential_samples=0)
+        if not 0.0 <= msg.shadow_accuracy <= 1.0:
+            self._clip("shadow_accuracy")
+            msg = dataclasses.replace(msg, shadow_accuracy=0.0, shadow_samples=0)
         joined = msg.sender not in self.stats or msg.sender in self.offline
         reported = len(self.stats) + (msg.sender not in self.stats)
         if self.state == _S.JOINING and reported >= self.config.min_devices:

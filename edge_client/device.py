@@ -25,7 +25,7 @@ from .documents import DeviceSummary
 from .inference import NOT_PREDICTED, Prequential, one_in, predict
 from .pipeline import UpdatePipeline
 from .privacy import LedgerState, PrivacyLedger
-from .promotion import MIN_EVIDENCE, ShadowWindow, Verdict, judge_on
+from .promotion import Promoter, Verdict
 from .role import RoleBase, RoleEvent
 from .safl import annealed_merge, performance_gap, upload_probability
 from .states import DeviceState
@@ -114,11 +114,8 @@ class Device(RoleBase[DeviceState]):
         self.deployable: np.ndarray | None = None
         self.deployable_round = self.deployable_iteration = 0
         # Candidates are judged against it on the recent labelled samples (promotion.py).
-        self.shadow = (ShadowWindow(inference.promote_window, sample_shape)
-                       if inference is not None and inference.promote == "not_worse" else None)
-        self.last_verdict = Verdict(True)
-        self._refused_in_a_row = 0
-        self._scored_at = -1 << 62  # station iteration of the last scored candidate
+        self.promoter = (Promoter(inference, sample_shape, self.counters, config.device_id)
+                         if inference is not None else None)
         self.last_inference_s = 0.0  # per sample, of the last prediction
         self.trainer = trainer
         self.trainer.lr = config.lr
@@ -230,8 +227,9 @@ class Device(RoleBase[DeviceState]):
         if self.prequential is not None and predicted is None:
             predicted = self._predict_every(x)
         self.buffer.push(x, y)  # validates shapes and labels before anything is scored
-        if self.shadow is not None:
-            self.shadow.add(x, y, predicted)
+        if self.promoter is not None and self.promoter.window is not None:
+            self.promoter.window.add(x, y, predicted)
+            self._promote()
         if self.prequential is not None and predicted is not None:
             self.counters["prequential.scored"] += self.prequential.score(y, predicted)
         nxt = self._next_counts()
@@ -278,8 +276,10 @@ class Device(RoleBase[DeviceState]):
         self._model = message
         self.state = new
         # Every broadcast is a candidate, so that a device its station leaves out keeps up;
-        # a selected one offers its merged model too, in begin_steps.
-        self._deploy(message, message.weights)
+        # a selected one offers its merged model too, in begin_steps.  The one pending from
+        # the last iteration is judged first, where no labelled samples came between.
+        self._promote()
+        self._offer(message, message.weights)
         if parked is None or message.iteration < parked.iteration:
             return []
         if not completes or message.final:
@@ -333,60 +333,31 @@ class Device(RoleBase[DeviceState]):
                 predicted[chosen] = out[0]
         return predicted
 
-    def _deploy(self, model: m.StationModel, weights: np.ndarray, merged: bool = False) -> None:
-        """Offer ``weights`` (of ``model``'s round; ``merged``: the device's own start
-        from it) to the line: promoted, or kept out."""
-        if self.inference is None:
-            return
-        if self._between_scores(model, merged):
-            return
-        verdict = self.last_verdict = self._judge(weights)
-        if not verdict.promoted:
-            self.counters["promotions_refused"] += 1
-            self._refused_in_a_row += 1
-            say = log.warning if self._refused_in_a_row == 1 else log.debug  # once a streak
-            say("device %s: the model of round %d (iteration %d) scored %.3f on %d recent "
-                "samples, the deployed one of round %d %.3f: the line keeps the deployed one",
-                self.id, model.round, model.iteration, verdict.shadow_accuracy,
-                verdict.samples, self.deployable_round, verdict.deployed_accuracy)
-            return
-        self.counters["promotions"] += 1
-        self._refused_in_a_row = 0
-        self.restore_deployable(model.round, model.iteration, weights)
+    def _offer(self, model: m.StationModel, weights: np.ndarray, merged: bool = False) -> None:
+        """Offer ``weights`` (of ``model``'s round; a broadcast, or, ``merged``, the
+        device's own start from it) to the line as its newest candidate."""
+        if self.promoter is not None \
+                and self.promoter.offer(model, weights, self.deployable is not None, merged):
+            self._promote()
 
-    def _between_scores(self, model: m.StationModel, merged: bool) -> bool:
-        """Whether ``model`` arrived within ``promote_every`` iterations of the last scored
-        candidate (then it waits: the line keeps its model); a final model is always
-        scored, and so is a selected device's merged model of the iteration just scored."""
-        if self.shadow is None or self.deployable is None or model.final \
-                or (merged and model.iteration == self._scored_at):
-            return False
-        every = self.inference.promote_every if self.inference is not None else 1
-        if 0 <= model.iteration - self._scored_at < every:
-            self.counters["promotions.waiting"] += 1
-            return True
-        self._scored_at = model.iteration
-        return False
+    def _promote(self) -> None:
+        """Judge the pending candidate where it is due, and put it into use if it won."""
+        if self.promoter is None:
+            return
+        won = self.promoter.judge(self.trainer, self.deployable, self.buffer.holdout)
+        if won is not None:
+            model, weights = won
+            self.restore_deployable(model.round, model.iteration, weights)
+
+    @property
+    def last_verdict(self) -> Verdict:
+        """The last candidate's shadow score (promoted unscored where none was taken)."""
+        return self.promoter.last_verdict if self.promoter is not None else Verdict(True)
 
     def restore_deployable(self, round_: int, iteration: int, weights: np.ndarray) -> None:
         """Put ``weights`` into use (a promotion, or what a restart found on disk)."""
         self.deployable = weights
         self.deployable_round, self.deployable_iteration = round_, iteration
-
-    def _judge(self, weights: np.ndarray) -> Verdict:
-        """The shadow score of a candidate: on the recent labelled samples, or the held-out
-        slice while too few have arrived; promoted unscored where nothing is deployed yet
-        or no evidence exists (``promotions.unscored``)."""
-        if self.shadow is None or self.deployable is None:
-            return Verdict(True)
-        margin = self.inference.promote_margin if self.inference is not None else 0.0
-        if len(self.shadow) >= min(MIN_EVIDENCE, self.shadow.size):
-            return self.shadow.judge(self.trainer, weights, self.deployable, margin)
-        hx, hy = self.buffer.holdout()
-        if len(hy) >= MIN_EVIDENCE:
-            return judge_on(self.trainer, hx, hy, weights, self.deployable, margin)
-        self.counters["promotions.unscored"] += 1
-        return Verdict(True)
 
     def _on_station_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
         """The station (re)appeared: it may have restarted from an older checkpoint, so the
@@ -457,7 +428,7 @@ class Device(RoleBase[DeviceState]):
         # model.weights is read-only; the merge, the trainer and the gate only read it
         start = self._start_model(model.weights, t)
         self.trainer.set_flat(start)
-        self._deploy(model, start, merged=True)
+        self._offer(model, start, merged=True)
         self._measure_local(t)
         batches = []
         for _ in range(cfg.local_steps):
@@ -590,4 +561,7 @@ class Device(RoleBase[DeviceState]):
                              seen_counts=self.buffer.seen_counts, next_batch_counts=nxt,
                              local_accuracy=acc, local_samples=samples, epsilon=self.epsilon,
                              prequential_accuracy=pre.accuracy if pre and pre.samples else 0.0,
-                             prequential_samples=pre.samples if pre else 0)
+                             prequential_samples=pre.samples if pre else 0,
+                             deployed_round=self.deployable_round,
+                             shadow_accuracy=self.last_verdict.shadow_accuracy or 0.0,
+                             shadow_samples=self.last_verdict.samples)

@@ -225,6 +225,11 @@ class DeviceStats(Message):
     prequential_samples: int = 0
     # Epsilon its local differential privacy has spent (0: none, or no noise stage).
     epsilon: float = field(default=0.0, metadata=OPTIONAL)
+    # Safe promotion: the round of the model its line predicts with, and the last
+    # candidate's shadow accuracy on ``shadow_samples`` recent samples (0: none scored).
+    deployed_round: int = field(default=0, metadata=OPTIONAL)
+    shadow_accuracy: float = field(default=0.0, metadata=OPTIONAL)
+    shadow_samples: int = field(default=0, metadata=OPTIONAL)
     _vectors = (("seen_counts", np.int64), ("next_batch_counts", np.int64))
 
 

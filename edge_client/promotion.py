@@ -9,19 +9,28 @@ model, and goes into use only if its accuracy there is at least the deployed mod
 and logged.  The deployed model's hits on the window are kept, so a candidate costs one
 forward pass over the window: the deployed model's are paid once, when it was promoted,
 and for each sample that arrives after, by its prediction on arrival where one was made.
+
+Judging is lazy (:class:`Promoter`): a candidate waits as the pending one until the next
+labelled samples or the next broadcast, and a newer candidate replaces it unscored, so a
+selected device pays for its merged model only, not for the broadcast it was merged from,
+and one score is paid in ``promote_every`` station iterations.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import messages as m
+from .config import InferenceConfig
 from .inference import NOT_PREDICTED, predict
 from .trainers import Trainer
 
-__all__ = ["ShadowWindow", "Verdict", "judge_on", "MIN_EVIDENCE"]
+__all__ = ["MIN_EVIDENCE", "Promoter", "ShadowWindow", "Verdict", "judge_on"]
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +107,82 @@ def _classes(trainer: Trainer, x: np.ndarray, weights: np.ndarray) -> np.ndarray
 
 def _verdict(shadow: float, deployed: float, margin: float, n: int) -> Verdict:
     return Verdict(shadow >= deployed - margin, shadow, deployed, n)
+
+
+Holdout = Callable[[], tuple[np.ndarray, np.ndarray]]
+
+
+class Promoter:
+    """The candidates a device is offered, which one is judged when, and the verdicts.
+
+    ``offer`` keeps the newest candidate; ``judge`` scores it once ``promote_every``
+    station iterations have passed since the last score (a final model, or one offered
+    while nothing is deployed, at once) and returns it where it goes into use.
+    """
+
+    def __init__(self, config: InferenceConfig, sample_shape: tuple[int, ...],
+                 counters: Counter[str], name: str) -> None:
+        self.config, self.counters, self.name = config, counters, name
+        self.window = (ShadowWindow(config.promote_window, sample_shape)
+                       if config.promote == "not_worse" else None)
+        self.last_verdict = Verdict(True)
+        self._pending: tuple[m.StationModel, np.ndarray] | None = None
+        self._scored_at = -1 << 62  # station iteration of the last scored candidate
+        self._refused_in_a_row = 0
+        self._merged_after_score = False
+
+    def offer(self, model: m.StationModel, weights: np.ndarray, deployed: bool,
+              merged: bool = False) -> bool:
+        """``weights`` of ``model``'s round (a broadcast, or, ``merged``, the device's merge
+        of it) are the newest candidate; an older one not yet judged is passed over.
+        Whether to judge it at once: nothing to compare (no window, nothing ``deployed``)
+        or a final model."""
+        if self._pending is not None:
+            self.counters["promotions.waiting"] += 1
+        self._pending = (model, weights)
+        # The merge of an iteration whose broadcast was judged already is due as well:
+        # samples that came between the two must not keep the device's own model out.
+        self._merged_after_score = merged and model.iteration == self._scored_at
+        return self.window is None or not deployed or model.final
+
+    def judge(self, trainer: Trainer, deployed: np.ndarray | None,
+              holdout: Holdout) -> tuple[m.StationModel, np.ndarray] | None:
+        """Score the pending candidate if it is due; the candidate where it is promoted."""
+        if self._pending is None:
+            return None
+        model, weights = self._pending
+        scored = self.window is not None and deployed is not None
+        if scored and not model.final and not self._merged_after_score \
+                and 0 <= model.iteration - self._scored_at < self.config.promote_every:
+            return None
+        self._pending = None
+        if scored:
+            self._scored_at = model.iteration
+        verdict = self.last_verdict = (self._verdict(trainer, weights, deployed, holdout)
+                                       if deployed is not None and scored else Verdict(True))
+        if verdict.promoted:
+            self.counters["promotions"] += 1
+            self._refused_in_a_row = 0
+            return model, weights
+        self.counters["promotions_refused"] += 1
+        self._refused_in_a_row += 1
+        say = log.warning if self._refused_in_a_row == 1 else log.debug  # once a streak
+        say("device %s: the model of round %d (iteration %d) scored %.3f on %d recent "
+            "samples, the deployed one %.3f: the line keeps the deployed one", self.name,
+            model.round, model.iteration, verdict.shadow_accuracy, verdict.samples,
+            verdict.deployed_accuracy)
+        return None
+
+    def _verdict(self, trainer: Trainer, weights: np.ndarray, deployed: np.ndarray,
+                 holdout: Holdout) -> Verdict:
+        """On the recent labelled samples, or the held-out slice while too few have
+        arrived; promoted unscored where no evidence exists (``promotions.unscored``)."""
+        assert self.window is not None
+        margin = self.config.promote_margin
+        if len(self.window) >= min(MIN_EVIDENCE, self.window.size):
+            return self.window.judge(trainer, weights, deployed, margin)
+        hx, hy = holdout()
+        if len(hy) >= MIN_EVIDENCE:
+            return judge_on(trainer, hx, hy, weights, deployed, margin)
+        self.counters["promotions.unscored"] += 1
+        return Verdict(True)

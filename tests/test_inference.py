@@ -81,11 +81,14 @@ def test_every_model_and_the_merged_start_are_candidates_for_the_line(digits):
     dev.handle(m.Selection(fleet="default", sender="s0", round=0, iteration=0,
                            members=("d0",), deadline=60.0), 0.0)
     # An unselected device keeps up with its station: the broadcast is a candidate (as good
-    # as the zeros on these samples: both predict one class), promoted.
+    # as the zeros on these samples: both predict one class), promoted.  It judges the
+    # merge of iteration 0 as it arrives, and is judged itself at the next labels.
     dev.handle(_model(np.full_like(w0, 1e-3), 1), 0.0)
+    dev.ingest(digits.x_train[64:96], digits.y_train[64:96], 0.0)
     assert dev.deployable_iteration == 1 and dev.counters["promotions"] == 3
     dev.handle(m.Selection(fleet="default", sender="s0", round=0, iteration=1,
                            members=("d0",), deadline=60.0), 0.0)
+    dev.ingest(digits.x_train[96:128], digits.y_train[96:128], 0.0)
     # Selected, with a fresh local model: the merge it made is the next candidate.
     assert dev.deployable_iteration == 1 and not np.array_equal(dev.deployable,
                                                                 np.full_like(w0, 1e-3))

@@ -75,6 +75,7 @@ def test_a_bad_model_from_the_station_is_kept_off_the_line(digits, promote):
         assert after < before - 0.5 and dev.deployable_round == 1
         assert dev.counters["promotions"] == 2 and not dev.counters["promotions_refused"]
     dev.handle(_model(_trained(digits, steps=120), 2), 0.0)  # a good one still goes in
+    _stream(dev, digits, 400, 420)  # judged when the next labelled samples arrive
     assert dev.deployable_round == 2
 
 
@@ -85,9 +86,11 @@ def test_a_candidate_within_the_margin_is_promoted_and_one_beyond_it_is_not(digi
     _stream(dev, digits, 0, 200)
     noisy = good + np.random.default_rng(0).normal(0, 0.05, good.size).astype(np.float32)
     dev.handle(_model(noisy, 1), 0.0)  # a little worse or better: within 5 points
+    _stream(dev, digits, 200, 220)
     assert dev.deployable_round == 1
     worse = good * np.float32(-1.0)
     dev.handle(_model(worse, 2), 0.0)
+    _stream(dev, digits, 220, 240)
     assert dev.deployable_round == 1 and dev.counters["promotions_refused"] == 1
 
 
@@ -97,13 +100,30 @@ def test_one_candidate_is_scored_in_promote_every_iterations(digits):
     _stream(dev, digits, 0, 100)
     good = _trained(digits, steps=120)
     for it in range(1, 12):
-        dev.handle(_model(good, it), 0.0)
+        dev.handle(_model(good, it), 0.0)  # each judges the one before it where due
+    _stream(dev, digits, 100, 120)
     # Scored at 1, 6 and 11: the line followed at each check and kept its model between.
     assert dev.counters["promotions"] == 4 and dev.counters["promotions.waiting"] == 8
     assert dev.deployable_iteration == 11
     final = dataclasses.replace(_model(-good, 12), final=True)
     dev.handle(final, 0.0)  # a final model is judged at once
     assert dev.counters["promotions_refused"] == 1 and dev.deployable_iteration == 11
+
+
+def test_a_selected_device_scores_its_merged_model_not_the_broadcast_too(digits):
+    dev = _device("not_worse")
+    dev.handle(_model(_trained(digits), 0), 0.0)  # nothing deployed: in, unscored
+    _stream(dev, digits, 0, 100)
+    good = _trained(digits, steps=120)
+    for it in range(1, 6):
+        dev.handle(_model(good, it), 0.0)
+        dev.handle(m.Selection(fleet="default", sender="s0", round=it, iteration=it,
+                               members=("d0",), deadline=1e9), 0.0)
+        _stream(dev, digits, 100 + 20 * it, 120 + 20 * it)
+    scored = dev.counters["promotions"] + dev.counters["promotions_refused"] - 1
+    # One score an iteration, of the merged model; each broadcast was passed over for it.
+    assert scored == 5 and dev.counters["promotions.waiting"] == 5
+    assert dev.counters["uploads"] + dev.counters["skipped.gate"] == 5
 
 
 def test_the_held_out_slice_judges_while_no_labels_have_arrived(digits):
@@ -115,6 +135,8 @@ def test_the_held_out_slice_judges_while_no_labels_have_arrived(digits):
     # Samples loaded before the stream (a source's ``initial``) fill the buffer only.
     dev.buffer.push(digits.x_train[600:700], digits.y_train[600:700])  # 50 held out
     dev.handle(_model(-_trained(digits), 1), 0.0)
+    assert dev.deployable_round == 0 and dev.last_verdict.samples == 0  # not yet judged
+    dev.handle(_model(_trained(digits), 2), 0.0)  # no labels came between: judged now
     assert dev.deployable_round == 0 and dev.last_verdict.samples == 50
 
 
@@ -151,6 +173,7 @@ def test_a_restarted_device_judges_candidates_against_the_model_it_kept(digits, 
     assert again.deployable_round == 4
     _stream(again, digits, 0, 100)
     again.handle(_model(-_trained(digits), 5), 0.0)
+    _stream(again, digits, 100, 120)
     assert again.deployable_round == 4 and again.counters["promotions_refused"] == 1
     (tmp_path / "deployable.frame").write_bytes(b"torn")
     torn = _device("not_worse")
@@ -195,3 +218,24 @@ def test_a_candidate_exactly_at_the_margin_is_promoted_and_one_sample_below_is_n
     y2[:2] = 1 - label
     w._y[:] = y2
     assert not w.judge(trainer, candidate, deployed, margin=0.02).promoted  # 0.96
+
+
+def test_the_deployed_round_and_shadow_accuracy_travel_in_stats_and_are_checked(digits):
+    from aggregator.config import StationConfig
+    from aggregator.station import Station
+    from edge_client import codec
+
+    dev = _device("not_worse")
+    dev.handle(_model(_trained(digits), 3), 0.0)
+    _stream(dev, digits, 0, 100)
+    dev.handle(_model(-_trained(digits), 4), 0.0)  # refused at the next labels
+    _stream(dev, digits, 100, 120)
+    stats = codec.decode(codec.encode(dev.start(0.0)[0]), max_size=1 << 20).message
+    assert stats.deployed_round == 3 and stats.shadow_samples == 120  # all that came
+    assert stats.shadow_accuracy == dev.last_verdict.shadow_accuracy < 0.3
+    st = Station(StationConfig(station_id="s0", devices=("d0",), min_devices=1,
+                               super_node_size=1), num_params=4, num_classes=10,
+                 rng=np.random.default_rng(0))
+    st.handle(dataclasses.replace(stats, shadow_accuracy=3.0), 0.0)  # a claim, checked
+    assert st.counters["clipped.shadow_accuracy"] == 1
+    assert st.stats["d0"].shadow_samples == 0 and st.stats["d0"].deployed_round == 3

@@ -26,9 +26,9 @@ class InferenceConfig:
     model the line uses (``edge_client/promotion.py``): "not_worse" puts a candidate into
     use only if its accuracy on the last ``promote_window`` labelled samples is at least
     the deployed model's less ``promote_margin``, and scores one candidate in
-    ``promote_every`` station iterations (the first to arrive once they have passed; a
-    candidate a forward pass over the window costs, the rest wait for the next); "always"
-    uses every model that arrives.
+    ``promote_every`` station iterations (the newest when labelled samples next arrive
+    once they have passed; a candidate costs a forward pass over the window, the rest are
+    passed over); "always" uses every model that arrives.
     """
 
     enabled: bool = True
