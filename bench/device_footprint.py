@@ -114,12 +114,12 @@ times, frame_times, shadow_times = [], [], []
 for t in range(iterations + 5):
     x, y = rng.random((32, *shape), dtype=np.float32), rng.integers(0, 10, 32)
     predicted = None
-    if serving and dev.deployable is not None:
+    if serving and dev.line.deployable is not None:
         # A camera delivers a frame at a time: each is predicted alone, then buffered.
         predicted = np.empty(32, dtype=np.int64)
         for i in range(32):
             start = time.perf_counter()
-            predicted[i] = dev.infer(x[i:i + 1])[0][0]
+            predicted[i] = dev.line.infer(x[i:i + 1])[0][0]
             if t >= 5:
                 frame_times.append(time.perf_counter() - start)
     if t == 5:

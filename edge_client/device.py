@@ -9,11 +9,9 @@ sends a skip notice, as the upload gate decides (SPEC §3).  It never does I/O:
 
 from __future__ import annotations
 
-import functools
 import logging
-import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,15 +20,14 @@ from . import messages as m
 from .buffer import StreamBuffer
 from .config import DeviceConfig, InferenceConfig
 from .documents import DeviceSummary
-from .inference import NOT_PREDICTED, Prequential, one_in, predict
+from .line import Line
 from .pipeline import UpdatePipeline
-from .privacy import LedgerState, PrivacyLedger
-from .promotion import Promoter, Verdict
 from .role import RoleBase, RoleEvent
-from .safl import annealed_merge, performance_gap, upload_probability
+from .safl import annealed_merge
 from .states import DeviceState
 from .topics import device_topics
 from .trainers import Trainer, proximal_step
+from .upload import UploadPath
 
 __all__ = ["Device", "DeviceEvent", "LocalSteps"]
 
@@ -79,7 +76,7 @@ class Device(RoleBase[DeviceState]):
     rng : numpy.random.Generator
         Source of the merge mask and the upload-gate draw.
     inference : InferenceConfig, optional
-        Serve the deployable model on the stream (:meth:`infer`) and score it
+        Serve the deployable model on the stream (``line``: :class:`Line`) and score it
         prequentially; None (the simulator's default) keeps no deployable model at all.
     """
 
@@ -106,23 +103,15 @@ class Device(RoleBase[DeviceState]):
         super().__init__()
         self.config = config
         self.inference = inference
-        self.prequential = (Prequential(inference.window, num_classes)
-                            if inference is not None and inference.enabled else None)
-        # The model the line predicts with: the last candidate promoted (a broadcast, or
-        # the aggregate after the annealed merge when selected).  Its round, for whoever
-        # acts on a prediction.
-        self.deployable: np.ndarray | None = None
-        self.deployable_round = self.deployable_iteration = 0
-        # Candidates are judged against it on the recent labelled samples (promotion.py).
-        self.promoter = (Promoter(inference, sample_shape, self.counters, config.device_id)
-                         if inference is not None else None)
-        self.last_inference_s = 0.0  # per sample, of the last prediction
         self.trainer = trainer
         self.trainer.lr = config.lr
         self.rng = rng
         self.buffer = StreamBuffer(config.buffer_capacity, num_classes, sample_shape,
                                    holdout_every=config.holdout_every,
                                    holdout_capacity=config.holdout_capacity)
+        self.line = Line(inference, trainer, num_classes=num_classes, sample_shape=sample_shape,
+                         counters=self.counters, name=config.device_id,
+                         holdout=self.buffer.holdout)
         self.state = self.INITIAL
         self.last_train_s = 0.0
         self._next_hello = 0.0
@@ -135,19 +124,7 @@ class Device(RoleBase[DeviceState]):
         self._evaluated_at: int | None = None
         self._reported_next: np.ndarray | None = None
         self._tensor_sizes = [int(np.prod(shape)) for _, shape in trainer.layout]
-        self.pipeline = UpdatePipeline(config.update_stages)
-        self._residual: np.ndarray | None = None  # what lossy stages left out, sent later
-        # Stochastic rounding draws from its own stream: compressing an update leaves the
-        # merge masks and gate draws of the device as they were.
-        self._rounding = np.random.default_rng([config.seed, 0x0E1C0DE])
-        # Local DP: the noise comes from the OS's entropy unless a simulation asks otherwise
-        # (a seeded generator's noise can be subtracted by whoever knows the seed).
-        self._noise = np.random.default_rng([config.seed, 0x401CE] if config.noise_seeded
-                                            else secrets.randbits(128))
-        self.privacy = PrivacyLedger(self.pipeline.noise_multiplier, config.privacy_delta)
-        # Called with the ledger after each noised release, before it is sent: a service
-        # keeps it on disk, so a restart does not give the device its budget back.
-        self.on_release: Callable[[LedgerState], None] | None = None
+        self.upload = UploadPath(config, trainer, self.buffer, rng, self.counters)
 
     @property
     def id(self) -> str:
@@ -166,25 +143,7 @@ class Device(RoleBase[DeviceState]):
                 "train_step_seconds": self.last_train_s / self.config.local_steps,
                 "buffer.overwritten_unread": self.buffer.overwritten_unread,
                 "buffer.unread": self.buffer.unread, "buffer.seen": self.buffer.samples_seen,
-                "local_accuracy": self._local_acc[0],
-                **self._prequential_gauges()}
-
-    def _prequential_gauges(self) -> dict[str, float]:
-        """Prequential accuracy overall and per class (the classes in the window), and the
-        per-frame inference time."""
-        pre = self.prequential
-        if pre is None:
-            return {}
-        per = pre.per_class()
-        verdict = self.last_verdict
-        return {"prequential_accuracy": pre.accuracy,
-                **{f"prequential_accuracy.class_{k}": float(a) for k, a in enumerate(per)
-                   if a == a},
-                "inference_seconds": self.last_inference_s,
-                "deployed_round": self.deployable_round,
-                **({"shadow_accuracy": verdict.shadow_accuracy,
-                    "deployed_accuracy": float(verdict.deployed_accuracy or 0.0)}
-                   if verdict.shadow_accuracy is not None else {})}
+                "local_accuracy": self._local_acc[0], **self.line.gauges()}
 
     def subscriptions(self) -> list[str]:
         return device_topics(self.config.fleet, self.config.station)
@@ -204,18 +163,6 @@ class Device(RoleBase[DeviceState]):
     def wakeup(self) -> float | None:
         return self._next_hello if self.state == _D.WAITING else None
 
-    def infer(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """The deployable model's classes and confidences for ``x`` (None before any model
-        arrived: an untrained model's guesses would be scored and acted on)."""
-        if self.deployable is None:
-            self.counters["inference.no_model"] += len(x)
-            return None
-        self.counters["predictions"] += len(x)
-        started = time.perf_counter()  # a measurement for metrics, like the training step's
-        out = predict(self.trainer, x, self.deployable)
-        self.last_inference_s = (time.perf_counter() - started) / max(1, len(x))
-        return out
-
     def ingest(self, x: np.ndarray, y: np.ndarray, now: float,
                predicted: np.ndarray | None = None) -> list[m.Message]:
         """Take newly sensed, labelled samples; report stats when the next batch changed.
@@ -224,14 +171,10 @@ class Device(RoleBase[DeviceState]):
         ``NOT_PREDICTED`` where none was made) is scored before it can be trained on; without
         ``predicted`` the device predicts one sample in ``[inference] every`` itself.
         """
-        if self.prequential is not None and predicted is None:
-            predicted = self._predict_every(x)
+        if self.line.prequential is not None and predicted is None:
+            predicted = self.line.predict_every(x, self.buffer.samples_seen)
         self.buffer.push(x, y)  # validates shapes and labels before anything is scored
-        if self.promoter is not None and self.promoter.window is not None:
-            self.promoter.window.add(x, y, predicted)
-            self._promote()
-        if self.prequential is not None and predicted is not None:
-            self.counters["prequential.scored"] += self.prequential.score(y, predicted)
+        self.line.take(x, y, predicted)
         nxt = self._next_counts()
         if self._reported_next is not None and np.array_equal(nxt, self._reported_next):
             return []
@@ -278,8 +221,8 @@ class Device(RoleBase[DeviceState]):
         # Every broadcast is a candidate, so that a device its station leaves out keeps up;
         # a selected one offers its merged model too, in begin_steps.  The one pending from
         # the last iteration is judged first, where no labelled samples came between.
-        self._promote()
-        self._offer(message, message.weights)
+        self.line.promote()
+        self.line.offer(message, message.weights)
         if parked is None or message.iteration < parked.iteration:
             return []
         if not completes or message.final:
@@ -322,42 +265,6 @@ class Device(RoleBase[DeviceState]):
         ``min_batch`` samples."""
         nxt = self.buffer.next_batch_counts(self.config.batch_size)
         return nxt if nxt.sum() >= self.config.min_batch else np.zeros_like(nxt)
-
-    def _predict_every(self, x: np.ndarray) -> np.ndarray:
-        predicted = np.full(len(x), NOT_PREDICTED, dtype=np.int64)
-        every = self.inference.every if self.inference is not None else 1
-        chosen = one_in(every, self.buffer.samples_seen, len(x))
-        if len(chosen):
-            out = self.infer(x[chosen])
-            if out is not None:
-                predicted[chosen] = out[0]
-        return predicted
-
-    def _offer(self, model: m.StationModel, weights: np.ndarray, merged: bool = False) -> None:
-        """Offer ``weights`` (of ``model``'s round; a broadcast, or, ``merged``, the
-        device's own start from it) to the line as its newest candidate."""
-        if self.promoter is not None \
-                and self.promoter.offer(model, weights, self.deployable is not None, merged):
-            self._promote()
-
-    def _promote(self) -> None:
-        """Judge the pending candidate where it is due, and put it into use if it won."""
-        if self.promoter is None:
-            return
-        won = self.promoter.judge(self.trainer, self.deployable, self.buffer.holdout)
-        if won is not None:
-            model, weights = won
-            self.restore_deployable(model.round, model.iteration, weights)
-
-    @property
-    def last_verdict(self) -> Verdict:
-        """The last candidate's shadow score (promoted unscored where none was taken)."""
-        return self.promoter.last_verdict if self.promoter is not None else Verdict(True)
-
-    def restore_deployable(self, round_: int, iteration: int, weights: np.ndarray) -> None:
-        """Put ``weights`` into use (a promotion, or what a restart found on disk)."""
-        self.deployable = weights
-        self.deployable_round, self.deployable_iteration = round_, iteration
 
     def _on_station_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
         """The station (re)appeared: it may have restarted from an older checkpoint, so the
@@ -428,7 +335,7 @@ class Device(RoleBase[DeviceState]):
         # model.weights is read-only; the merge, the trainer and the gate only read it
         start = self._start_model(model.weights, t)
         self.trainer.set_flat(start)
-        self._offer(model, start, merged=True)
+        self.line.offer(model, start, merged=True)
         self._measure_local(t)
         batches = []
         for _ in range(cfg.local_steps):
@@ -471,83 +378,42 @@ class Device(RoleBase[DeviceState]):
             return [self._stats(model.round, t), skip(0.0)]
         if cfg.mix < 1.0:  # only a merge reads it: with mix = 1 a device holds no model copy
             self._local, self._local_iteration = z, t
-        gap, upload = self._upload_gate(z, zbar)
-        if upload and self._budget_spent():
-            upload = False
-            self.counters["skipped.privacy_budget"] += 1
+        gap, upload = self.upload.decide(z, zbar)
         self.counters["steps"] += 1
         self.counters["samples_trained"] += consumed
         if upload:
             self.counters["uploads"] += 1
-            reply: m.Message = self._update(model, z, consumed)
+            reply: m.Message = self.upload.update(model, z, consumed)
         else:
             self.counters["skipped.gate"] += 1
             reply = skip(gap)
         # Stats go first so the station selects the next super node on fresh histograms.
         return [self._stats(model.round, t), reply]
 
-    def _update(self, model: m.StationModel, z: np.ndarray, consumed: int) -> m.DeviceUpdate:
-        """``z`` itself, or its step from the station's model through the fleet's stages, with
-        what they lost kept for the next upload (error feedback)."""
-        cfg = self.config
-        update = functools.partial(m.DeviceUpdate, fleet=cfg.fleet, sender=self.id,
-                                   round=model.round, iteration=model.iteration,
-                                   station=cfg.station, num_samples=consumed)
-        if not self.pipeline.active:
-            return update(weights=z)
-        enc, self._residual = self.pipeline.encode(z - model.weights, self._residual,
-                                                   self._rounding, self._noise)
-        if self.pipeline.noise:
-            self.privacy.record(self.id)
-            if self.on_release is not None:  # on disk before the release leaves the device
-                self.on_release(self.privacy.state())
-        return update(encoding=self.pipeline.id, weights=enc.values, indices=enc.indices,
-                      half=enc.half, codes=enc.codes, scales=enc.scales)
-
     def summary(self, **extra: Mapping[str, int]) -> DeviceSummary:
         """What the device says of itself for the monitor; ``extra``: its service's
         ``transport`` and ``source`` counters."""
-        model, pre = self._model, self.prequential
+        model, line = self._model, self.line
+        pre = line.prequential
         acc, samples = self._local_acc
         return DeviceSummary(device=self.id, station=self.config.station, state=self.state,
                              round=model.round if model else 0,
                              iteration=model.iteration if model else 0,
                              local_accuracy=acc if samples else None,
                              prequential_accuracy=pre.accuracy if pre and pre.samples else None,
-                             deployed_round=self.deployable_round if self.deployable is not None
-                             else None, shadow_accuracy=self.last_verdict.shadow_accuracy,
+                             deployed_round=line.deployable_round
+                             if line.deployable is not None else None,
+                             shadow_accuracy=line.last_verdict.shadow_accuracy,
                              epsilon=self.epsilon or None, counters=dict(self.counters), **extra)
 
     @property
     def epsilon(self) -> float:
         """What this device's local differential privacy has spent (0 without noise)."""
-        return self.privacy.epsilon(self.id) if self.pipeline.noise else 0.0
+        return self.upload.epsilon
 
-    def _budget_spent(self) -> bool:
-        """Whether one more noised upload would pass the privacy budget; said once."""
-        cfg = self.config
-        if not cfg.privacy_budget or self.privacy.epsilon(self.id, extra=1) <= cfg.privacy_budget:
-            return False
-        if not self.counters["skipped.privacy_budget"]:
-            log.warning("device %s: privacy budget spent (epsilon %.3g at delta %g after %d "
-                        "uploads; the next would pass %g): it uploads no more", self.id,
-                        self.epsilon, cfg.privacy_delta, self.privacy.count(self.id),
-                        cfg.privacy_budget)
-        return True
-
-    def _upload_gate(self, z: np.ndarray, zbar: np.ndarray) -> tuple[float, bool]:
-        """Extended SAFL: upload with probability exp(-nu * Delta) (SPEC §3)."""
-        if self.config.nu == 0:
-            return 0.0, True
-        hx, hy = self.buffer.holdout()
-        if len(hy) < max(1, self.config.gate_min_holdout):
-            # A few skewed samples give a gap of pure noise: it would discard paid-for steps.
-            self.counters["gate.warming_up"] += 1
-            return 0.0, True
-        _, local_acc = self.trainer.evaluate(hx, hy)
-        _, global_acc = self.trainer.evaluate(hx, hy, weights=zbar)
-        gap = performance_gap(local_acc, global_acc)
-        return gap, bool(self.rng.random() < upload_probability(gap, self.config.nu))
+    @property
+    def pipeline(self) -> UpdatePipeline:
+        return self.upload.pipeline
 
     def _stats(self, round_: int, iteration: int) -> m.DeviceStats:
         # The reported batch is pinned: it is the one trained on when this device is picked.
@@ -555,13 +421,13 @@ class Device(RoleBase[DeviceState]):
         nxt = self._next_counts()
         self._reported_next = nxt
         acc, samples = self._local_acc
-        pre = self.prequential
+        pre, verdict = self.line.prequential, self.line.last_verdict
         return m.DeviceStats(fleet=self.config.fleet, sender=self.id, round=round_,
                              iteration=iteration, station=self.config.station,
                              seen_counts=self.buffer.seen_counts, next_batch_counts=nxt,
                              local_accuracy=acc, local_samples=samples, epsilon=self.epsilon,
                              prequential_accuracy=pre.accuracy if pre and pre.samples else 0.0,
                              prequential_samples=pre.samples if pre else 0,
-                             deployed_round=self.deployable_round,
-                             shadow_accuracy=self.last_verdict.shadow_accuracy or 0.0,
-                             shadow_samples=self.last_verdict.samples)
+                             deployed_round=self.line.deployable_round,
+                             shadow_accuracy=verdict.shadow_accuracy or 0.0,
+                             shadow_samples=verdict.samples)

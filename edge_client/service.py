@@ -128,7 +128,7 @@ class DeviceService:
                                    participant=cfg.device_id, trainer=trainer)
         runner = RoleRunner(device, transport)
         if device.pipeline.noise:
-            keep_privacy_ledger(device, self.service.state_dir)
+            keep_privacy_ledger(device.upload, self.service.state_dir)
         if self.service.state_dir:
             resume_deployable(self.service.state_dir, device, transport.layout_hash)
             self.keeper = DeployableKeeper(self.service.state_dir, device,

@@ -117,7 +117,7 @@ class StreamFeed:
         chosen = self._chosen(batch)
         if not len(chosen):
             return predicted
-        out = self.device.infer(batch.x[chosen])
+        out = self.device.line.infer(batch.x[chosen])
         if out is None:
             return predicted
         labels, confidence = out
@@ -126,7 +126,7 @@ class StreamFeed:
         for i, label, conf in zip(chosen, labels, confidence, strict=True):
             doc = Prediction(t=float(batch.times[i]), frame=int(batch.frames[i]),
                              label=int(label), confidence=round(float(conf), 6),
-                             model_round=self.device.deployable_round,
+                             model_round=self.device.line.deployable_round,
                              latency_ms=round(max(0.0, done - batch.times[i]) * 1000, 3))
             if self.inference.publish and self.publish is not None:
                 self.publish(doc)
@@ -147,18 +147,19 @@ class DeployableKeeper:
     def __init__(self, folder: str | Path, device: Device, layout_hash: str) -> None:
         self.folder, self.device, self.layout_hash = folder, device, layout_hash
         # Of the model on disk: a model resumed from there is on disk already.
-        self._iteration = device.deployable_iteration if device.deployable is not None else -1
+        line = device.line
+        self._iteration = line.deployable_iteration if line.deployable is not None else -1
         self._at = -SAVE_EVERY
 
     def __call__(self, now: float) -> None:
-        if self.device.deployable_iteration != self._iteration and \
+        if self.device.line.deployable_iteration != self._iteration and \
                 now - self._at >= SAVE_EVERY:
             self.save(now)
 
     def save(self, now: float = 0.0) -> None:
         if save_deployable(self.folder, self.device, self.layout_hash,
                            on_disk=self._iteration) is not None:
-            self._iteration, self._at = self.device.deployable_iteration, now
+            self._iteration, self._at = self.device.line.deployable_iteration, now
 
 
 def save_deployable(folder: str | Path, device: Device, layout_hash: str,
@@ -167,17 +168,17 @@ def save_deployable(folder: str | Path, device: Device, layout_hash: str,
     versioned, checksummed format models travel in), atomically; None before it has one.
     The model it replaces is kept beside it for a rollback; ``on_disk``, the iteration of
     the model there where the caller knows it, spares reading the file to tell."""
-    if device.deployable is None:
+    if device.line.deployable is None:
         return None
     path = Path(folder) / DEPLOYABLE_FILE
     if path.exists():
         there = _frame_iteration(path) if on_disk is None else on_disk
-        if there not in (None, -1, device.deployable_iteration):
+        if there not in (None, -1, device.line.deployable_iteration):
             os.replace(path, Path(folder) / PREVIOUS_FILE)
     frame = encode(m.StationModel(fleet=device.config.fleet, sender=device.config.station,
-                                  round=device.deployable_round,
-                                  iteration=device.deployable_iteration,
-                                  weights=device.deployable), layout_hash=layout_hash)
+                                  round=device.line.deployable_round,
+                                  iteration=device.line.deployable_iteration,
+                                  weights=device.line.deployable), layout_hash=layout_hash)
     write_atomic(path, frame)
     return path
 
@@ -201,7 +202,7 @@ def resume_deployable(folder: str | Path, device: Device, layout_hash: str) -> N
         device.counters["errors.deployable"] += 1
         log.error("device %s: the deployable model it kept cannot be used: %s", device.id, exc)
         return
-    device.restore_deployable(saved.round, saved.iteration, np.array(saved.weights))
+    device.line.restore(saved.round, saved.iteration, np.array(saved.weights))
     log.info("device %s: predicting with the model of round %d it kept", device.id, saved.round)
 
 

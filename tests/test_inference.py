@@ -53,15 +53,15 @@ def test_each_labelled_sample_is_predicted_before_it_is_trained_on(digits):
     dev = _device(digits)
     x, y = digits.x_train[:200], digits.y_train[:200]
     dev.ingest(x[:50], y[:50], 0.0)  # no model yet: nothing to predict with
-    assert dev.prequential.samples == 0 and dev.counters["inference.no_model"] == 50
+    assert dev.line.prequential.samples == 0 and dev.counters["inference.no_model"] == 50
     trained = build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.5, seed=1)
     for _ in range(60):
         trained.train_step(digits.x_train[:600], digits.y_train[:600])
     dev.handle(_model(trained.get_flat()), 0.0)
     dev.ingest(x[50:], y[50:], 1.0)
     expected = (trained.logits(x[50:]).argmax(1) == y[50:]).mean()
-    assert dev.prequential.samples == 150
-    assert dev.prequential.accuracy == pytest.approx(expected)
+    assert dev.line.prequential.samples == 150
+    assert dev.line.prequential.accuracy == pytest.approx(expected)
     gauges = dev.metrics()
     assert gauges["prequential_accuracy"] == pytest.approx(expected)
     hits = trained.logits(x[50:]).argmax(1) == y[50:]
@@ -77,7 +77,8 @@ def test_every_model_and_the_merged_start_are_candidates_for_the_line(digits):
     dev.ingest(digits.x_train[:64], digits.y_train[:64], 0.0)
     w0 = np.zeros(dev.trainer.num_params, np.float32)
     dev.handle(_model(w0, 0), 0.0)
-    assert dev.deployable is not None and not dev.deployable.any()  # nothing to compare with
+    # Nothing to compare with: in at once.
+    assert dev.line.deployable is not None and not dev.line.deployable.any()
     dev.handle(m.Selection(fleet="default", sender="s0", round=0, iteration=0,
                            members=("d0",), deadline=60.0), 0.0)
     # An unselected device keeps up with its station: the broadcast is a candidate (as good
@@ -85,15 +86,15 @@ def test_every_model_and_the_merged_start_are_candidates_for_the_line(digits):
     # merge of iteration 0 as it arrives, and is judged itself at the next labels.
     dev.handle(_model(np.full_like(w0, 1e-3), 1), 0.0)
     dev.ingest(digits.x_train[64:96], digits.y_train[64:96], 0.0)
-    assert dev.deployable_iteration == 1 and dev.counters["promotions"] == 3
+    assert dev.line.deployable_iteration == 1 and dev.counters["promotions"] == 3
     dev.handle(m.Selection(fleet="default", sender="s0", round=0, iteration=1,
                            members=("d0",), deadline=60.0), 0.0)
     dev.ingest(digits.x_train[96:128], digits.y_train[96:128], 0.0)
     # Selected, with a fresh local model: the merge it made is the next candidate.
-    assert dev.deployable_iteration == 1 and not np.array_equal(dev.deployable,
+    assert dev.line.deployable_iteration == 1 and not np.array_equal(dev.line.deployable,
                                                                 np.full_like(w0, 1e-3))
     assert not Device(dev.config, dev.trainer, num_classes=10, sample_shape=(8, 8),
-                      rng=np.random.default_rng(0)).prequential  # the simulator's default
+                      rng=np.random.default_rng(0)).line.prequential  # the simulator's default
 
 
 class _Frames:
@@ -135,7 +136,7 @@ def test_the_stream_loop_publishes_predictions_and_skips_a_backlog(digits, tmp_p
     # The 30 newest were predicted; 70 skipped, all 100 buffered for training all the same.
     assert len(published) == 30 and dev.counters["inference_skipped"] == 70
     assert [p.frame for p in published] == list(range(70, 100))
-    assert dev.buffer.samples_seen == 100 and dev.prequential.samples == 30
+    assert dev.buffer.samples_seen == 100 and dev.line.prequential.samples == 30
     doc = published[0]
     assert doc.model_round == 0 and 0 < doc.confidence <= 1 and doc.latency_ms >= 0
     assert decode_document(encode_document(doc)) == doc
@@ -189,7 +190,7 @@ def test_frames_wait_for_their_label_and_are_trained_on_only_then(digits):
         feed.on_label(json.dumps({"t": now + i * 0.1 + 0.01,
                                   "label": int(digits.y_train[i])}).encode(), 1.0)
     assert dev.buffer.samples_seen == 10 and labels.counters["label_joined"] == 10
-    assert dev.buffer.seen_counts.sum() == 10 and dev.prequential.samples == 10
+    assert dev.buffer.seen_counts.sum() == 10 and dev.line.prequential.samples == 10
     assert feed.on_label(b'{"t": 1, "label": 99}', 2.0) == []  # refused, counted, no crash
 
 
@@ -247,9 +248,9 @@ def test_the_exported_model_predicts_as_the_device_does(backend, digits, tmp_pat
     assert meta["safl.model_round"] == "3" and meta["safl.num_classes"] == "10"
     assert meta["safl.input_shape"] == ",".join(map(str, shape))
     logits = session.run(None, {session.get_inputs()[0].name: x})[0]
-    labels, _ = dev.infer(x)
+    labels, _ = dev.line.infer(x)
     assert (logits.argmax(1) == labels).all()
-    np.testing.assert_allclose(logits, trainer.logits(x, dev.deployable), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits, trainer.logits(x, dev.line.deployable), rtol=1e-4, atol=1e-4)
 
 
 def test_export_refuses_a_missing_or_foreign_model_with_a_message(tmp_path, digits, capsys):

@@ -80,7 +80,7 @@ def test_production_noise_cannot_be_reproduced_from_the_seed(digits):
                                 lr=0.1, seed=0)
         dev = Device(cfg, trainer, num_classes=10, sample_shape=digits.sample_shape,
                      rng=np.random.default_rng(0))
-        return dev._noise.standard_normal(4)
+        return dev.upload._noise.standard_normal(4)
 
     assert np.array_equal(noise_of(True), noise_of(True))
     assert not np.array_equal(noise_of(False), noise_of(False))
@@ -159,22 +159,22 @@ def test_a_restarted_device_remembers_what_it_has_spent(digits, tmp_path):
                       rng=np.random.default_rng(0))
 
     with pytest.raises(ConfigError, match="state_dir"):
-        keep_privacy_ledger(device(), None)
+        keep_privacy_ledger(device().upload, None)
     first = device()
-    keep_privacy_ledger(first, tmp_path)
+    keep_privacy_ledger(first.upload, tmp_path)
     model = m.StationModel(fleet="default", sender="s", round=0, iteration=0,
                            weights=first.trainer.get_flat())
     for _ in range(3):
-        first._update(model, first.trainer.get_flat(), 8)  # three noised releases
+        first.upload.update(model, first.trainer.get_flat(), 8)  # three noised releases
     assert (tmp_path / PRIVACY_FILE).exists()
     again = device()  # the same device after a restart
-    keep_privacy_ledger(again, tmp_path)
+    keep_privacy_ledger(again.upload, tmp_path)
     assert again.epsilon == first.epsilon == pytest.approx(gaussian_epsilon(1.0, 3, 1e-5))
     for torn in ('{"releases": {"d": "lots"}}', '{"releases": {"d": [[1.0, -5]]}}',
                  '{"releases": {"d": [[0.0, 3]]}}'):  # a negative count would refund budget
         (tmp_path / PRIVACY_FILE).write_text(torn)
         with pytest.raises(ConfigError, match="not a privacy ledger"):
-            keep_privacy_ledger(device(), tmp_path)
+            keep_privacy_ledger(device().upload, tmp_path)
 
 
 # -- central DP at the station ----------------------------------------------------------

@@ -47,7 +47,7 @@ def _stream(dev, digits, lo, hi, chunk=20):
     hits = 0
     for at in range(lo, hi, chunk):
         x, y = digits.x_train[600 + at:600 + at + chunk], digits.y_train[600 + at:600 + at + chunk]
-        predicted = dev.infer(x)[0]
+        predicted = dev.line.infer(x)[0]
         hits += int((predicted == y).sum())
         dev.ingest(x, y, 0.0, predicted=predicted)
     return hits / (hi - lo)
@@ -65,18 +65,19 @@ def test_a_bad_model_from_the_station_is_kept_off_the_line(digits, promote):
     after = _stream(dev, digits, 200, 400)
     assert before > 0.8
     if promote == "not_worse":
-        assert after > before - 0.05 and dev.deployable_round == 0
+        assert after > before - 0.05 and dev.line.deployable_round == 0
         assert dev.counters["promotions_refused"] == 1 and dev.counters["promotions"] == 1
-        assert dev.last_verdict.shadow_accuracy < 0.3 < 0.8 < dev.last_verdict.deployed_accuracy
+        verdict = dev.line.last_verdict
+        assert verdict.shadow_accuracy < 0.3 < 0.8 < verdict.deployed_accuracy
         gauges = dev.metrics()
         assert gauges["deployed_round"] == 0 and gauges["shadow_accuracy"] < 0.3
         assert dev.summary().deployed_round == 0
     else:
-        assert after < before - 0.5 and dev.deployable_round == 1
+        assert after < before - 0.5 and dev.line.deployable_round == 1
         assert dev.counters["promotions"] == 2 and not dev.counters["promotions_refused"]
     dev.handle(_model(_trained(digits, steps=120), 2), 0.0)  # a good one still goes in
     _stream(dev, digits, 400, 420)  # judged when the next labelled samples arrive
-    assert dev.deployable_round == 2
+    assert dev.line.deployable_round == 2
 
 
 def test_a_candidate_within_the_margin_is_promoted_and_one_beyond_it_is_not(digits):
@@ -87,11 +88,11 @@ def test_a_candidate_within_the_margin_is_promoted_and_one_beyond_it_is_not(digi
     noisy = good + np.random.default_rng(0).normal(0, 0.05, good.size).astype(np.float32)
     dev.handle(_model(noisy, 1), 0.0)  # a little worse or better: within 5 points
     _stream(dev, digits, 200, 220)
-    assert dev.deployable_round == 1
+    assert dev.line.deployable_round == 1
     worse = good * np.float32(-1.0)
     dev.handle(_model(worse, 2), 0.0)
     _stream(dev, digits, 220, 240)
-    assert dev.deployable_round == 1 and dev.counters["promotions_refused"] == 1
+    assert dev.line.deployable_round == 1 and dev.counters["promotions_refused"] == 1
 
 
 def test_one_candidate_is_scored_in_promote_every_iterations(digits):
@@ -104,10 +105,10 @@ def test_one_candidate_is_scored_in_promote_every_iterations(digits):
     _stream(dev, digits, 100, 120)
     # Scored at 1, 6 and 11: the line followed at each check and kept its model between.
     assert dev.counters["promotions"] == 4 and dev.counters["promotions.waiting"] == 8
-    assert dev.deployable_iteration == 11
+    assert dev.line.deployable_iteration == 11
     final = dataclasses.replace(_model(-good, 12), final=True)
     dev.handle(final, 0.0)  # a final model is judged at once
-    assert dev.counters["promotions_refused"] == 1 and dev.deployable_iteration == 11
+    assert dev.counters["promotions_refused"] == 1 and dev.line.deployable_iteration == 11
 
 
 def test_a_selected_device_scores_its_merged_model_not_the_broadcast_too(digits):
@@ -135,9 +136,9 @@ def test_the_held_out_slice_judges_while_no_labels_have_arrived(digits):
     # Samples loaded before the stream (a source's ``initial``) fill the buffer only.
     dev.buffer.push(digits.x_train[600:700], digits.y_train[600:700])  # 50 held out
     dev.handle(_model(-_trained(digits), 1), 0.0)
-    assert dev.deployable_round == 0 and dev.last_verdict.samples == 0  # not yet judged
+    assert dev.line.deployable_round == 0 and dev.line.last_verdict.samples == 0  # not yet judged
     dev.handle(_model(_trained(digits), 2), 0.0)  # no labels came between: judged now
-    assert dev.deployable_round == 0 and dev.last_verdict.samples == 50
+    assert dev.line.deployable_round == 0 and dev.line.last_verdict.samples == 50
 
 
 def test_the_window_keeps_the_deployed_models_hits_from_its_predictions_on_arrival():
@@ -170,15 +171,15 @@ def test_a_restarted_device_judges_candidates_against_the_model_it_kept(digits, 
     save_deployable(tmp_path, dev, lay)
     again = _device("not_worse")  # restarted: its window is empty, its model on disk
     resume_deployable(tmp_path, again, lay)
-    assert again.deployable_round == 4
+    assert again.line.deployable_round == 4
     _stream(again, digits, 0, 100)
     again.handle(_model(-_trained(digits), 5), 0.0)
     _stream(again, digits, 100, 120)
-    assert again.deployable_round == 4 and again.counters["promotions_refused"] == 1
+    assert again.line.deployable_round == 4 and again.counters["promotions_refused"] == 1
     (tmp_path / "deployable.frame").write_bytes(b"torn")
     torn = _device("not_worse")
     resume_deployable(tmp_path, torn, lay)  # said and counted, and it starts without
-    assert torn.deployable is None and torn.counters["errors.deployable"] == 1
+    assert torn.line.deployable is None and torn.counters["errors.deployable"] == 1
 
 
 def test_an_operator_rolls_back_to_the_model_in_use_before(digits, tmp_path, capsys):
@@ -232,7 +233,7 @@ def test_the_deployed_round_and_shadow_accuracy_travel_in_stats_and_are_checked(
     _stream(dev, digits, 100, 120)
     stats = codec.decode(codec.encode(dev.start(0.0)[0]), max_size=1 << 20).message
     assert stats.deployed_round == 3 and stats.shadow_samples == 120  # all that came
-    assert stats.shadow_accuracy == dev.last_verdict.shadow_accuracy < 0.3
+    assert stats.shadow_accuracy == dev.line.last_verdict.shadow_accuracy < 0.3
     st = Station(StationConfig(station_id="s0", devices=("d0",), min_devices=1,
                                super_node_size=1), num_params=4, num_classes=10,
                  rng=np.random.default_rng(0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def _everything(value):
         return ("rng", repr(value.bit_generator.state))
     if isinstance(value, functools.partial):
         return ("partial", value.func.__name__, _everything(value.keywords))
+    if isinstance(value, types.MethodType):  # a part's view of its role: the object is there
+        return ("method", value.__func__.__qualname__)
     if isinstance(value, dict):
         return {k: _everything(v) for k, v in value.items()
                 if k not in ("counters", "_limiter", "_sender")}
