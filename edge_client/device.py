@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,12 +20,12 @@ from .buffer import StreamBuffer
 from .config import DeviceConfig, InferenceConfig
 from .documents import DeviceSummary
 from .line import Line
+from .local_steps import LocalModel, LocalSteps
 from .pipeline import UpdatePipeline
 from .role import RoleBase, RoleEvent
-from .safl import annealed_merge
 from .states import DeviceState
 from .topics import device_topics
-from .trainers import Trainer, proximal_step
+from .trainers import Trainer
 from .upload import UploadPath
 
 __all__ = ["Device", "DeviceEvent", "LocalSteps"]
@@ -46,18 +45,6 @@ class DeviceEvent(RoleEvent):
 
 _E = DeviceEvent
 _D = DeviceState
-
-
-@dataclass(frozen=True)
-class LocalSteps:
-    """The local steps a selected device is about to take: SGD at ``lr`` from ``start`` over
-    ``batches`` (drawn from its buffer) after ``model`` came."""
-
-    model: m.StationModel
-    start: np.ndarray
-    batches: list[tuple[np.ndarray, np.ndarray]]
-    lr: float
-    started: float  # perf_counter: a measurement for metrics, not an input to SAFL
 
 
 class Device(RoleBase[DeviceState]):
@@ -118,12 +105,8 @@ class Device(RoleBase[DeviceState]):
         self._model: m.StationModel | None = None
         self._accept_any_iteration = False  # set when the station's presence comes back
         self._awaiting: m.Selection | None = None  # a selection that came before its model
-        self._local: np.ndarray | None = None
-        self._local_iteration = 0  # station iteration at which _local was trained
-        self._local_acc: tuple[float, int] = (0.0, 0)  # device-local accuracy, samples
-        self._evaluated_at: int | None = None
         self._reported_next: np.ndarray | None = None
-        self._tensor_sizes = [int(np.prod(shape)) for _, shape in trainer.layout]
+        self.local = LocalModel(config, trainer, self.buffer, rng, self.counters)
         self.upload = UploadPath(config, trainer, self.buffer, rng, self.counters)
 
     @property
@@ -143,7 +126,7 @@ class Device(RoleBase[DeviceState]):
                 "train_step_seconds": self.last_train_s / self.config.local_steps,
                 "buffer.overwritten_unread": self.buffer.overwritten_unread,
                 "buffer.unread": self.buffer.unread, "buffer.seen": self.buffer.samples_seen,
-                "local_accuracy": self._local_acc[0], **self.line.gauges()}
+                "local_accuracy": self.local.accuracy[0], **self.line.gauges()}
 
     def subscriptions(self) -> list[str]:
         return device_topics(self.config.fleet, self.config.station)
@@ -278,35 +261,6 @@ class Device(RoleBase[DeviceState]):
         model = self._model
         return [self._stats(model.round if model else 0, model.iteration if model else 0)]
 
-    def _start_model(self, zbar: np.ndarray, t: int) -> np.ndarray:
-        """The annealed merge of the aggregate with the local model, while that is fresh.
-
-        Under partial participation a device's last local model may be many iterations
-        old; merging it would pull the aggregate back towards a past model.
-        """
-        cfg = self.config
-        if self._local is None:
-            return zbar
-        if t - self._local_iteration > cfg.merge_max_age:
-            self.counters["merge.stale_local"] += 1
-            return zbar
-        return annealed_merge(self._local, zbar, t, temperature=cfg.temperature, mix=cfg.mix,
-                              rng=self.rng, granularity=cfg.granularity,
-                              layout=self._tensor_sizes)
-
-    def _measure_local(self, t: int) -> None:
-        """Device-local accuracy of the model it would deploy (now in the trainer)."""
-        cfg = self.config
-        if not cfg.local_eval_interval or (self._evaluated_at is not None and
-                                           t - self._evaluated_at < cfg.local_eval_interval):
-            return
-        hx, hy = self.buffer.holdout()
-        if len(hy) < cfg.gate_min_holdout or not len(hy):
-            return
-        _, acc = self.trainer.evaluate(hx, hy)
-        self._local_acc, self._evaluated_at = (float(acc), len(hy)), t
-        self.counters["local_evaluations"] += 1
-
     def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
         steps = self.begin_steps(model)
         return self.end_steps(steps, self.take_steps(steps))
@@ -333,28 +287,15 @@ class Device(RoleBase[DeviceState]):
         if self.trainer.lr != lr:  # ONNX Runtime's optimizer is told only of a change
             self.trainer.lr = lr
         # model.weights is read-only; the merge, the trainer and the gate only read it
-        start = self._start_model(model.weights, t)
+        start = self.local.start(model.weights, t)
         self.trainer.set_flat(start)
         self.line.offer(model, start, merged=True)
-        self._measure_local(t)
-        batches = []
-        for _ in range(cfg.local_steps):
-            x, y = self.buffer.next_batch(cfg.batch_size)
-            if not len(y):
-                break
-            batches.append((x, y))
-        return LocalSteps(model, start, batches, lr, time.perf_counter())
+        self.local.measure(t)
+        return LocalSteps(model, start, self.local.batches(), lr, time.perf_counter())
 
     def take_steps(self, steps: LocalSteps) -> np.ndarray:
         """SGD from the start the trainer holds; the trained vector (the trainer holds it)."""
-        zbar, mu = steps.model.weights, self.config.prox_mu
-        for x, y in steps.batches:
-            before = self.trainer.get_flat() if mu else None
-            self.trainer.train_step(x, y)
-            if before is not None:
-                self.trainer.set_flat(proximal_step(before, self.trainer.get_flat(), zbar,
-                                                    lr=self.trainer.lr, mu=mu))
-        return self.trainer.get_flat() if steps.batches else steps.start
+        return self.local.take(steps)
 
     def end_steps(self, steps: LocalSteps, z: np.ndarray) -> list[m.Message]:
         """The reply to trained ``z`` (which the trainer must hold): the gate, the update or
@@ -376,8 +317,7 @@ class Device(RoleBase[DeviceState]):
             # keeping.  A skip is still an answer, so the station does not wait for us.
             self.counters["skipped.non_finite"] += 1
             return [self._stats(model.round, t), skip(0.0)]
-        if cfg.mix < 1.0:  # only a merge reads it: with mix = 1 a device holds no model copy
-            self._local, self._local_iteration = z, t
+        self.local.keep(z, t)
         gap, upload = self.upload.decide(z, zbar)
         self.counters["steps"] += 1
         self.counters["samples_trained"] += consumed
@@ -395,7 +335,7 @@ class Device(RoleBase[DeviceState]):
         ``transport`` and ``source`` counters."""
         model, line = self._model, self.line
         pre = line.prequential
-        acc, samples = self._local_acc
+        acc, samples = self.local.accuracy
         return DeviceSummary(device=self.id, station=self.config.station, state=self.state,
                              round=model.round if model else 0,
                              iteration=model.iteration if model else 0,
@@ -420,7 +360,7 @@ class Device(RoleBase[DeviceState]):
         self.buffer.pin(self.config.batch_size)
         nxt = self._next_counts()
         self._reported_next = nxt
-        acc, samples = self._local_acc
+        acc, samples = self.local.accuracy
         pre, verdict = self.line.prequential, self.line.last_verdict
         return m.DeviceStats(fleet=self.config.fleet, sender=self.id, round=round_,
                              iteration=iteration, station=self.config.station,

@@ -508,7 +508,7 @@ def test_a_device_whose_training_diverges_skips_instead_of_going_silent(digits):
         out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=0,
                                      members=("d0",), deadline=1.0), 0.0)
     assert [type(x) for x in out] == [m.DeviceStats, m.SkipNotice]
-    assert dev.counters["skipped.non_finite"] == 1 and dev._local is None
+    assert dev.counters["skipped.non_finite"] == 1 and dev.local.weights is None
 
 
 def test_a_role_bug_is_counted_every_time_and_logged_once(caplog):
@@ -650,4 +650,4 @@ def test_a_device_keeps_its_local_model_only_for_a_merge(digits, mix, keeps):
         digits, rounds=2, device_kw={"mix": mix, "temperature": 50.0})
     _run(bus, runners)
     assert globals_[-1].final and all(d.counters["steps"] for d in devices)
-    assert all((d._local is not None) == keeps for d in devices)
+    assert all((d.local.weights is not None) == keeps for d in devices)
