@@ -25,14 +25,14 @@ from collections import Counter
 import numpy as np
 
 from edge_client import messages as m
-from edge_client.errors import MessageError, ShapeError
+from edge_client.errors import ShapeError
 from edge_client.messages import NamedEnum
-from edge_client.pipeline import Encoded, UpdatePipeline
 from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, station_topics
 
 from .accuracy import device_accuracy_summary
+from .admission import UpdateAdmission
 from .central_dp import CentralDP
 from .checkpoint import StationCheckpoint, group, grouped
 from .config import StationConfig
@@ -41,8 +41,6 @@ from .selection import SelectorSettings, build_selector
 from .stragglers import StragglerWatch
 from .trust import (
     ClaimTally,
-    NormGuard,
-    ReplayGuard,
     ShareCap,
     bound_seen_counts,
     majority_capped,
@@ -129,17 +127,11 @@ class Station(RoleBase[StationState]):
         self._seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
         self._sitting_out: dict[str, int] = {}  # refused members: left out up to this iteration
         self._seats: Counter[str] = Counter()  # each device's seats in this round's super nodes
-        self.pipeline = UpdatePipeline(config.update_stages)
-        # Under local DP every honest step carries its noise: the guard starts from that
-        # length (else it would refuse every noised update before any joined its history).
-        self.guard = NormGuard(bound=config.update_norm_bound, factor=config.update_norm_factor,
-                               initial=max(config.lr * config.local_steps
-                                           * config.grad_norm_bound,
-                                           self.pipeline.noised_step_bound(num_params)),
-                               hard_factor=config.update_norm_hard_factor)
+        self.admission = UpdateAdmission(config, num_params, reject=self._reject,
+                                         clip=self._clip)
+        self.pipeline, self.guard = self.admission.pipeline, self.admission.guard
         self.share = ShareCap(config.share_window, config.max_selection_share)
-        self.replay = ReplayGuard(num_params, seed=config.seed,
-                                  tolerance=config.replay_tolerance)
+        self.replay = self.admission.replay
         self.dp = CentralDP(config, config.seed)
         self.tally = ClaimTally(config.devices)
         self.stragglers = StragglerWatch(factor=config.straggler_factor,
@@ -498,72 +490,10 @@ class Station(RoleBase[StationState]):
         return []
 
     def _admit(self, msg: m.DeviceUpdate, base: np.ndarray | None = None) -> np.ndarray | None:
-        """The weights of ``msg`` to fuse (clipped onto the distance bound where beyond it),
-        or None, counted and logged, where its counts, size or distance cannot be honest.
+        """The weights of ``msg`` to fuse, or None where it is refused (admission.py);
         ``base``: the model it was trained from (``w^m``, unless a buffered station's
-        update is stale), which its step is measured and decoded from."""
-        base = self._model() if base is None else base
-        z = self._trained_model(msg, base)
-        if z is None:
-            return None
-        problem = self._implausible(msg, z, base)
-        if problem:
-            self._reject(*problem)
-            return None
-        limit = self.guard.limit
-        bounded = self.guard.check(z, base)
-        if bounded.update is None:
-            self._reject("update_norm", f"moved the model {bounded.distance:.4g} from w^m, the "
-                         f"hard bound is {self.config.update_norm_hard_factor:g} x {limit:.4g}")
-        elif bounded.clipped:
-            self._clip("update_norm")
-            log.debug("station %s: update of %s clipped from %.4g to %.4g", self.id, msg.sender,
-                      bounded.distance, limit)
-        return bounded.update
-
-    def _trained_model(self, msg: m.DeviceUpdate, base: np.ndarray) -> np.ndarray | None:
-        """The model ``z`` an update stands for: its weights, or its encoded step (the fleet's
-        update stages) added to ``base``; None, counted, where it is neither."""
-        pipeline = self.pipeline
-        if msg.encoding != pipeline.id:
-            self._reject("wrong_encoding", f"update encoded as {msg.encoding!r}, the fleet's "
-                         f"update stages are {pipeline.id!r}")
-            return None
-        if not pipeline.active:
-            if msg.indices.size or msg.half.size or msg.codes.size or msg.scales.size:
-                self._reject("bad_encoding", "a model update carries encoded arrays too")
-                return None
-            if msg.weights.size != self.num_params:
-                self._reject("wrong_length", f"{msg.weights.size} weights, expected "
-                             f"{self.num_params}")
-                return None
-            return msg.weights
-        try:
-            step = pipeline.decode(Encoded(indices=msg.indices, values=msg.weights,
-                                           half=msg.half, codes=msg.codes, scales=msg.scales),
-                                   self.num_params)
-        except MessageError as exc:
-            self._reject(exc.reason, str(exc))
-            return None
-        z = base + step
-        if not np.isfinite(z).all():  # finite codes times finite scales can still overflow
-            self._reject("non_finite", "the decoded step is not finite")
-            return None
-        return z
-
-    def _implausible(self, msg: m.DeviceUpdate, z: np.ndarray, base: np.ndarray
-                     ) -> tuple[str, str] | None:
-        """Why an update's claims (its counts, freshness) cannot be honest, or None."""
-        cfg = self.config
-        most = cfg.local_steps * cfg.batch_size
-        if not 1 <= msg.num_samples <= most:
-            return "bad_count", (f"claims {msg.num_samples} samples; a device trains on 1.."
-                                 f"{most} (local_steps x batch_size) per iteration")
-        fresh, ratio = self.replay.check(msg.sender, z, base)
-        if not fresh:
-            return "replay", (f"repeats one of its recent updates (distance {ratio:.2g} x its "
-                              f"step from w^m)")
-        return None
+        update is stale)."""
+        return self.admission.admit(msg, self._model() if base is None else base)
 
     def _on_global(self, msg: m.GlobalModel, now: float) -> list[m.Message]:
         if msg.sender != CLOUD_ID:
