@@ -18,7 +18,6 @@ device's presence drive re-announcement.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
 
@@ -35,6 +34,7 @@ from .accuracy import device_accuracy_summary
 from .admission import UpdateAdmission
 from .central_dp import CentralDP
 from .checkpoint import StationCheckpoint, group, grouped
+from .claims import StatsCheck
 from .config import StationConfig
 from .fusion import Fold, fold_for
 from .selection import SelectorSettings, build_selector
@@ -42,7 +42,6 @@ from .stragglers import StragglerWatch
 from .trust import (
     ClaimTally,
     ShareCap,
-    bound_seen_counts,
     majority_capped,
     seat_candidates,
 )
@@ -130,6 +129,7 @@ class Station(RoleBase[StationState]):
         self.admission = UpdateAdmission(config, num_params, reject=self._reject,
                                          clip=self._clip)
         self.pipeline, self.guard = self.admission.pipeline, self.admission.guard
+        self.claims = StatsCheck(config, num_classes, reject=self._reject, clip=self._clip)
         self.share = ShareCap(config.share_window, config.max_selection_share)
         self.replay = self.admission.replay
         self.dp = CentralDP(config, config.seed)
@@ -355,27 +355,11 @@ class Station(RoleBase[StationState]):
             self._sitting_out[device] = self.iteration + self.config.refused_sit_out
 
     def _on_stats(self, msg: m.DeviceStats, now: float) -> list[m.Message]:
-        if {msg.seen_counts.size, msg.next_batch_counts.size} != {self.num_classes}:
-            return self._reject("wrong_length", f"histograms of width {msg.seen_counts.size}, "
-                                f"expected {self.num_classes}")
-        if msg.next_batch_counts.sum() > self.config.batch_size:
-            return self._reject("bad_histogram", f"next batch of {msg.next_batch_counts.sum()} "
-                                f"samples, the batch size is {self.config.batch_size}")
-        msg = self._plausible_seen(msg)
-        # Only metrics, but metrics operators act on: an accuracy outside [0, 1] is dropped
-        # (as not measured) and counted; the histograms still count.
-        if msg.epsilon < 0:
-            self._clip("epsilon")
-            msg = dataclasses.replace(msg, epsilon=0.0)
-        if not 0.0 <= msg.local_accuracy <= 1.0:
-            self._clip("local_accuracy")
-            msg = dataclasses.replace(msg, local_accuracy=0.0, local_samples=0)
-        if not 0.0 <= msg.prequential_accuracy <= 1.0:
-            self._clip("prequential_accuracy")
-            msg = dataclasses.replace(msg, prequential_accuracy=0.0, prequential_samples=0)
-        if not 0.0 <= msg.shadow_accuracy <= 1.0:
-            self._clip("shadow_accuracy")
-            msg = dataclasses.replace(msg, shadow_accuracy=0.0, shadow_samples=0)
+        elapsed = max(1, self.iteration - self._seen_at.get(msg.sender, self.iteration))
+        checked = self.claims.check(msg, self.stats, elapsed)
+        if checked is None:
+            return []
+        msg = checked
         joined = msg.sender not in self.stats or msg.sender in self.offline
         reported = len(self.stats) + (msg.sender not in self.stats)
         if self.state == _S.JOINING and reported >= self.config.min_devices:
@@ -400,23 +384,6 @@ class Station(RoleBase[StationState]):
         self.state = new
         self._next_hello = now + self.config.hello_interval
         return [self._station_stats()]
-
-    def _plausible_seen(self, msg: m.DeviceStats) -> m.DeviceStats:
-        """Seen counts bounded in growth and share (a claim of 10^15 samples must not decide
-        ``P_real``); the clipped counts are what the station keeps and sums."""
-        cfg = self.config
-        prev = self.stats.get(msg.sender)
-        elapsed = max(1, self.iteration - self._seen_at.get(msg.sender, self.iteration))
-        others = [int(s.seen_counts.sum()) for d, s in self.stats.items() if d != msg.sender]
-        # A device senses per local step, and a flat round holds many steps between reports.
-        per_iteration = cfg.max_seen_rate * cfg.local_steps
-        counts, clipped = bound_seen_counts(
-            msg.seen_counts, int(prev.seen_counts.sum()) if prev else 0,
-            per_iteration * elapsed, others, cfg.seen_share, per_iteration)
-        if not clipped:
-            return msg
-        self._clip("seen_counts")
-        return dataclasses.replace(msg, seen_counts=counts)
 
     def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
         if msg.role == m.Participant.CLOUD and msg.online:
