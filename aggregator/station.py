@@ -19,7 +19,6 @@ device's presence drive re-announcement.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 import numpy as np
 
@@ -37,13 +36,11 @@ from .checkpoint import StationCheckpoint, group, grouped
 from .claims import StatsCheck
 from .config import StationConfig
 from .fusion import Fold, fold_for
-from .selection import SelectorSettings, build_selector
+from .seating import Seating
 from .stragglers import StragglerWatch
 from .trust import (
     ClaimTally,
-    ShareCap,
     majority_capped,
-    seat_candidates,
 )
 
 __all__ = ["StationState", "StationEvent", "Station", "Reply"]
@@ -105,8 +102,8 @@ class Station(RoleBase[StationState]):
         self.num_params = num_params
         self.num_classes = num_classes
         self.rng = rng
-        self._select = build_selector(config.selector,
-                                      SelectorSettings(rng=rng, max_iter=config.gbp_max_iter))
+        self.seating = Seating(config, num_classes, rng, self.counters)
+        self.share = self.seating.share
         self.state = self.INITIAL
         self.stats: dict[str, m.DeviceStats] = {}
         self.offline: set[str] = set()
@@ -125,12 +122,10 @@ class Station(RoleBase[StationState]):
         self._upload: m.StationUpdate | None = None  # sent, not yet answered by a global model
         self._seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
         self._sitting_out: dict[str, int] = {}  # refused members: left out up to this iteration
-        self._seats: Counter[str] = Counter()  # each device's seats in this round's super nodes
         self.admission = UpdateAdmission(config, num_params, reject=self._reject,
                                          clip=self._clip)
         self.pipeline, self.guard = self.admission.pipeline, self.admission.guard
         self.claims = StatsCheck(config, num_classes, reject=self._reject, clip=self._clip)
-        self.share = ShareCap(config.share_window, config.max_selection_share)
         self.replay = self.admission.replay
         self.dp = CentralDP(config, config.seed)
         self.tally = ClaimTally(config.devices)
@@ -509,8 +504,7 @@ class Station(RoleBase[StationState]):
             self._collect(())
             return self._starve(now, len(ready))
         self._collect(self._pick(ready, cfg.super_node_size))
-        self.share.record(self.members)
-        self._seats.update(self.members)
+        self.seating.seated(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
         self._began = now
         self._blind = not self.stragglers.informed
@@ -538,40 +532,14 @@ class Station(RoleBase[StationState]):
         return [self._model_message()] if newly else []
 
     def _pick(self, ready: list[str], want: int) -> tuple[str, ...]:
-        """Up to ``want`` of the ``ready`` devices for a super node: benched stragglers
-        and refused or over-seated devices left out where others can fill it,
-        ``rand_per_group`` at random, the rest by the selector against ``P_real``."""
-        cfg = self.config
-        ready = self._under_cap(ready)
-        on_time = [d for d in ready if self._benched.get(d, -1) < self.iteration]
-        if len(on_time) >= cfg.min_quorum:
-            ready = on_time
-        ready, capped = seat_candidates(ready, self.share, self._sitting_out, self.iteration,
-                                        min(want, len(ready)))
-        if capped:
-            self.counters["selection_share_capped"] += capped
-        size = min(want, len(ready))
-        hists = np.array([self.stats[d].next_batch_counts for d in ready], dtype=np.float64)
-        n_random = min(cfg.rand_per_group, size)
-        fixed = list(self.rng.choice(len(ready), size=n_random, replace=False)) if n_random else []
-        picked = self._select(hists.reshape(len(ready), self.num_classes), self._target(),
-                              size - n_random, fixed=fixed).tolist() if ready else []
-        return tuple(sorted(ready[i] for i in [*fixed, *picked]))
+        """Up to ``want`` of the ``ready`` devices for a super node (seating.py)."""
+        return self.seating.pick(ready, want, stats=self.stats, target=self._target,
+                                 benched=self._benched, sitting_out=self._sitting_out,
+                                 iteration=self.iteration)
 
     def _new_round(self) -> None:
-        self._seats.clear()
+        self.seating.new_round()
         self.dp.new_round()
-
-    def _under_cap(self, ready: list[str]) -> list[str]:
-        """``ready`` less the devices seated ``max_participations`` times this round: a
-        hard cap (unlike the share cap, nobody fills a seat past it), so a round's later
-        super nodes shrink where the cap and the roster cannot fill them."""
-        cap = self.config.max_participations
-        if not cap:
-            return ready
-        under = [d for d in ready if self._seats[d] < cap]
-        self.counters["participation_capped"] += len(ready) - len(under)
-        return under
 
     def _collect(self, members: tuple[str, ...]) -> None:
         """A new super node (or none): no reply, and nothing folded, from an earlier one."""
