@@ -29,7 +29,8 @@ _PROBE = r'''
 import inspect, json, statistics, sys, time, tracemalloc
 import numpy as np
 from edge_client import messages as m
-from edge_client.codec import Reassembler, decode, encode, split
+from edge_client.codec import decode, encode, split
+from edge_client.reassembly import Reassembler
 from edge_client.trainers import build_trainer
 
 reps = int(sys.argv[1])

@@ -18,8 +18,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from . import messages as m
-from .codec import Reassembler, decode, is_chunk
+from .codec import decode
 from .errors import MessageError
+from .reassembly import Reassembler, is_chunk
 from .topics import is_document_topic, participant_of, topic_for
 
 __all__ = ["Admission", "LogLimiter"]

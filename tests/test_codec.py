@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge_client import messages as m
-from edge_client.codec import WIRE_VERSION, Reassembler, decode, encode, is_chunk, split, stream
+from edge_client.codec import WIRE_VERSION, decode, encode, split, stream
 from edge_client.errors import MessageError
+from edge_client.reassembly import Reassembler, is_chunk
 
 H = dict(fleet="f", sender="x", round=2, iteration=7)
 W = np.linspace(-1, 1, 1000, dtype=np.float32)
