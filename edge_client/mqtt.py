@@ -34,10 +34,10 @@ from .codec import encode, stream
 from .config import BrokerConfig
 from .documents import Document, decode_document, encode_document
 from .errors import BrokerRefused, ConfigError, ConnectError, MessageError
-from .tls import certificate_identity, check_pair
+from .tls import broker_identity, check_pair
 from .topics import is_document_topic, matches, topic_for
 
-__all__ = ["MqttTransport", "ConnectError", "BrokerRefused", "REFUSED_FOR_GOOD", "broker_identity"]
+__all__ = ["MqttTransport", "ConnectError", "BrokerRefused", "REFUSED_FOR_GOOD"]
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +55,6 @@ REFUSED_FOR_GOOD = frozenset({0x85, 0x86, 0x87, 0x8A, 0x8C})
 _IDENTITY_REFUSALS = frozenset({0x85, 0x87})
 
 
-def broker_identity(config: BrokerConfig) -> str | None:
-    """The client certificate's common name, when the certificate is the identity (a client
-    certificate and no username, as ``safl provision`` writes): its brokers take it as the
-    username and bind the client id to it.  None otherwise: a password login may be shared
-    by several clients, each with its own client id."""
-    if config.username or not config.cert:
-        return None
-    return certificate_identity(config.cert)
-
-
 class MqttTransport:
     """One MQTT connection for one role.
 
@@ -73,7 +63,7 @@ class MqttTransport:
     config : BrokerConfig
     client_id : str
         Stable id: the broker keeps the persistent session under it.  Where the client
-        certificate is the identity (:func:`broker_identity`), the transport connects with
+        certificate is the identity (``tls.broker_identity``), the transport connects with
         exactly the certificate's name instead: provisioned brokers bind the two, so that
         nobody can take over another participant's session.
     fleet, layout_hash : str

@@ -7,9 +7,10 @@ import datetime as dt
 import ssl
 from pathlib import Path
 
+from .config import BrokerConfig
 from .errors import ConfigError
 
-__all__ = ["check_pair", "certificate_identity"]
+__all__ = ["check_pair", "certificate_identity", "broker_identity"]
 
 
 def check_pair(ca: str, cert: str, key: str) -> None:
@@ -55,3 +56,13 @@ def certificate_identity(cert: str) -> str | None:
     leaf = x509.load_pem_x509_certificate(Path(cert).read_bytes())
     names = leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     return str(names[0].value) if names else None
+
+
+def broker_identity(config: BrokerConfig) -> str | None:
+    """The client certificate's common name, when the certificate is the identity (a client
+    certificate and no username, as ``safl provision`` writes): its brokers take it as the
+    username and bind the client id to it.  None otherwise: a password login may be shared
+    by several clients, each with its own client id."""
+    if config.username or not config.cert:
+        return None
+    return certificate_identity(config.cert)
