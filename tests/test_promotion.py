@@ -237,6 +237,8 @@ def test_the_deployed_round_and_shadow_accuracy_travel_in_stats_and_are_checked(
     st = Station(StationConfig(station_id="s0", devices=("d0",), min_devices=1,
                                super_node_size=1), num_params=4, num_classes=10,
                  rng=np.random.default_rng(0))
-    st.handle(dataclasses.replace(stats, shadow_accuracy=3.0), 0.0)  # a claim, checked
+    st.handle(dataclasses.replace(stats, shadow_accuracy=1.0), 0.0)  # on the bound: kept
+    assert not st.counters["clipped.shadow_accuracy"] and st.stats["d0"].shadow_accuracy == 1.0
+    st.handle(dataclasses.replace(stats, shadow_accuracy=1.0000001), 0.0)  # a claim, checked
     assert st.counters["clipped.shadow_accuracy"] == 1
     assert st.stats["d0"].shadow_samples == 0 and st.stats["d0"].deployed_round == 3
