@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 
 _S = StationState
-MISSED_KEPT = 8  # missed iterations remembered per device, to time their late answers
 
 
 class StationEvent(RoleEvent):
@@ -133,16 +132,6 @@ class Station(RoleBase[StationState]):
                                          min_wait=config.straggler_min_wait,
                                          sit_out=config.straggler_sit_out,
                                          timeout=config.iteration_timeout)
-        self._began = 0.0  # when this iteration's super node was asked
-        self._answer_s: list[float] = []  # seconds each of its in-time answers took
-        self._blind = True  # it began before the fleet's reply times were known
-        # Members that missed an iteration: when each such iteration asked them.
-        self._missed: dict[str, dict[int, float]] = {}
-        # Stragglers benched up to this iteration.  Unlike a refusal's sit-out, a bench never
-        # fills a seat while a quorum of others is ready: seating a 30x slower board to fill
-        # a super node would stall the iteration it was benched to spare.  Not checkpointed:
-        # a restarted station learns reply times again within a few iterations.
-        self._benched: dict[str, int] = {}
 
     @property
     def id(self) -> str:
@@ -299,13 +288,7 @@ class Station(RoleBase[StationState]):
         for d in self.members:
             if d in self._replies or d in self.offline:
                 continue
-            missed = self._missed.setdefault(d, {})
-            missed[self.iteration] = self._began
-            if len(missed) > MISSED_KEPT:  # a device that died never answers: keep a few
-                del missed[min(missed)]
-            sit_out = self.stragglers.missed(d)
-            if sit_out:
-                self._benched[d] = self.iteration + sit_out
+            if self.stragglers.closed_without(d, self.iteration):
                 self.counters["stragglers_benched"] += 1
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
@@ -409,10 +392,7 @@ class Station(RoleBase[StationState]):
         return sum(1 for d in self.members if d not in self._replies and d not in self.offline)
 
     def _on_reply(self, msg: m.DeviceUpdate | m.SkipNotice, now: float) -> list[m.Message]:
-        asked = self._missed.get(msg.sender, {}).pop(msg.iteration, None)
-        if asked is not None:
-            # A straggler's answer after its iteration closed: how slow it is, nothing more.
-            self.stragglers.answered(msg.sender, now - asked, False)
+        if self.stragglers.late(msg.sender, msg.iteration, now):
             self.counters["late_replies"] += 1
             return []
         if self.state != _S.COLLECTING or msg.iteration != self.iteration:
@@ -423,19 +403,11 @@ class Station(RoleBase[StationState]):
         if msg.sender in self._replies:
             self.counters["duplicates"] += 1
             return []
-        if now > self.deadline:
+        deadline = self.stragglers.reply(msg.sender, now, self.deadline, len(self.members))
+        if deadline is None:
             self.counters["late_replies"] += 1
-            self.stragglers.answered(msg.sender, now - self._began, False)
             return []
-        self.stragglers.answered(msg.sender, now - self._began, True)
-        self._answer_s.append(now - self._began)
-        # Only while the fleet's median was unknown at the start: afterwards it is the
-        # deadline, since one fast (or hostile) member moves a super node's median but not
-        # the fleet's.
-        peers = self.stragglers.peer_budget(self._answer_s, len(self.members)) \
-            if self._blind else None
-        if peers is not None:
-            self.deadline = min(self.deadline, self._began + peers)
+        self.deadline = deadline
         if isinstance(msg, m.DeviceUpdate):
             fused = self._admit(msg)
             if fused is None:
@@ -506,9 +478,7 @@ class Station(RoleBase[StationState]):
         self._collect(self._pick(ready, cfg.super_node_size))
         self.seating.seated(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
-        self._began = now
-        self._blind = not self.stragglers.informed
-        self.deadline = now + self.stragglers.budget()
+        self.deadline = self.stragglers.begin(now)
         self.state = new
         out: list[m.Message] = [self._model_message(),
                                 m.Selection(fleet=cfg.fleet, sender=self.id, round=self.round,
@@ -534,7 +504,7 @@ class Station(RoleBase[StationState]):
     def _pick(self, ready: list[str], want: int) -> tuple[str, ...]:
         """Up to ``want`` of the ``ready`` devices for a super node (seating.py)."""
         return self.seating.pick(ready, want, stats=self.stats, target=self._target,
-                                 benched=self._benched, sitting_out=self._sitting_out,
+                                 benched=self.stragglers.benched, sitting_out=self._sitting_out,
                                  iteration=self.iteration)
 
     def _new_round(self) -> None:
@@ -544,7 +514,6 @@ class Station(RoleBase[StationState]):
     def _collect(self, members: tuple[str, ...]) -> None:
         """A new super node (or none): no reply, and nothing folded, from an earlier one."""
         self.members, self._replies, self._fold = members, {}, self._new_fold(len(members))
-        self._answer_s = []
 
     def _new_fold(self, size: int) -> Fold:
         """The fusion rule's fold, or with central DP a noised mean of clipped steps from

@@ -10,7 +10,8 @@ median of the answers the super node has given, once half of it answered.
 A member that missed that deadline sits out ``straggler_sit_out`` super nodes, twice as
 many after each further miss in a row (at most 16 times), so a device that cannot keep up
 costs the fleet one short wait now and then rather than a long one every time; an answer
-in time clears its record.
+in time clears its record.  A benched device is not seated while a quorum of others is
+ready; an answer to an iteration that closed without it is still timed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = ["StragglerWatch"]
 
 MAX_BACKOFF = 16  # the longest sit-out, in multiples of straggler_sit_out
 MIN_ESTIMATES = 3  # reply times needed before the median is trusted over the timeout
+MISSED_KEPT = 8  # missed iterations remembered per device, to time their late answers
 
 
 class StragglerWatch:
@@ -30,6 +32,16 @@ class StragglerWatch:
         self.factor, self.min_wait, self.sit_out, self.timeout = factor, min_wait, sit_out, timeout
         self.reply_s: dict[str, float] = {}
         self.misses: dict[str, int] = {}
+        self.began = 0.0  # when the current super node was asked
+        self._answer_s: list[float] = []  # seconds each of its in-time answers took
+        self._blind = True  # it began before the fleet's reply times were known
+        # Members that missed an iteration: when each such iteration asked them.
+        self._missed: dict[str, dict[int, float]] = {}
+        # Stragglers benched up to this iteration.  Unlike a refusal's sit-out, a bench never
+        # fills a seat while a quorum of others is ready: seating a 30x slower board to fill
+        # a super node would stall the iteration it was benched to spare.  Not checkpointed:
+        # a restarted station learns reply times again within a few iterations.
+        self.benched: dict[str, int] = {}
 
     @property
     def informed(self) -> bool:
@@ -67,3 +79,41 @@ class StragglerWatch:
         streak = self.misses.get(device, 0) + 1
         self.misses[device] = streak
         return self.sit_out * min(MAX_BACKOFF, 2 ** (streak - 1))
+
+    def begin(self, now: float) -> float:
+        """A super node was asked at ``now``: its deadline."""
+        self.began, self._blind, self._answer_s = now, not self.informed, []
+        return now + self.budget()
+
+    def reply(self, device: str, now: float, deadline: float, members: int) -> float | None:
+        """An answer at ``now`` from the current super node of ``members``: None past
+        ``deadline``, else the deadline, shortened by the answers so far where the fleet's
+        times were unknown when it began (afterwards the fleet's median sets it: one fast,
+        or hostile, member moves a super node's median but not the fleet's)."""
+        if now > deadline:
+            self.answered(device, now - self.began, False)
+            return None
+        self.answered(device, now - self.began, True)
+        self._answer_s.append(now - self.began)
+        peers = self.peer_budget(self._answer_s, members) if self._blind else None
+        return deadline if peers is None else min(deadline, self.began + peers)
+
+    def late(self, device: str, iteration: int, now: float) -> bool:
+        """Whether this is an answer to an ``iteration`` that closed without it: then it is
+        timed (how slow the device is), and nothing more."""
+        asked = self._missed.get(device, {}).pop(iteration, None)
+        if asked is None:
+            return False
+        self.answered(device, now - asked, False)
+        return True
+
+    def closed_without(self, device: str, iteration: int) -> bool:
+        """``device`` left ``iteration`` unanswered: whether it is benched now."""
+        missed = self._missed.setdefault(device, {})
+        missed[iteration] = self.began
+        if len(missed) > MISSED_KEPT:  # a device that died never answers: keep a few
+            del missed[min(missed)]
+        sit_out = self.missed(device)
+        if sit_out:
+            self.benched[device] = iteration + sit_out
+        return bool(sit_out)
