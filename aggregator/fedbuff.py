@@ -90,7 +90,7 @@ class BufferedStation(Station):
         out: list[m.Message] = [self._model_message()] if publish else []
         if self.state in (_S.WAITING, _S.DONE) and not publish:
             return out  # the cloud's model comes first: nobody trains on the uploaded one
-        ready = self._ready() if ready is None else ready
+        ready = self.roster.ready() if ready is None else ready
         idle = [d for d in ready if d not in self._in_flight and d not in self._answered
                 and not self._owes(d)]
         want = cfg.super_node_size - len(self._in_flight)

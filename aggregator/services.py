@@ -134,8 +134,8 @@ class StationService:
                 station=cfg.station_id, state=role.state, round=role.round,
                 iteration=role.iteration, cpu_s=round(time.process_time(), 3),
                 cpu_startup_s=round(first_model[0], 3) if first_model else None,
-                devices=len(cfg.devices), online=role.online_devices, quorum=cfg.min_quorum,
-                missing=tuple(role.missing), **role.accuracy_summary(),
+                devices=len(cfg.devices), online=role.roster.online, quorum=cfg.min_quorum,
+                missing=tuple(role.roster.missing), **role.roster.accuracy_summary(),
                 **role.privacy_summary(), update_stages=role.pipeline.id,
                 counters=dict(role.counters), transport=dict(transport.counters),
                 device_refused=dict(role.tally.refused), device_clipped=dict(role.tally.clipped))
@@ -143,8 +143,8 @@ class StationService:
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
-             "selected_devices": len(role.members), "devices_online": role.online_devices,
-             **role.accuracy_summary(), **role.privacy_summary()}),
+             "selected_devices": len(role.members), "devices_online": role.roster.online,
+             **role.roster.accuracy_summary(), **role.privacy_summary()}),
             labels={"fleet": cfg.fleet, "station": cfg.station_id})
         # Round boundaries: the upload that ends a round, the model that begins one.
         checkpoint = _checkpointing(role, self.service.state_dir, cfg.station_id, lambda msg: (

@@ -29,18 +29,16 @@ from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, station_topics
 
-from .accuracy import device_accuracy_summary
 from .admission import UpdateAdmission
 from .central_dp import CentralDP
 from .checkpoint import StationCheckpoint, group, grouped
-from .claims import StatsCheck
 from .config import StationConfig
 from .fusion import Fold, fold_for
+from .roster import Roster
 from .seating import Seating
 from .stragglers import StragglerWatch
 from .trust import (
     ClaimTally,
-    majority_capped,
 )
 
 __all__ = ["StationState", "StationEvent", "Station", "Reply"]
@@ -104,8 +102,6 @@ class Station(RoleBase[StationState]):
         self.seating = Seating(config, num_classes, rng, self.counters)
         self.share = self.seating.share
         self.state = self.INITIAL
-        self.stats: dict[str, m.DeviceStats] = {}
-        self.offline: set[str] = set()
         self.weights: np.ndarray | None = None
         self.p_real: np.ndarray | None = None
         self.round = 0
@@ -119,12 +115,13 @@ class Station(RoleBase[StationState]):
         self._consumed = 0
         self._consumed_before = 0  # samples of the rounds already uploaded
         self._upload: m.StationUpdate | None = None  # sent, not yet answered by a global model
-        self._seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
         self._sitting_out: dict[str, int] = {}  # refused members: left out up to this iteration
         self.admission = UpdateAdmission(config, num_params, reject=self._reject,
                                          clip=self._clip)
         self.pipeline, self.guard = self.admission.pipeline, self.admission.guard
-        self.claims = StatsCheck(config, num_classes, reject=self._reject, clip=self._clip)
+        self.roster = Roster(config, num_classes, self.counters, reject=self._reject,
+                             clip=self._clip)
+        self.stats, self.offline = self.roster.stats, self.roster.offline
         self.replay = self.admission.replay
         self.dp = CentralDP(config, config.seed)
         self.tally = ClaimTally(config.devices)
@@ -146,11 +143,6 @@ class Station(RoleBase[StationState]):
         self.counters[f"clipped.{kind}"] += 1
         self.tally.count(self.tally.clipped, self._sender)
 
-    @property
-    def online_devices(self) -> int:
-        """Roster devices that reported and whose Last Will has not fired since."""
-        return sum(1 for d in self.stats if d not in self.offline)
-
     def subscriptions(self) -> list[str]:
         return station_topics(self.config.fleet, self.config.devices)
 
@@ -165,7 +157,7 @@ class Station(RoleBase[StationState]):
     def _resume(self, now: float) -> list[m.Message]:
         """Restarted mid-round: begin the iteration it was in anew (its replies are lost)."""
         # The whole way (through ``resuming`` into the iteration) is checked before a change.
-        ready = self._ready()
+        ready = self.roster.ready()
         self.next_state(_E.RESTARTED, self._iteration_event(ready))
         self.state = self.next_state(_E.RESTARTED)
         return self._begin_iteration(now, ready)
@@ -184,7 +176,7 @@ class Station(RoleBase[StationState]):
             id=self.id, state=self.state, round=self.round, iteration=self.iteration,
             consumed=self._consumed, consumed_before=self._consumed_before,
             upload_samples=None if self._upload is None else self._upload.num_samples,
-            seen_at=dict(self._seen_at), sitting_out=dict(self._sitting_out),
+            seen_at=dict(self.roster.seen_at), sitting_out=dict(self._sitting_out),
             norms=self.guard.state(), recent=self.share.state(),
             rng=dict(self.rng.bit_generator.state), counters=dict(self.counters),
             dp_bound=self.dp.adaptive_bound, tally=self.tally.state())
@@ -208,7 +200,7 @@ class Station(RoleBase[StationState]):
         self.state, self.round, self.iteration = _S(meta.state), meta.round, meta.iteration
         self._consumed = int(meta.consumed)
         self._consumed_before = int(meta.consumed_before)
-        self._seen_at = {d: int(i) for d, i in meta.seen_at.items() if d in cfg.devices}
+        self.roster.seen_at = {d: int(i) for d, i in meta.seen_at.items() if d in cfg.devices}
         self._sitting_out = {d: int(i) for d, i in meta.sitting_out.items() if d in cfg.devices}
         self.guard.restore(meta.norms)
         self.replay.restore({d: v for d, v in group(arrays, "replay").items()
@@ -225,37 +217,20 @@ class Station(RoleBase[StationState]):
                                            num_samples=meta.upload_samples,
                                            seen_counts=self._seen_counts())
 
-    def local_accuracies(self) -> list[float]:
-        """The latest device-local accuracy each device reported (those that measured)."""
-        return [s.local_accuracy for s in self.stats.values() if s.local_samples]
-
-    def prequential_accuracies(self) -> list[float]:
-        """The latest prequential accuracy each device reported (those that predict)."""
-        return [s.prequential_accuracy for s in self.stats.values() if s.prequential_samples]
-
-    def accuracy_summary(self) -> dict[str, float]:
-        """Held-out and prequential accuracy over the devices, mean and worst 10%."""
-        return device_accuracy_summary(self.local_accuracies(), self.prequential_accuracies())
-
     def privacy_summary(self) -> dict[str, float]:
         """The largest epsilon a device reports its local differential privacy has spent
         (absent where none reports any: no noise stage), and with central DP the largest
         any device's data has spent in this station's noised syncs."""
-        spent = max((s.epsilon for s in self.stats.values()), default=0.0)
+        spent = self.roster.epsilon_local()
         local = {"epsilon_local": spent} if spent > 0 else {}
         if not self.dp.enabled:
             return local
         return {**local, "epsilon_central": self.dp.privacy.worst()}
 
-    @property
-    def missing(self) -> list[str]:
-        """Roster devices the station has not heard from (or whose Last Will fired)."""
-        return [d for d in self.config.devices if d not in self.stats or d in self.offline]
-
     def tick(self, now: float) -> list[m.Message]:
         """Close the iteration at its deadline; repeat the join until the cloud answers."""
         if self.state == _S.JOINING and self._limiter.allow(self.id, "joining"):
-            missing = self.missing
+            missing = self.roster.missing
             log.info("station %s joining: %d of %d devices reported, waiting for %s", self.id,
                      len(self.stats), self.config.min_devices, ", ".join(missing[:20])
                      + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
@@ -266,7 +241,7 @@ class Station(RoleBase[StationState]):
         if self.state == _S.STARVED and now >= self.deadline:
             self.counters["iterations_without_data"] += 1
             log.warning("station %s: iteration %d closes untrained, %d devices online < quorum "
-                        "%d", self.id, self.iteration, self.online_devices, self.config.min_quorum)
+                        "%d", self.id, self.iteration, self.roster.online, self.config.min_quorum)
             return self._close_iteration(now)
         if self.state == _S.COLLECTING and now >= self.deadline:
             absent = len(self.members) - len(self._replies)
@@ -333,8 +308,7 @@ class Station(RoleBase[StationState]):
             self._sitting_out[device] = self.iteration + self.config.refused_sit_out
 
     def _on_stats(self, msg: m.DeviceStats, now: float) -> list[m.Message]:
-        elapsed = max(1, self.iteration - self._seen_at.get(msg.sender, self.iteration))
-        checked = self.claims.check(msg, self.stats, elapsed)
+        checked = self.roster.checked(msg, self.iteration)
         if checked is None:
             return []
         msg = checked
@@ -342,7 +316,7 @@ class Station(RoleBase[StationState]):
         reported = len(self.stats) + (msg.sender not in self.stats)
         if self.state == _S.JOINING and reported >= self.config.min_devices:
             return self._devices_reported(msg, now)
-        self._accept_stats(msg)
+        self.roster.accept(msg, self.iteration)
         out: list[m.Message] = []
         if joined and self.weights is not None:
             # A late joiner gets the current model; it is selectable from now on.
@@ -350,15 +324,10 @@ class Station(RoleBase[StationState]):
             out.append(self._model_message())
         return out + self._unstarve(now)
 
-    def _accept_stats(self, msg: m.DeviceStats) -> None:
-        self.stats[msg.sender] = msg
-        self._seen_at[msg.sender] = self.iteration
-        self.offline.discard(msg.sender)
-
     def _devices_reported(self, msg: m.DeviceStats, now: float) -> list[m.Message]:
         """The stats that complete the roster (``min_devices``): tell the cloud our counts."""
         new = self.next_state(_E.DEVICES_REPORTED)
-        self._accept_stats(msg)
+        self.roster.accept(msg, self.iteration)
         self.state = new
         self._next_hello = now + self.config.hello_interval
         return [self._station_stats()]
@@ -440,7 +409,7 @@ class Station(RoleBase[StationState]):
                 return []
             return self._reject("stale_iteration", f"global round {msg.round} already applied")
         # Refused in ``done``, by the table: the federation has ended.
-        ready = self._ready()  # the global model changes who is ready no more than the rest
+        ready = self.roster.ready()  # the global model changes who is ready no more than the rest
         new = self.next_state(_E.FINAL_MODEL if msg.final else self._iteration_event(ready))
         self._upload = None
         self.weights = np.array(msg.weights)
@@ -452,13 +421,9 @@ class Station(RoleBase[StationState]):
             return [self._model_message(final=True)]
         return self._begin_iteration(now, ready)
 
-    def _ready(self) -> list[str]:
-        return [d for d in self.config.devices if d in self.stats and d not in self.offline
-                and self.stats[d].next_batch_counts.any()]
-
     def _unstarve(self, now: float) -> list[m.Message]:
         """A starved station begins its iteration as soon as a quorum is ready."""
-        if self.state == _S.STARVED and len(self._ready()) >= self.config.min_quorum:
+        if self.state == _S.STARVED and len(self.roster.ready()) >= self.config.min_quorum:
             return self._begin_iteration(now)
         return []
 
@@ -470,7 +435,7 @@ class Station(RoleBase[StationState]):
     def _begin_iteration(self, now: float, ready: list[str] | None = None) -> list[m.Message]:
         """Select the next super node, or starve; ``ready`` where the caller just listed it."""
         cfg = self.config
-        ready = self._ready() if ready is None else ready
+        ready = self.roster.ready() if ready is None else ready
         new = self.next_state(self._iteration_event(ready))
         if new == _S.STARVED:
             self._collect(())
@@ -525,7 +490,7 @@ class Station(RoleBase[StationState]):
     def _close_iteration(self, now: float) -> list[m.Message]:
         cfg = self.config
         sync_due = (self.iteration + 1) % cfg.sync_period == 0
-        ready = None if sync_due else self._ready()  # closing an iteration changes no stats
+        ready = None if sync_due else self.roster.ready()  # closing an iteration changes no stats
         new = self.next_state(_E.SYNC_DUE if ready is None else self._iteration_event(ready))
         fold, self._fold = self._fold, fold_for(cfg.fusion)
         if len(fold) >= cfg.min_quorum:
@@ -545,8 +510,9 @@ class Station(RoleBase[StationState]):
         self._upload = m.StationUpdate(
             fleet=cfg.fleet, sender=self.id, round=self.round, iteration=self.iteration,
             weights=self._model(), num_samples=self._consumed, seen_counts=self._seen_counts(),
-            local_accuracies=np.array(self.local_accuracies(), dtype=np.float32),
-            prequential_accuracies=np.array(self.prequential_accuracies(), dtype=np.float32))
+            local_accuracies=np.array(self.roster.local_accuracies(), dtype=np.float32),
+            prequential_accuracies=np.array(self.roster.prequential_accuracies(),
+                                            dtype=np.float32))
         self._consumed_before += self._consumed
         self._consumed = 0
         return [self._upload]
@@ -580,12 +546,5 @@ class Station(RoleBase[StationState]):
         return self.p_real
 
     def _seen_counts(self) -> np.ndarray:
-        """The factory's label counts for ``P_real``: no device outweighs the rest, and never
-        fewer than the samples its updates have reported (the cloud checks those against it)."""
-        if not self.stats:
-            return np.zeros(self.num_classes, dtype=np.int64)
-        total, capped = majority_capped([s.seen_counts for s in self.stats.values()],
-                                        at_least=self._consumed_before + self._consumed)
-        if capped:
-            self.counters["seen_majority_capped"] += capped
-        return total
+        """The factory's label counts for ``P_real`` (roster.py)."""
+        return self.roster.seen_counts(self._consumed_before + self._consumed)

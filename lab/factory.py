@@ -238,7 +238,8 @@ class Factory:
 
     def accuracies(self) -> tuple[list[float], list[float]]:
         """The devices' held-out and prequential accuracies, as their stations know them."""
-        return self.station.local_accuracies(), self.station.prequential_accuracies()
+        roster = self.station.roster
+        return roster.local_accuracies(), roster.prequential_accuracies()
 
     def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
         """Messages and payload bytes published here, per message type."""

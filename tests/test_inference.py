@@ -282,7 +282,7 @@ def test_stations_and_the_cloud_summarise_prequential_accuracy_and_clip_claims()
                                 next_batch_counts=np.array([1, 1]),
                                 prequential_accuracy=acc, prequential_samples=100), 0.0)
     assert st.counters["clipped.prequential_accuracy"] == 1
-    assert st.accuracy_summary() == {"prequential_mean": 0.7, "prequential_worst10": 0.5}
+    assert st.roster.accuracy_summary() == {"prequential_mean": 0.7, "prequential_worst10": 0.5}
     cloud = Cloud(CloudConfig(stations=("s0",), rounds=5), initial_weights=np.zeros(4, np.float32),
                   num_classes=2)
     cloud.handle(m.StationStats(fleet="default", sender="s0", round=0, iteration=0,

@@ -439,7 +439,7 @@ def test_devices_report_the_local_accuracy_of_their_deployable_model(digits):
                                rand_per_group=0), num_params=4,
                  num_classes=F, rng=np.random.default_rng(0))
     st.handle(stats, 0.0)
-    assert st.local_accuracies() == [stats.local_accuracy]
+    assert st.roster.local_accuracies() == [stats.local_accuracy]
 
 
 def test_device_with_no_data_sends_a_skip_notice(digits):

@@ -258,11 +258,11 @@ def test_a_station_below_quorum_waits_instead_of_closing_empty_iterations():
         return {"s": StationSummary(station="s", round=0, iteration=1, devices=3, quorum=2,
                                     **fields)}
     found = FleetStatus(presence={("station", "s"): True},
-                        stations=summary(state=st.state, online=st.online_devices))
+                        stations=summary(state=st.state, online=st.roster.online))
     assert "s waits for devices: 1 online, quorum 2" in format_status(found, "t")
     joining = FleetStatus(stations=summary(state="joining", online=0, missing=("d1", "d2")))
     assert "s waits for its roster: missing d1, d2" in format_status(joining, "t")
-    assert _station().missing == ["d0", "d1", "d2"]
+    assert _station().roster.missing == ["d0", "d1", "d2"]
     out = st.handle(_stats("d1"), 16.0)  # a second device: the quorum is there
     assert st.state == "collecting" and any(isinstance(x, m.Selection) for x in out)
 
@@ -305,9 +305,9 @@ def test_an_impossible_local_accuracy_is_dropped_not_the_stats():
     lie = dataclasses.replace(_stats("d0"), local_accuracy=7.5, local_samples=100)
     st.handle(lie, 1.0)
     assert st.counters["clipped.local_accuracy"] == 1
-    assert "d0" in st.stats and st.local_accuracies() == []
+    assert "d0" in st.stats and st.roster.local_accuracies() == []
     st.handle(dataclasses.replace(_stats("d1"), local_accuracy=0.75, local_samples=100), 1.0)
-    assert st.local_accuracies() == [0.75]
+    assert st.roster.local_accuracies() == [0.75]
 
 
 def test_a_replayed_update_is_refused_and_a_fresh_one_is_not():

@@ -1,0 +1,146 @@
+"""What a station knows of its roster: each device's latest stats, checked as claims on
+arrival, who is offline, and what the station derives from them (who is ready, the
+factory's label counts, the devices' accuracies).
+
+Histograms must have the fleet's width and the next batch must fit the batch size (else
+the stats are refused); seen counts may grow only ``max_seen_rate x local_steps`` per
+iteration and no device may claim more than ``seen_share`` of the roster's samples
+(:func:`~aggregator.trust.bound_seen_counts`: clipped, and kept clipped); accuracies
+outside [0, 1] and a negative epsilon are metrics no device can have measured, dropped
+as not measured.  Every refusal and clip goes to the station's ``reject`` and ``clip``.
+The label counts a station reports for ``P_real`` are capped so that no device outweighs
+the rest (:func:`~aggregator.trust.majority_capped`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from edge_client import messages as m
+
+from .accuracy import device_accuracy_summary
+from .config import StationConfig
+from .trust import bound_seen_counts, majority_capped
+
+__all__ = ["Roster", "StatsCheck"]
+
+
+class StatsCheck:
+    """The checks of one station's incoming stats."""
+
+    def __init__(self, config: StationConfig, num_classes: int, *,
+                 reject: Callable[[str, str], Any], clip: Callable[[str], None]) -> None:
+        self.config, self.num_classes = config, num_classes
+        self._reject, self._clip = reject, clip
+
+    def check(self, msg: m.DeviceStats, stats: Mapping[str, m.DeviceStats],
+              elapsed: int) -> m.DeviceStats | None:
+        """``msg`` as the station keeps it, or None where it is refused; ``stats``: what the
+        roster reported so far, ``elapsed``: iterations since its sender's last stats."""
+        if {msg.seen_counts.size, msg.next_batch_counts.size} != {self.num_classes}:
+            self._reject("wrong_length", f"histograms of width {msg.seen_counts.size}, "
+                         f"expected {self.num_classes}")
+            return None
+        if msg.next_batch_counts.sum() > self.config.batch_size:
+            self._reject("bad_histogram", f"next batch of {msg.next_batch_counts.sum()} "
+                         f"samples, the batch size is {self.config.batch_size}")
+            return None
+        msg = self._plausible_seen(msg, stats, elapsed)
+        # Only metrics, but metrics operators act on: an accuracy outside [0, 1] is dropped
+        # (as not measured) and counted; the histograms still count.
+        if msg.epsilon < 0:
+            self._clip("epsilon")
+            msg = dataclasses.replace(msg, epsilon=0.0)
+        for name in ("local", "prequential", "shadow"):
+            if not 0.0 <= getattr(msg, f"{name}_accuracy") <= 1.0:
+                self._clip(f"{name}_accuracy")
+                cleared: dict[str, Any] = {f"{name}_accuracy": 0.0, f"{name}_samples": 0}
+                msg = dataclasses.replace(msg, **cleared)
+        return msg
+
+    def _plausible_seen(self, msg: m.DeviceStats, stats: Mapping[str, m.DeviceStats],
+                        elapsed: int) -> m.DeviceStats:
+        """Seen counts bounded in growth and share (a claim of 10^15 samples must not decide
+        ``P_real``); the clipped counts are what the station keeps and sums."""
+        cfg = self.config
+        prev = stats.get(msg.sender)
+        others = [int(s.seen_counts.sum()) for d, s in stats.items() if d != msg.sender]
+        # A device senses per local step, and a flat round holds many steps between reports.
+        per_iteration = cfg.max_seen_rate * cfg.local_steps
+        counts, clipped = bound_seen_counts(
+            msg.seen_counts, int(prev.seen_counts.sum()) if prev else 0,
+            per_iteration * elapsed, others, cfg.seen_share, per_iteration)
+        if not clipped:
+            return msg
+        self._clip("seen_counts")
+        return dataclasses.replace(msg, seen_counts=counts)
+
+
+class Roster:
+    """A station's devices as it knows them: their latest checked stats, who is offline."""
+
+    def __init__(self, config: StationConfig, num_classes: int, counters: Counter[str], *,
+                 reject: Callable[[str, str], Any], clip: Callable[[str], None]) -> None:
+        self.config, self.num_classes, self.counters = config, num_classes, counters
+        self.check = StatsCheck(config, num_classes, reject=reject, clip=clip)
+        self.stats: dict[str, m.DeviceStats] = {}
+        self.offline: set[str] = set()
+        self.seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
+
+    def checked(self, msg: m.DeviceStats, iteration: int) -> m.DeviceStats | None:
+        """``msg`` as the station would keep it at ``iteration``, or None: refused."""
+        elapsed = max(1, iteration - self.seen_at.get(msg.sender, iteration))
+        return self.check.check(msg, self.stats, elapsed)
+
+    def accept(self, msg: m.DeviceStats, iteration: int) -> None:
+        self.stats[msg.sender] = msg
+        self.seen_at[msg.sender] = iteration
+        self.offline.discard(msg.sender)
+
+    def ready(self) -> list[str]:
+        """Devices online whose next batch is ready, in roster order."""
+        return [d for d in self.config.devices if d in self.stats and d not in self.offline
+                and self.stats[d].next_batch_counts.any()]
+
+    @property
+    def online(self) -> int:
+        """Roster devices that reported and whose Last Will has not fired since."""
+        return sum(1 for d in self.stats if d not in self.offline)
+
+    @property
+    def missing(self) -> list[str]:
+        """Roster devices the station has not heard from (or whose Last Will fired)."""
+        return [d for d in self.config.devices if d not in self.stats or d in self.offline]
+
+    def local_accuracies(self) -> list[float]:
+        """The latest device-local accuracy each device reported (those that measured)."""
+        return [s.local_accuracy for s in self.stats.values() if s.local_samples]
+
+    def prequential_accuracies(self) -> list[float]:
+        """The latest prequential accuracy each device reported (those that predict)."""
+        return [s.prequential_accuracy for s in self.stats.values() if s.prequential_samples]
+
+    def accuracy_summary(self) -> dict[str, float]:
+        """Held-out and prequential accuracy over the devices, mean and worst 10%."""
+        return device_accuracy_summary(self.local_accuracies(), self.prequential_accuracies())
+
+    def epsilon_local(self) -> float:
+        """The largest epsilon a device reports its local differential privacy has spent."""
+        return max((s.epsilon for s in self.stats.values()), default=0.0)
+
+    def seen_counts(self, at_least: int) -> np.ndarray:
+        """The factory's label counts for ``P_real``: no device outweighs the rest, and never
+        fewer than ``at_least``, the samples its updates have reported (the cloud checks
+        those against it)."""
+        if not self.stats:
+            return np.zeros(self.num_classes, dtype=np.int64)
+        total, capped = majority_capped([s.seen_counts for s in self.stats.values()],
+                                        at_least=at_least)
+        if capped:
+            self.counters["seen_majority_capped"] += capped
+        return total
