@@ -126,10 +126,9 @@ class Promoter:
         self.window = (ShadowWindow(config.promote_window, sample_shape)
                        if config.promote == "not_worse" else None)
         self.last_verdict = Verdict(True)
-        self._pending: tuple[m.StationModel, np.ndarray] | None = None
+        self._pending: tuple[m.StationModel, np.ndarray, bool] | None = None  # and merged
         self._scored_at = -1 << 62  # station iteration of the last scored candidate
         self._refused_in_a_row = 0
-        self._merged_after_score = False
 
     def offer(self, model: m.StationModel, weights: np.ndarray, deployed: bool,
               merged: bool = False) -> bool:
@@ -139,10 +138,7 @@ class Promoter:
         or a final model."""
         if self._pending is not None:
             self.counters["promotions.waiting"] += 1
-        self._pending = (model, weights)
-        # The merge of an iteration whose broadcast was judged already is due as well:
-        # samples that came between the two must not keep the device's own model out.
-        self._merged_after_score = merged and model.iteration == self._scored_at
+        self._pending = (model, weights, merged)
         return self.window is None or not deployed or model.final
 
     def judge(self, trainer: Trainer, deployed: np.ndarray | None,
@@ -150,9 +146,11 @@ class Promoter:
         """Score the pending candidate if it is due; the candidate where it is promoted."""
         if self._pending is None:
             return None
-        model, weights = self._pending
+        model, weights, merged = self._pending
         scored = self.window is not None and deployed is not None
-        if scored and not model.final and not self._merged_after_score \
+        # The merge of an iteration whose broadcast was judged already is due as well:
+        # samples that came between the two must not keep the device's own model out.
+        if scored and not model.final and not (merged and model.iteration == self._scored_at) \
                 and 0 <= model.iteration - self._scored_at < self.config.promote_every:
             return None
         self._pending = None

@@ -241,4 +241,7 @@ def test_the_deployed_round_and_shadow_accuracy_travel_in_stats_and_are_checked(
     assert not st.counters["clipped.shadow_accuracy"] and st.stats["d0"].shadow_accuracy == 1.0
     st.handle(dataclasses.replace(stats, shadow_accuracy=1.0000001), 0.0)  # a claim, checked
     assert st.counters["clipped.shadow_accuracy"] == 1
+    st.handle(dataclasses.replace(stats, shadow_accuracy=0.0), 0.0)  # the other bound: kept
+    st.handle(dataclasses.replace(stats, shadow_accuracy=-1e-9), 0.0)
+    assert st.counters["clipped.shadow_accuracy"] == 2
     assert st.stats["d0"].shadow_samples == 0 and st.stats["d0"].deployed_round == 3
