@@ -12,7 +12,7 @@ and clip goes to the station's ``reject`` and ``clip``, which count it against t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from edge_client import messages as m
 from edge_client.errors import MessageError
 from edge_client.pipeline import Encoded, UpdatePipeline
 
+from .checkpoint import group, grouped
 from .config import StationConfig
 from .trust import NormGuard, ReplayGuard
 
@@ -46,6 +47,20 @@ class UpdateAdmission:
                                hard_factor=config.update_norm_hard_factor)
         self.replay = ReplayGuard(num_params, seed=config.seed,
                                   tolerance=config.replay_tolerance)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The checkpoint's share of arrays: each device's recent updates (the replay
+        guard's); the norm guard's history is :meth:`norms`."""
+        return grouped("replay", self.replay.state())
+
+    def norms(self) -> list[float]:
+        return self.guard.state()
+
+    def restore(self, arrays: Mapping[str, np.ndarray], norms: list[float]) -> None:
+        """Back to :meth:`arrays` and :meth:`norms`, for the roster's devices only."""
+        self.guard.restore(norms)
+        self.replay.restore({d: v for d, v in group(arrays, "replay").items()
+                             if d in self.config.devices})
 
     def admit(self, msg: m.DeviceUpdate, base: np.ndarray) -> np.ndarray | None:
         """The weights of ``msg`` to fuse (clipped onto the distance bound where beyond it),

@@ -265,6 +265,14 @@ class CentralDP:
         for contributor in fold.contributors:
             self.privacy.record(contributor, noise=sigma)
 
+    def summary(self, epsilon_local: float) -> dict[str, float]:
+        """A station's privacy figures: ``epsilon_local``, the largest epsilon a device
+        reports its local differential privacy has spent (absent where none reports any: no
+        noise stage), and with central DP the largest any device's data has spent in the
+        station's noised syncs."""
+        local = {"epsilon_local": epsilon_local} if epsilon_local > 0 else {}
+        return {**local, "epsilon_central": self.privacy.worst()} if self.enabled else local
+
     def new_round(self) -> None:
         """A round begins (a global model arrived, or a restart from a round's start): the
         tree mechanism starts a new tree from the next fold's start."""

@@ -10,7 +10,7 @@ does, so the cloud, the devices and SAFL's annealed merge and upload gate are un
 
 An update is a step from the model it was trained on (kept for ``max_staleness``
 iterations): the step is checked, clipped and decoded against that model exactly as a
-synchronous station checks one against ``w^m`` (``Station._admit``), then folded by the
+synchronous station checks one against ``w^m`` (``UpdateAdmission.admit``), then folded by the
 station's fusion rule (or central DP's noised mean of clipped steps) with weight
 ``samples x staleness_weight(s)``.  The fold's mean step, scaled by the buffer's mean
 staleness weight (a stale buffer moves the model less), is added to ``w^m``.  Updates
@@ -76,9 +76,9 @@ class BufferedStation(Station):
         for old in [i for i in self._bases if i < self.iteration - cfg.max_staleness]:
             del self._bases[old]
         self._answered = set()
-        if not len(self._fold):  # a fresh buffer: with central DP, a noised one
-            self._fold = self._new_fold(cfg.buffer_size)
-        if len(self._fold) >= cfg.buffer_size:  # filled while the station waited for the cloud
+        if not len(self.sync.fold):  # a fresh buffer: with central DP, a noised one
+            self.sync.fold = self._new_fold(cfg.buffer_size)
+        if len(self.sync.fold) >= cfg.buffer_size:  # filled while the station waited for the cloud
             self.state = self.next_state(_E.SUPER_NODE_SELECTED)
             return [self._model_message(), *self._close_iteration(now)]
         return self._ask(now, ready, publish=True)
@@ -96,17 +96,17 @@ class BufferedStation(Station):
         want = cfg.super_node_size - len(self._in_flight)
         picked = self._pick(idle, want) if want > 0 and idle else ()
         if not picked and not self._in_flight:
-            if len(self._fold) >= cfg.min_quorum:  # nobody left to ask: fold what came
+            if len(self.sync.fold) >= cfg.min_quorum:  # nobody left to ask: fold what came
                 return out + self._close_iteration(now)
             starving = self._starve(now, len(ready))
             return out + ([] if publish else starving)
         for d in picked:
             self._in_flight[d] = (self.iteration, now)
-        self.members = tuple(sorted(self._in_flight))
+        self.sync.members = tuple(sorted(self._in_flight))
         self.state = self.next_state(_E.SUPER_NODE_SELECTED)
         self.deadline = min(t for _, t in self._in_flight.values()) + cfg.iteration_timeout
         if picked:
-            self.share.record(picked)
+            self.seating.share.record(picked)
             out.append(m.Selection(fleet=cfg.fleet, sender=self.id, round=self.round,
                                    iteration=self.iteration, members=picked,
                                    deadline=now + cfg.iteration_timeout))
@@ -120,14 +120,14 @@ class BufferedStation(Station):
     def _close_iteration(self, now: float) -> list[m.Message]:
         """Fold the buffer into ``w^m``: one iteration; the upload every ``sync_period``."""
         cfg = self.config
-        fold, self._fold = self._fold, self._new_fold(cfg.buffer_size)
+        fold, self.sync.fold = self.sync.fold, self._new_fold(cfg.buffer_size)
         samples, self._buffered_samples = self._buffered_samples, 0
         if len(fold) >= max(1, cfg.min_quorum):
             # The mean step, scaled by the buffer's mean staleness weight per sample.
             scale = np.float32(fold.total / samples) if samples else np.float32(1.0)
             step = self.dp.release(fold, self.counters)
             self.weights = (self._model() + scale * step).astype(np.float32)
-            self._consumed += samples
+            self.external.fused(samples)
             self.counters["buffer_folds"] += 1
         else:
             self.counters["iterations_below_quorum"] += 1
@@ -159,7 +159,7 @@ class BufferedStation(Station):
         else:
             return self._reject("not_selected", f"{msg.sender} was not asked for iteration "
                                 f"{msg.iteration}")
-        self.members = tuple(sorted(self._in_flight))
+        self.sync.members = tuple(sorted(self._in_flight))
         if msg.iteration == self.iteration:
             self._answered.add(msg.sender)
         staleness = self.iteration - msg.iteration
@@ -170,16 +170,16 @@ class BufferedStation(Station):
         if isinstance(msg, m.SkipNotice):
             self.counters["received_skips"] += 1
             return self._ask(now)
-        z = self._admit(msg, base)
+        z = self.admission.admit(msg, base)
         if z is None:
             return self._refused_reply(msg.sender, now)
         weight = msg.num_samples * staleness_weight(cfg.staleness_weight, staleness)
-        self._fold.add(z - base, weight, key=f"{msg.sender}@{msg.iteration}")
+        self.sync.fold.add(z - base, weight, key=f"{msg.sender}@{msg.iteration}")
         self._buffered_samples += msg.num_samples
         self.counters["received_updates"] += 1
         if staleness:
             self.counters["stale_updates"] += 1
-        if self.state == _S.COLLECTING and len(self._fold) >= cfg.buffer_size:
+        if self.state == _S.COLLECTING and len(self.sync.fold) >= cfg.buffer_size:
             return self._close_iteration(now)
         return self._ask(now)
 
@@ -192,9 +192,9 @@ class BufferedStation(Station):
 
     def _refused_reply(self, device: str, now: float) -> list[m.Message]:
         """A refused update, or a refused frame: its place is free, it sits out a while."""
-        self._sit_out_refused(device)
+        self.seating.refused(device, self.iteration)
         if self._in_flight.pop(device, None) is not None:
-            self.members = tuple(sorted(self._in_flight))
+            self.sync.members = tuple(sorted(self._in_flight))
         return self._ask(now)
 
     def _on_refusal(self, msg: m.Refusal, now: float) -> list[m.Message]:
@@ -207,7 +207,7 @@ class BufferedStation(Station):
         if self._in_flight.pop(device, None) is None:
             return []
         self.counters["replies_missed"] += 1
-        self.members = tuple(sorted(self._in_flight))
+        self.sync.members = tuple(sorted(self._in_flight))
         return self._ask(now)
 
     # -- time ---------------------------------------------------------------------------
@@ -224,7 +224,7 @@ class BufferedStation(Station):
         for d in expired:
             self._expired[d] = self._in_flight.pop(d)[0]
         self.counters["replies_missed"] += len(expired)
-        self.members = tuple(sorted(self._in_flight))
+        self.sync.members = tuple(sorted(self._in_flight))
         return self._ask(now)
 
     def wakeup(self) -> float | None:

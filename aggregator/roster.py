@@ -24,6 +24,7 @@ import numpy as np
 from edge_client import messages as m
 
 from .accuracy import device_accuracy_summary
+from .checkpoint import group, grouped
 from .config import StationConfig
 from .trust import bound_seen_counts, majority_capped
 
@@ -102,10 +103,47 @@ class Roster:
         self.seen_at[msg.sender] = iteration
         self.offline.discard(msg.sender)
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The checkpoint's share: each device's seen counts and next-batch histogram (its
+        ``seen_at`` goes in the document)."""
+        return {**grouped("seen", {d: st.seen_counts for d, st in self.stats.items()}),
+                **grouped("next", {d: st.next_batch_counts for d, st in self.stats.items()})}
+
+    def restore(self, arrays: Mapping[str, np.ndarray], seen_at: Mapping[str, int]) -> None:
+        """Back to :meth:`arrays` and ``seen_at``, for the roster's devices only."""
+        cfg = self.config
+        seen, nxt = group(arrays, "seen"), group(arrays, "next")
+        for d in cfg.devices:
+            if d in seen:
+                self.stats[d] = m.DeviceStats(fleet=cfg.fleet, sender=d, round=0, iteration=0,
+                                              station=cfg.station_id, seen_counts=seen[d],
+                                              next_batch_counts=nxt[d])
+        self.seen_at = {d: int(i) for d, i in seen_at.items() if d in cfg.devices}
+
     def ready(self) -> list[str]:
         """Devices online whose next batch is ready, in roster order."""
         return [d for d in self.config.devices if d in self.stats and d not in self.offline
                 and self.stats[d].next_batch_counts.any()]
+
+    def went_offline(self, device: str) -> None:
+        """``device``'s Last Will fired."""
+        self.offline.add(device)
+        self.counters["devices_offline"] += 1
+
+    def back_online(self, device: str) -> bool:
+        """``device`` is online again; True where it was offline."""
+        if device not in self.offline:
+            return False
+        self.offline.discard(device)
+        self.counters["devices_back_online"] += 1
+        return True
+
+    def joining(self) -> str:
+        """Who a joining station has heard from, and who it waits for."""
+        missing = self.missing
+        return (f"{len(self.stats)} of {self.config.min_devices} devices reported, waiting "
+                f"for {', '.join(missing[:20])}"
+                + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
 
     @property
     def online(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -36,10 +37,11 @@ class Seating:
                                       SelectorSettings(rng=rng, max_iter=config.gbp_max_iter))
         self.share = ShareCap(config.share_window, config.max_selection_share)
         self.seats: Counter[str] = Counter()  # each device's seats in this round's super nodes
+        self.sitting_out: dict[str, int] = {}  # refused members: left out up to this iteration
 
     def pick(self, ready: list[str], want: int, *, stats: Mapping[str, m.DeviceStats],
              target: Callable[[], np.ndarray], benched: Mapping[str, int],
-             sitting_out: dict[str, int], iteration: int) -> tuple[str, ...]:
+             iteration: int) -> tuple[str, ...]:
         """Up to ``want`` of the ``ready`` devices for a super node: benched stragglers
         and refused or over-seated devices left out where others can fill it,
         ``rand_per_group`` at random, the rest by the selector against ``target()``
@@ -49,7 +51,7 @@ class Seating:
         on_time = [d for d in ready if benched.get(d, -1) < iteration]
         if len(on_time) >= cfg.min_quorum:
             ready = on_time
-        ready, capped = seat_candidates(ready, self.share, sitting_out, iteration,
+        ready, capped = seat_candidates(ready, self.share, self.sitting_out, iteration,
                                         min(want, len(ready)))
         if capped:
             self.counters["selection_share_capped"] += capped
@@ -66,8 +68,24 @@ class Seating:
         self.share.record(members)
         self.seats.update(members)
 
+    def refused(self, device: str, iteration: int) -> None:
+        """A reply of ``device`` was refused at ``iteration``: counted, and it costs the
+        device the seats of the next ``refused_sit_out`` super nodes."""
+        self.counters["refused_replies"] += 1
+        if self.config.refused_sit_out:
+            self.sitting_out[device] = iteration + self.config.refused_sit_out
+
     def new_round(self) -> None:
         self.seats.clear()
+
+    def state(self) -> dict[str, Any]:
+        """The checkpoint's share: recent super nodes (the share cap) and sit-outs."""
+        return {"recent": self.share.state(), "sitting_out": dict(self.sitting_out)}
+
+    def restore(self, recent: list[list[str]], sitting_out: Mapping[str, int]) -> None:
+        self.share.restore(recent)
+        self.sitting_out = {d: int(i) for d, i in sitting_out.items()
+                            if d in self.config.devices}
 
     def _under_cap(self, ready: list[str]) -> list[str]:
         """``ready`` less the devices seated ``max_participations`` times this round: a

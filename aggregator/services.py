@@ -136,7 +136,7 @@ class StationService:
                 cpu_startup_s=round(first_model[0], 3) if first_model else None,
                 devices=len(cfg.devices), online=role.roster.online, quorum=cfg.min_quorum,
                 missing=tuple(role.roster.missing), **role.roster.accuracy_summary(),
-                **role.privacy_summary(), update_stages=role.pipeline.id,
+                **role.privacy_summary(), update_stages=role.admission.pipeline.id,
                 counters=dict(role.counters), transport=dict(transport.counters),
                 device_refused=dict(role.tally.refused), device_clipped=dict(role.tally.clipped))
 

@@ -1,19 +1,15 @@
 """The base-station role: FedGS inside one factory, as a transport-free state machine.
 
-Each iteration ``t`` it forms a super node of ``L`` devices (``rand_per_group``
-at random, the rest by the configured selector, GBP-CS by default, against
+Each iteration ``t`` it forms a super node of ``L`` devices (``seating.py``: guarded seats,
+``rand_per_group`` at random, the rest by the selector, GBP-CS by default, against
 ``P_real``), publishes ``w^m`` and the selection, and on the replies sets
-``w^m = sum_k (n_k / n) z_k`` (internal synchronisation).  Every ``T``
-iterations it uploads ``w^m`` to the cloud and waits for the global model
-(external synchronisation).  Replies past the deadline are dropped and counted.
-
-Every report is a claim (:mod:`aggregator.trust`): an update's sample count and its
-distance from ``w^m`` are bounded and it may not repeat a recent one, histograms must
-fit the batch, seen counts may grow only so fast and no device outweighs the rest of
-the roster in them, and a device's seats in recent super nodes are capped.  A refused
-reply counts as that member's answer, and the member sits out a few super nodes.
-``snapshot``/``restore`` let the service resume after a crash; the cloud's and each
-device's presence drive re-announcement.
+``w^m = sum_k (n_k / n) z_k`` (``internal_sync.py``).  Every ``T`` iterations it uploads
+``w^m`` to the cloud and waits for the global model (``external_sync.py``).  Replies past
+the deadline are dropped and counted (``stragglers.py``).  Every report is a claim:
+updates are admitted by ``admission.py``, stats by ``roster.py``; a refused reply counts
+as its member's answer, and the member sits out a few super nodes.  This core keeps the
+state, the transition table and when each part is asked; ``station_resume.py`` its
+checkpoint.
 """
 
 from __future__ import annotations
@@ -24,24 +20,23 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import ShapeError
-from edge_client.messages import NamedEnum
 from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, station_topics
 
 from .admission import UpdateAdmission
 from .central_dp import CentralDP
-from .checkpoint import StationCheckpoint, group, grouped
 from .config import StationConfig
+from .external_sync import ExternalSync
 from .fusion import Fold, fold_for
+from .internal_sync import InternalSync
 from .roster import Roster
 from .seating import Seating
+from .station_resume import StationResume
 from .stragglers import StragglerWatch
-from .trust import (
-    ClaimTally,
-)
+from .trust import ClaimTally
 
-__all__ = ["StationState", "StationEvent", "Station", "Reply"]
+__all__ = ["StationState", "StationEvent", "Station"]
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +58,7 @@ class StationEvent(RoleEvent):
 _E = StationEvent
 
 
-class Reply(NamedEnum):
-    """How a super-node member answered this iteration (each kind is an answer: none is
-    waited for past it)."""
-
-    UPDATE = "update"  # a model, folded into w^m
-    SKIP = "skip"  # the upload gate held it back, or nothing to train on
-    REFUSED = "refused"  # its update could not be honest, or its frame was refused
-
-
-class Station(RoleBase[StationState]):
+class Station(StationResume, RoleBase[StationState]):
     """Base station ``m`` (one factory), in one of the :class:`StationState` states."""
 
     INITIAL = _S.JOINING
@@ -95,44 +81,32 @@ class Station(RoleBase[StationState]):
     def __init__(self, config: StationConfig, *, num_params: int, num_classes: int,
                  rng: np.random.Generator) -> None:
         super().__init__()
-        self.config = config
-        self.num_params = num_params
-        self.num_classes = num_classes
-        self.rng = rng
+        self.config, self.num_params, self.num_classes, self.rng = (config, num_params,
+                                                                    num_classes, rng)
         self.seating = Seating(config, num_classes, rng, self.counters)
-        self.share = self.seating.share
         self.state = self.INITIAL
-        self.weights: np.ndarray | None = None
+        self.weights: np.ndarray | None = None  # w^m
         self.p_real: np.ndarray | None = None
-        self.round = 0
-        self.iteration = 0
-        self.members: tuple[str, ...] = ()
-        self.deadline = 0.0
-        self._next_hello = 0.0
-        # Who answered this iteration, and how; the updates themselves go into the fold.
-        self._replies: dict[str, Reply] = {}
-        self._fold: Fold = fold_for(config.fusion)
-        self._consumed = 0
-        self._consumed_before = 0  # samples of the rounds already uploaded
-        self._upload: m.StationUpdate | None = None  # sent, not yet answered by a global model
-        self._sitting_out: dict[str, int] = {}  # refused members: left out up to this iteration
+        self.round, self.iteration, self.deadline = 0, 0, 0.0
+        self.sync = InternalSync(config, self.counters)
         self.admission = UpdateAdmission(config, num_params, reject=self._reject,
                                          clip=self._clip)
-        self.pipeline, self.guard = self.admission.pipeline, self.admission.guard
         self.roster = Roster(config, num_classes, self.counters, reject=self._reject,
                              clip=self._clip)
         self.stats, self.offline = self.roster.stats, self.roster.offline
-        self.replay = self.admission.replay
+        self.external = ExternalSync(config, self.roster, self.counters)
         self.dp = CentralDP(config, config.seed)
         self.tally = ClaimTally(config.devices)
-        self.stragglers = StragglerWatch(factor=config.straggler_factor,
-                                         min_wait=config.straggler_min_wait,
-                                         sit_out=config.straggler_sit_out,
-                                         timeout=config.iteration_timeout)
+        self.stragglers = StragglerWatch.for_station(config)
 
     @property
     def id(self) -> str:
         return self.config.station_id
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The current super node (internal_sync.py)."""
+        return self.sync.members
 
     def _reject(self, reason: str, detail: str) -> list[m.Message]:
         self.tally.count(self.tally.refused, self._sender)
@@ -149,7 +123,7 @@ class Station(RoleBase[StationState]):
     def start(self, now: float) -> list[m.Message]:
         """A station resumed from a checkpoint repeats its upload or begins the iteration."""
         if self.state == _S.WAITING and self.weights is not None:
-            return self._reannounce()
+            return self.external.reannounce()
         if self.state in (_S.COLLECTING, _S.STARVED):
             return self._resume(now)
         return []
@@ -162,91 +136,27 @@ class Station(RoleBase[StationState]):
         self.state = self.next_state(_E.RESTARTED)
         return self._begin_iteration(now, ready)
 
-    def snapshot(self) -> tuple[dict[str, np.ndarray], StationCheckpoint]:
-        """Arrays and scalars that :meth:`restore` needs; taken at round boundaries."""
-        arrays: dict[str, np.ndarray] = {}
-        if self.weights is not None:
-            arrays["weights"] = self.weights
-        if self.p_real is not None:
-            arrays["p_real"] = self.p_real
-        arrays.update(grouped("seen", {d: st.seen_counts for d, st in self.stats.items()}))
-        arrays.update(grouped("next", {d: st.next_batch_counts for d, st in self.stats.items()}))
-        arrays.update(grouped("replay", self.replay.state()))
-        meta = StationCheckpoint(
-            id=self.id, state=self.state, round=self.round, iteration=self.iteration,
-            consumed=self._consumed, consumed_before=self._consumed_before,
-            upload_samples=None if self._upload is None else self._upload.num_samples,
-            seen_at=dict(self.roster.seen_at), sitting_out=dict(self._sitting_out),
-            norms=self.guard.state(), recent=self.share.state(),
-            rng=dict(self.rng.bit_generator.state), counters=dict(self.counters),
-            dp_bound=self.dp.adaptive_bound, tally=self.tally.state())
-        return arrays, meta
-
-    def restore(self, arrays: dict[str, np.ndarray], meta: StationCheckpoint) -> None:
-        """Continue from a :meth:`snapshot`; call :meth:`start` next."""
-        if meta.role != m.Participant.STATION or meta.id != self.id:
-            raise ShapeError("the checkpoint is not this station's")
-        if "weights" in arrays and arrays["weights"].size != self.num_params:
-            raise ShapeError("the checkpoint's model has another size")
-        cfg = self.config
-        self.weights = np.array(arrays["weights"]) if "weights" in arrays else None
-        self.p_real = np.array(arrays["p_real"]) if "p_real" in arrays else None
-        seen, nxt = group(arrays, "seen"), group(arrays, "next")
-        for d in cfg.devices:
-            if d in seen:
-                self.stats[d] = m.DeviceStats(fleet=cfg.fleet, sender=d, round=0, iteration=0,
-                                              station=self.id, seen_counts=seen[d],
-                                              next_batch_counts=nxt[d])
-        self.state, self.round, self.iteration = _S(meta.state), meta.round, meta.iteration
-        self._consumed = int(meta.consumed)
-        self._consumed_before = int(meta.consumed_before)
-        self.roster.seen_at = {d: int(i) for d, i in meta.seen_at.items() if d in cfg.devices}
-        self._sitting_out = {d: int(i) for d, i in meta.sitting_out.items() if d in cfg.devices}
-        self.guard.restore(meta.norms)
-        self.replay.restore({d: v for d, v in group(arrays, "replay").items()
-                             if d in cfg.devices})
-        self.share.restore(meta.recent)
-        self.dp.resume(meta.dp_bound)
-        self._new_round()  # a checkpoint is a round's start
-        self.tally.restore(meta.tally)
-        self.rng.bit_generator.state = meta.rng
-        self.counters.update(meta.counters)
-        if self.state == _S.WAITING and meta.upload_samples is not None:
-            self._upload = m.StationUpdate(fleet=cfg.fleet, sender=self.id, round=self.round,
-                                           iteration=self.iteration, weights=self._model(),
-                                           num_samples=meta.upload_samples,
-                                           seen_counts=self._seen_counts())
-
     def privacy_summary(self) -> dict[str, float]:
-        """The largest epsilon a device reports its local differential privacy has spent
-        (absent where none reports any: no noise stage), and with central DP the largest
-        any device's data has spent in this station's noised syncs."""
-        spent = self.roster.epsilon_local()
-        local = {"epsilon_local": spent} if spent > 0 else {}
-        if not self.dp.enabled:
-            return local
-        return {**local, "epsilon_central": self.dp.privacy.worst()}
+        """Local and central epsilon spent (central_dp.py)."""
+        return self.dp.summary(self.roster.epsilon_local())
 
     def tick(self, now: float) -> list[m.Message]:
         """Close the iteration at its deadline; repeat the join until the cloud answers."""
         if self.state == _S.JOINING and self._limiter.allow(self.id, "joining"):
-            missing = self.roster.missing
-            log.info("station %s joining: %d of %d devices reported, waiting for %s", self.id,
-                     len(self.stats), self.config.min_devices, ", ".join(missing[:20])
-                     + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
-        if self.state == _S.WAITING and self.weights is None and now >= self._next_hello:
-            self._next_hello = now + self.config.hello_interval
-            self.counters["hellos"] += 1
-            return [self._station_stats()]
+            log.info("station %s joining: %s", self.id, self.roster.joining())
+        if self.state == _S.WAITING and self.weights is None:
+            return self.external.hello(now)
         if self.state == _S.STARVED and now >= self.deadline:
             self.counters["iterations_without_data"] += 1
             log.warning("station %s: iteration %d closes untrained, %d devices online < quorum "
                         "%d", self.id, self.iteration, self.roster.online, self.config.min_quorum)
             return self._close_iteration(now)
         if self.state == _S.COLLECTING and now >= self.deadline:
-            absent = len(self.members) - len(self._replies)
+            absent = self.sync.missing()
             self.counters["replies_missed"] += absent
-            self._sit_out_stragglers()
+            if benched := self.stragglers.closed(self.sync.unanswered(self.offline),
+                                                 self.iteration):
+                self.counters["stragglers_benched"] += benched
             log.info("station %s: iteration %d deadline passed, %d of %d replies missing",
                      self.id, self.iteration, absent, len(self.members))
             return self._close_iteration(now)
@@ -256,15 +166,8 @@ class Station(RoleBase[StationState]):
         if self.state in (_S.COLLECTING, _S.STARVED):
             return self.deadline
         if self.state == _S.WAITING and self.weights is None:
-            return self._next_hello
+            return self.external.next_hello
         return None
-
-    def _sit_out_stragglers(self) -> None:
-        for d in self.members:
-            if d in self._replies or d in self.offline:
-                continue
-            if self.stragglers.closed_without(d, self.iteration):
-                self.counters["stragglers_benched"] += 1
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         cfg = self.config
@@ -290,26 +193,17 @@ class Station(RoleBase[StationState]):
         """The transport refused a member's frame: its answer for this iteration."""
         if msg.role != m.Participant.DEVICE or msg.leaf != "update" \
                 or self.state != _S.COLLECTING or msg.sender not in self.members \
-                or msg.sender in self._replies:
+                or self.sync.answered(msg.sender):
             return []
         return self._refused_reply(msg.sender, now)
 
     def _refused_reply(self, device: str, now: float) -> list[m.Message]:
-        self._replies[device] = Reply.REFUSED
-        self._sit_out_refused(device)
-        if self._awaited() == 0:
-            return self._close_iteration(now)
-        return []
-
-    def _sit_out_refused(self, device: str) -> None:
-        """A refused reply is its member's answer, and costs it the next few seats."""
-        self.counters["refused_replies"] += 1
-        if self.config.refused_sit_out:
-            self._sitting_out[device] = self.iteration + self.config.refused_sit_out
+        self.sync.refused(device)
+        self.seating.refused(device, self.iteration)
+        return self._close_if_answered(now)
 
     def _on_stats(self, msg: m.DeviceStats, now: float) -> list[m.Message]:
-        checked = self.roster.checked(msg, self.iteration)
-        if checked is None:
+        if (checked := self.roster.checked(msg, self.iteration)) is None:
             return []
         msg = checked
         joined = msg.sender not in self.stats or msg.sender in self.offline
@@ -326,39 +220,32 @@ class Station(RoleBase[StationState]):
 
     def _devices_reported(self, msg: m.DeviceStats, now: float) -> list[m.Message]:
         """The stats that complete the roster (``min_devices``): tell the cloud our counts."""
-        new = self.next_state(_E.DEVICES_REPORTED)
+        self.state = self.next_state(_E.DEVICES_REPORTED)
         self.roster.accept(msg, self.iteration)
-        self.state = new
-        self._next_hello = now + self.config.hello_interval
-        return [self._station_stats()]
+        self.external.next_hello = now + self.config.hello_interval
+        return [self.external.stats()]
 
     def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
-        if msg.role == m.Participant.CLOUD and msg.online:
-            return self._reannounce()
+        if msg.role == m.Participant.CLOUD and msg.online:  # our counts, an unanswered upload
+            return [] if self.state == _S.JOINING else self.external.reannounce()
         if msg.role != m.Participant.DEVICE or msg.sender not in self.config.devices:
             return []
-        if msg.online:
-            # Back after a Last Will (a broker restart fires them all): selectable again.
-            if msg.sender in self.offline:
-                self.offline.discard(msg.sender)
-                self.counters["devices_back_online"] += 1
-                return self._unstarve(now)
-            return []
-        self.offline.add(msg.sender)
-        self.counters["devices_offline"] += 1
+        if msg.online:  # after a Last Will (a broker restart fires them all): selectable again
+            return self._unstarve(now) if self.roster.back_online(msg.sender) else []
+        self.roster.went_offline(msg.sender)
         return self._member_offline(msg.sender, now)
 
     def _member_offline(self, device: str, now: float) -> list[m.Message]:
         if self.state == _S.COLLECTING and device in self.members \
-                and device not in self._replies:
+                and not self.sync.answered(device):
             # Its Last Will fired: do not wait for it until the deadline.
             self.counters["replies_missed"] += 1
-            if self._awaited() == 0:
-                return self._close_iteration(now)
+            return self._close_if_answered(now)
         return []
 
-    def _awaited(self) -> int:
-        return sum(1 for d in self.members if d not in self._replies and d not in self.offline)
+    def _close_if_answered(self, now: float) -> list[m.Message]:
+        """Every member answered, or its Last Will fired: the iteration closes now."""
+        return [] if self.sync.unanswered(self.offline) else self._close_iteration(now)
 
     def _on_reply(self, msg: m.DeviceUpdate | m.SkipNotice, now: float) -> list[m.Message]:
         if self.stragglers.late(msg.sender, msg.iteration, now):
@@ -369,7 +256,7 @@ class Station(RoleBase[StationState]):
                                 f"station is at {self.iteration} ({self.state})")
         if msg.sender not in self.members:
             return self._reject("not_selected", f"{msg.sender} is not in the super node")
-        if msg.sender in self._replies:
+        if self.sync.answered(msg.sender):
             self.counters["duplicates"] += 1
             return []
         deadline = self.stragglers.reply(msg.sender, now, self.deadline, len(self.members))
@@ -378,25 +265,13 @@ class Station(RoleBase[StationState]):
             return []
         self.deadline = deadline
         if isinstance(msg, m.DeviceUpdate):
-            fused = self._admit(msg)
+            fused = self.admission.admit(msg, self._model())
             if fused is None:
                 return self._refused_reply(msg.sender, now)
-            # Folded now and not kept: the station holds one running sum, not every reply.
-            self._fold.add(fused, msg.num_samples, key=msg.sender)
-            self._replies[msg.sender] = Reply.UPDATE
-            self.counters["received_updates"] += 1
+            self.sync.update(msg.sender, fused, msg.num_samples)
         else:
-            self._replies[msg.sender] = Reply.SKIP
-            self.counters["received_skips"] += 1
-        if self._awaited() == 0:
-            return self._close_iteration(now)
-        return []
-
-    def _admit(self, msg: m.DeviceUpdate, base: np.ndarray | None = None) -> np.ndarray | None:
-        """The weights of ``msg`` to fuse, or None where it is refused (admission.py);
-        ``base``: the model it was trained from (``w^m``, unless a buffered station's
-        update is stale)."""
-        return self.admission.admit(msg, self._model() if base is None else base)
+            self.sync.skip(msg.sender)
+        return self._close_if_answered(now)
 
     def _on_global(self, msg: m.GlobalModel, now: float) -> list[m.Message]:
         if msg.sender != CLOUD_ID:
@@ -411,9 +286,8 @@ class Station(RoleBase[StationState]):
         # Refused in ``done``, by the table: the federation has ended.
         ready = self.roster.ready()  # the global model changes who is ready no more than the rest
         new = self.next_state(_E.FINAL_MODEL if msg.final else self._iteration_event(ready))
-        self._upload = None
-        self.weights = np.array(msg.weights)
-        self.p_real = np.array(msg.p_real)
+        self.external.answered()
+        self.weights, self.p_real = np.array(msg.weights), np.array(msg.p_real)
         self.round, self.iteration = msg.round, msg.iteration
         self._new_round()
         if msg.final:
@@ -469,16 +343,15 @@ class Station(RoleBase[StationState]):
     def _pick(self, ready: list[str], want: int) -> tuple[str, ...]:
         """Up to ``want`` of the ``ready`` devices for a super node (seating.py)."""
         return self.seating.pick(ready, want, stats=self.stats, target=self._target,
-                                 benched=self.stragglers.benched, sitting_out=self._sitting_out,
-                                 iteration=self.iteration)
+                                 benched=self.stragglers.benched, iteration=self.iteration)
 
     def _new_round(self) -> None:
         self.seating.new_round()
         self.dp.new_round()
 
     def _collect(self, members: tuple[str, ...]) -> None:
-        """A new super node (or none): no reply, and nothing folded, from an earlier one."""
-        self.members, self._replies, self._fold = members, {}, self._new_fold(len(members))
+        """A new super node (or none), with its fold."""
+        self.sync.begin(members, self._new_fold(len(members)))
 
     def _new_fold(self, size: int) -> Fold:
         """The fusion rule's fold, or with central DP a noised mean of clipped steps from
@@ -492,10 +365,10 @@ class Station(RoleBase[StationState]):
         sync_due = (self.iteration + 1) % cfg.sync_period == 0
         ready = None if sync_due else self.roster.ready()  # closing an iteration changes no stats
         new = self.next_state(_E.SYNC_DUE if ready is None else self._iteration_event(ready))
-        fold, self._fold = self._fold, fold_for(cfg.fusion)
+        fold = self.sync.take()
         if len(fold) >= cfg.min_quorum:
             self.weights = self.dp.release(fold, self.counters)
-            self._consumed += int(fold.total)
+            self.external.fused(int(fold.total))
         else:
             self.counters["iterations_below_quorum"] += 1
         self.iteration += 1
@@ -505,28 +378,8 @@ class Station(RoleBase[StationState]):
 
     def _external_sync(self, new: StationState) -> list[m.Message]:
         """The synchronisation period is over: upload ``w^m`` and wait for the cloud."""
-        cfg = self.config
         self.state = new
-        self._upload = m.StationUpdate(
-            fleet=cfg.fleet, sender=self.id, round=self.round, iteration=self.iteration,
-            weights=self._model(), num_samples=self._consumed, seen_counts=self._seen_counts(),
-            local_accuracies=np.array(self.roster.local_accuracies(), dtype=np.float32),
-            prequential_accuracies=np.array(self.roster.prequential_accuracies(),
-                                            dtype=np.float32))
-        self._consumed_before += self._consumed
-        self._consumed = 0
-        return [self._upload]
-
-    def _reannounce(self) -> list[m.Message]:
-        """The cloud (re)appeared: tell it our counts, and repeat an unanswered upload."""
-        if self.state == _S.JOINING:
-            return []
-        self.counters["reannouncements"] += 1
-        return [self._station_stats(), *([self._upload] if self._upload is not None else [])]
-
-    def _station_stats(self) -> m.StationStats:
-        return m.StationStats(fleet=self.config.fleet, sender=self.id, round=0, iteration=0,
-                              seen_counts=self._seen_counts())
+        return [self.external.upload(self._model(), self.round, self.iteration)]
 
     def _model_message(self, final: bool = False) -> m.StationModel:
         return m.StationModel(fleet=self.config.fleet, sender=self.id, round=self.round,
@@ -535,16 +388,13 @@ class Station(RoleBase[StationState]):
     def _model(self) -> np.ndarray:
         """``w^m``: every path that sends or checks against it runs after the first global
         model set it; before, this refuses (a bug, counted as such) instead of sending None."""
-        if self.weights is None:
-            raise ShapeError(f"station {self.id} has no model yet")
-        return self.weights
+        return self._set(self.weights, "model")
 
     def _target(self) -> np.ndarray:
         """``P_real``, which comes with every global model."""
-        if self.p_real is None:
-            raise ShapeError(f"station {self.id} has no P_real yet")
-        return self.p_real
+        return self._set(self.p_real, "P_real")
 
-    def _seen_counts(self) -> np.ndarray:
-        """The factory's label counts for ``P_real`` (roster.py)."""
-        return self.roster.seen_counts(self._consumed_before + self._consumed)
+    def _set(self, value: np.ndarray | None, what: str) -> np.ndarray:
+        if value is None:
+            raise ShapeError(f"station {self.id} has no {what} yet")
+        return value

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import statistics
 
+from .config import StationConfig
+
 __all__ = ["StragglerWatch"]
 
 MAX_BACKOFF = 16  # the longest sit-out, in multiples of straggler_sit_out
@@ -42,6 +44,11 @@ class StragglerWatch:
         # a super node would stall the iteration it was benched to spare.  Not checkpointed:
         # a restarted station learns reply times again within a few iterations.
         self.benched: dict[str, int] = {}
+
+    @classmethod
+    def for_station(cls, config: StationConfig) -> StragglerWatch:
+        return cls(factor=config.straggler_factor, min_wait=config.straggler_min_wait,
+                   sit_out=config.straggler_sit_out, timeout=config.iteration_timeout)
 
     @property
     def informed(self) -> bool:
@@ -117,3 +124,8 @@ class StragglerWatch:
         if sit_out:
             self.benched[device] = iteration + sit_out
         return bool(sit_out)
+
+    def closed(self, unanswered: list[str], iteration: int) -> int:
+        """``iteration`` closed at its deadline with ``unanswered`` members still awaited:
+        how many of them are benched now."""
+        return sum(self.closed_without(d, iteration) for d in unanswered)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,9 +46,6 @@ def test_safl_device_dispatches_without_loading_the_aggregator(tmp_path):
 
 def _imports(package: str) -> dict[str, set[str]]:
     """Top-level packages each module of ``package`` imports, lazily or not (from source)."""
-    import ast
-    from pathlib import Path
-
     found = {}
     for path in (Path(__file__).parent.parent / package).rglob("*.py"):
         names = set()
@@ -75,9 +74,6 @@ def _module_graph() -> dict[str, set[str]]:
     """Each module of the project and the project modules it imports (lazily, under
     TYPE_CHECKING or not), from source.  Importing a module's own ancestor package is no
     edge: that package is being imported already when the module is."""
-    import ast
-    from pathlib import Path
-
     root = Path(__file__).parent.parent
     modules = {}
     for package in ("edge_client", "aggregator", "models", "lab", "safl"):
@@ -274,3 +270,36 @@ def test_a_busy_broker_port_is_one_line():
                              timeout=60)
     assert out.returncode == 1 and "port taken" in out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60  # the roles' cores and their parts
+
+
+def _oversized(package: Path) -> list[str]:
+    """Modules of ``package`` over MAX_MODULE_LINES lines, functions over
+    MAX_FUNCTION_LINES (decorators and docstrings included)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            found.append(f"{path.relative_to(package.parent)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.end_lineno - first + 1 > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno} "
+                                 f"{node.name}: {node.end_lineno - first + 1} lines")
+    return found
+
+
+def test_the_runtime_packages_keep_modules_and_functions_small(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    assert _oversized(root / "aggregator") == [] and _oversized(root / "edge_client") == []
+    at = tmp_path / "pkg"  # the check itself, at exactly the bounds and one past them
+    at.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    (at / "fits.py").write_text("def f():\n" + body + "\n" * (MAX_MODULE_LINES - 60))
+    assert _oversized(at) == []
+    (at / "fits.py").write_text("def f():\n" + body + "    y = 0\n")
+    (at / "long.py").write_text("\n" * (MAX_MODULE_LINES + 1))
+    assert _oversized(at) == ["pkg/fits.py:1 f: 61 lines", "pkg/long.py: 401 lines"]

@@ -136,7 +136,7 @@ def test_a_station_fuses_honest_locally_noised_steps_from_the_first():
         st.handle(_encoded_update(d, pipe, step, weights=enc.values), 1.0)
     assert st.counters["received_updates"] == 2 and not st.counters["rejected.update_norm"]
     bound = 1.0 * (1 + 10 * (np.sqrt(8) + 4))
-    assert st.guard.initial == pytest.approx(bound)
+    assert st.admission.guard.initial == pytest.approx(bound)
     # A step at the bound (less float32's rounding) is fused as sent; 1% longer is clipped.
     for it, length in ((1, bound * 0.9999), (2, bound * 1.01)):
         for d in ("d0", "d1"):

@@ -543,7 +543,7 @@ def _whole(role) -> dict:
            "weights": None if role.weights is None else role.weights.tolist(),
            "counters": dict(role.counters)}
     if isinstance(role, Station):
-        doc.update(members=role.members, replies=sorted(role._replies))
+        doc.update(members=role.members, replies=sorted(role.sync.replies))
     return doc
 
 

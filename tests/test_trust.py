@@ -211,7 +211,7 @@ def test_a_huge_seen_claim_cannot_make_p_real_one_class():
     st = _station(n=4)
     _start(st)
     st.handle(tamper(_stats("d0"), "seen"), 1.0)
-    seen = st._seen_counts()
+    seen = st.external.seen_counts()
     assert st.counters["clipped.seen_counts"] == 1
     # It counts as at most seen_share median devices: with 10, 10 of 13 devices' worth.
     share = st.config.seen_share
@@ -328,7 +328,7 @@ def test_a_replayed_update_is_refused_and_a_fresh_one_is_not():
     arrays, meta = st.snapshot()
     back = _station()
     back.restore(arrays, meta)
-    ok, ratio = back.replay.check("d0", first[0].weights, np.zeros(4))
+    ok, ratio = back.admission.replay.check("d0", first[0].weights, np.zeros(4))
     assert not ok and ratio == 0.0
 
 
@@ -373,7 +373,7 @@ def test_on_a_roster_of_three_a_liar_buys_neither_the_estimate_nor_every_seat():
         for d in st.members:
             st.handle(_upd(d, 0.01 * (it + 1), n=8, it=it), 1.0)
     # However long it claims, d0 never outweighs the two honest devices together.
-    seen = st._seen_counts()
+    seen = st.external.seen_counts()
     assert seen[0] / seen.sum() <= 0.75 and seen.sum() <= 4 * 1000
     assert st.counters["seen_majority_capped"] > 0
     assert seats <= st.config.max_selection_share * 100 + st.config.share_window
