@@ -44,7 +44,27 @@ def _conv(x: np.ndarray, w: np.ndarray, b: np.ndarray,
     win = np.lib.stride_tricks.as_strided(xp, (n, h, wd, k, k, c), (sn, sh, sw, sh, sw, sc),
                                           writeable=False)
     cols = win.reshape(n * h * wd, k * k * c)
-    out = cols @ w.transpose(2, 3, 1, 0).reshape(k * k * c, o) + b
+    out = cols @ w.transpose(2, 3, 1, 0).reshape(k * k * c, o)
+    out += b  # in place: one pass over the largest activation, not a second array
+    return out.reshape(n, h, wd, o), (cols, pad, k)
+
+
+def _first_conv(x: np.ndarray, w: np.ndarray, b: np.ndarray,
+                pad: int) -> tuple[np.ndarray, ConvCache]:
+    """:func:`_conv` of the NCHW input samples, with its im2col windows built as the
+    columns of their transpose: one copy of a shifted image plane per kernel offset and
+    channel, runs of a whole image row.  NHWC windows of a one-channel image would be runs
+    of ``k`` values, and their copy cost more than the layer's product."""
+    n, c, h, wd = x.shape
+    o, _, k, _ = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    planes = np.empty((k, k, c, n, h, wd), dtype=np.float32)
+    for i in range(k):
+        for j in range(k):
+            planes[i, j] = xp[:, :, i:i + h, j:j + wd].transpose(1, 0, 2, 3)
+    cols = planes.reshape(k * k * c, n * h * wd).T  # (n*h*w, k*k*c), as _conv's, F-ordered
+    out = cols @ w.transpose(2, 3, 1, 0).reshape(k * k * c, o)
+    out += b
     return out.reshape(n, h, wd, o), (cols, pad, k)
 
 
@@ -68,19 +88,23 @@ def _conv_back(grad: np.ndarray, w: np.ndarray, cache: ConvCache,
 _OFFSETS = ((0, 0), (0, 1), (1, 0), (1, 1))  # row-major in the window: torch's tie order
 
 
-def _pool(x: np.ndarray) -> tuple[np.ndarray, PoolCache]:
-    """2x2 max-pool of NHWC ``x``, stride 2, floor (as torch): the output and which of the
-    four offsets won each window (the first maximum, as torch's)."""
+def _pool_relu(x: np.ndarray) -> tuple[np.ndarray, PoolCache]:
+    """ReLU then 2x2 max-pool of NHWC ``x``, stride 2, floor (as torch), computed as the
+    pool then the ReLU on a quarter of the values: the maximum commutes with the ReLU, and
+    a window whose maximum is not positive passes no gradient either way.  Returns the
+    output and, per offset, where it won a window with a positive maximum (the first
+    maximum, as torch's)."""
     n, h, w, c = x.shape
     h2, w2 = h // 2, w // 2
     parts = [x[:, i:2 * h2:2, j:2 * w2:2] for i, j in _OFFSETS]
     out = np.maximum(np.maximum(parts[0], parts[1]), np.maximum(parts[2], parts[3]))
-    taken = np.zeros(out.shape, dtype=bool)
+    taken = out <= 0  # as if already won: no offset of such a window gets the gradient
     masks = []
     for part in parts:
         won = (part == out) & ~taken
         taken |= won
         masks.append(won)
+    np.maximum(out, 0.0, out=out)
     return out, (masks, x.shape)
 
 
@@ -131,12 +155,11 @@ class ConvTrainer(FlatParameters):
     def _forward(self, x: np.ndarray, params: list[np.ndarray]
                  ) -> tuple[list[np.ndarray], list[Any], tuple[int, ...]]:
         caches: list[Any] = []
-        x = x.transpose(0, 2, 3, 1)  # NCHW samples, channels last inside
-        for i in range(self._convs):
-            z, conv = _conv(x, params[2 * i], params[2 * i + 1], self.pad)
-            a = np.maximum(z, 0.0)
-            x, pool = _pool(a)
-            caches.append((conv, z > 0, pool))
+        for i in range(self._convs):  # NCHW samples in, channels last from the first layer on
+            z, conv = (_conv if i else _first_conv)(x, params[2 * i], params[2 * i + 1],
+                                                    self.pad)
+            x, pool = _pool_relu(z)
+            caches.append((conv, pool))
         flat_shape = x.shape
         # torch flattens NCHW: the dense layer's columns are in that order.
         x = x.mean(axis=(1, 2)) if self.global_pool else x.transpose(0, 3, 1, 2).reshape(
@@ -172,8 +195,8 @@ class ConvTrainer(FlatParameters):
         else:
             grad = grad.reshape(n, c, h, wd).transpose(0, 2, 3, 1)
         for i in reversed(range(self._convs)):
-            conv, positive, pool = caches[i]
-            below = _pool_back(np.ascontiguousarray(grad, dtype=np.float32), pool) * positive
+            conv, pool = caches[i]
+            below = _pool_back(np.ascontiguousarray(grad, dtype=np.float32), pool)
             dx, grads[2 * i], grads[2 * i + 1] = _conv_back(below, params[2 * i], conv,
                                                             need_input=i > 0)
             if dx is not None:
