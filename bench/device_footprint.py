@@ -22,8 +22,14 @@ on the window of the last 200 labelled frames beside the deployed model's kept h
 (``edge_client/promotion.py``): the price of a scored candidate, of an iteration and of each
 candidate offered, beside the step (target under 0.2x per candidate).
 
-Run: ``python bench/device_footprint.py [--iterations N] [--backends torch,ort,numpy]``.
-Needs the ort and torch extras for those rows.
+With ``--aarch64 N`` the same iterations of torch's and the numpy CNN's ``small_cnn`` also
+run on the emulated Raspberry Pi 4 (a Cortex-A72 under qemu: the root filesystem and venvs
+``deploy/check_aarch64.py`` builds, this checkout on their ``PYTHONPATH``), N iterations each,
+and a last table puts the numpy CNN's step beside torch's on both machines, from this one
+run (targets: within 2x torch's on x86, at most torch's on the A72).  Needs root.
+
+Run: ``python bench/device_footprint.py [--iterations N] [--backends torch,ort,numpy]
+[--aarch64 N]``.  Needs the ort and torch extras for those rows.
 """
 
 from __future__ import annotations
@@ -158,11 +164,57 @@ def _child(backend: str, model: str, artifacts: str, iterations: int,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+EMULATED = {"torch": "/opt/safl-torch", "numpy-cnn": "/opt/safl-numpy"}  # row: guest venv
+
+
+def _emulated(iterations: int) -> dict[str, dict] | str:
+    """The child of each EMULATED row on the emulated board, or why it cannot run here."""
+    sys.path.insert(0, str(ROOT / "deploy"))
+    import check_aarch64 as board
+
+    try:
+        board.enable_emulation()
+    except board.Skip as why:
+        return str(why)
+    rootfs = board.rootfs_path(board.CACHE)  # the check's, with its venvs
+    if not (rootfs / ".complete").exists() or not all(
+            (rootfs / v.lstrip("/") / "bin" / "python").exists() for v in EMULATED.values()):
+        return (f"no emulated board with both venvs at {rootfs}: `python "
+                "deploy/check_aarch64.py` (as root) builds it once")
+    rows = {}
+    with board.mounted(rootfs, ROOT):
+        for name, venv in EMULATED.items():
+            cmd = board.guest(rootfs, "/usr/bin/env", f"PYTHONPATH={ROOT}", f"{venv}/bin/python",
+                              "-c", CHILD, name, "small_cnn", "", str(iterations), "off")
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
+            rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    return rows
+
+
+def _side_by_side(host: dict[str, dict], board: dict[str, dict] | str, cpu: str) -> None:
+    print(f"\nthe numpy CNN's step beside torch's, small_cnn, batch 32, this run; emulated: "
+          f"{cpu} under qemu-user (a Raspberry Pi 4's core)")
+    if isinstance(board, str):
+        print(f"emulated board skipped: {board}")
+        return
+    print(f"{'backend':<10} {'x86_64 ms':>10} {'/ torch':>8} {'A72 ms':>9} {'/ torch':>8} "
+          f"{'A72 peak RSS MB':>16}")
+    for name in EMULATED:
+        h, b = host[name], board[name]
+        print(f"{name:<10} {h['step_ms']:>10.2f} "
+              f"{h['step_ms'] / host['torch']['step_ms']:>8.2f} "
+              f"{b['step_ms']:>9.1f} {b['step_ms'] / board['torch']['step_ms']:>8.2f} "
+              f"{b['peak_rss_mb']:>16.0f}")
+    print("targets: numpy-cnn within 2x torch on x86_64, at most 1x torch on the A72")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--backends", default="torch,ort,numpy,numpy-cnn",
                         help="comma-separated rows; torch (on the CPU) is the baseline")
+    parser.add_argument("--aarch64", type=int, default=0, metavar="N",
+                        help="also N iterations of torch and numpy-cnn on the emulated A72")
     args = parser.parse_args()
     import torch
 
@@ -228,6 +280,11 @@ def main() -> None:
         for p in (0.9, 0.5):
             m = r[f"merge p={p}"]
             print(f"{name:<9} {1e3 * step:>12.3f} {1e3 * m:>9.3f} {p:>4} {m / step:>13.2f}")
+    if args.aarch64 and "numpy-cnn" in rows:
+        sys.path.insert(0, str(ROOT / "deploy"))
+        from check_aarch64 import BOARD_CPU
+
+        _side_by_side(rows, _emulated(args.aarch64), BOARD_CPU)
     if "numpy-cnn" in rows:
         cnn = rows["numpy-cnn"]
         print(f"targets: numpy small_cnn step within 2x torch's "

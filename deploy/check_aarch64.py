@@ -129,10 +129,15 @@ def enable_emulation() -> None:
         raise Skip("qemu-aarch64 is registered with binfmt_misc but disabled")
 
 
+def rootfs_path(cache: Path) -> Path:
+    """Where the root filesystem of this package list is kept under ``cache``."""
+    key = hashlib.sha256(f"{SUITE} {' '.join(PACKAGES)}".encode()).hexdigest()[:12]
+    return cache / f"arm64-{SUITE}-{key}"
+
+
 def build_rootfs(cache: Path) -> Path:
     """The arm64 root filesystem, built once per package list and kept under ``cache``."""
-    key = hashlib.sha256(f"{SUITE} {' '.join(PACKAGES)}".encode()).hexdigest()[:12]
-    rootfs = cache / f"arm64-{SUITE}-{key}"
+    rootfs = rootfs_path(cache)
     if (rootfs / ".complete").exists():
         log(f"root filesystem cached at {rootfs}")
         return rootfs
