@@ -30,6 +30,7 @@ from .checkpoint import CloudCheckpoint, group, grouped
 from .config import CloudConfig
 from .fusion import Fold, fold_for
 from .server_optimizers import build_server_optimizer
+from .trust import claimed_total
 
 __all__ = ["Cloud", "CloudState", "CloudEvent"]
 
@@ -89,7 +90,8 @@ class Cloud(RoleBase[CloudState]):
     @property
     def p_real(self) -> np.ndarray:
         """Fleet-wide label distribution from the stations' reported counts."""
-        total = np.sum(list(self._counts.values()), axis=0).astype(np.float64)
+        # In floats: a station's counts are claims too, and their int64 sum could wrap.
+        total = np.sum([c.astype(np.float64) for c in self._counts.values()], axis=0)
         if total.sum() == 0:
             return np.full(self.num_classes, 1.0 / self.num_classes)
         return total / total.sum()
@@ -196,7 +198,7 @@ class Cloud(RoleBase[CloudState]):
     def _plausible_count(self, msg: m.StationUpdate) -> m.StationUpdate:
         """Clip a station's claimed samples to what its devices can have seen."""
         before = self._consumed.get(msg.sender, 0)
-        room = max(0, int(msg.seen_counts.sum()) - before)
+        room = max(0, claimed_total(msg.seen_counts) - before)
         if msg.num_samples > room:
             self.counters["clipped.station_samples"] += 1
             msg = dataclasses.replace(msg, num_samples=room)

@@ -26,7 +26,7 @@ from edge_client import messages as m
 from .accuracy import device_accuracy_summary
 from .checkpoint import group, grouped
 from .config import StationConfig
-from .trust import bound_seen_counts, majority_capped
+from .trust import bound_seen_counts, claimed_total, majority_capped
 
 __all__ = ["Roster", "StatsCheck"]
 
@@ -47,9 +47,9 @@ class StatsCheck:
             self._reject("wrong_length", f"histograms of width {msg.seen_counts.size}, "
                          f"expected {self.num_classes}")
             return None
-        if msg.next_batch_counts.sum() > self.config.batch_size:
-            self._reject("bad_histogram", f"next batch of {msg.next_batch_counts.sum()} "
-                         f"samples, the batch size is {self.config.batch_size}")
+        if (batch := claimed_total(msg.next_batch_counts)) > self.config.batch_size:
+            self._reject("bad_histogram", f"next batch of {batch} samples, the batch size is "
+                         f"{self.config.batch_size}")
             return None
         msg = self._plausible_seen(msg, stats, elapsed)
         # Only metrics, but metrics operators act on: an accuracy outside [0, 1] is dropped

@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["NormGuard", "Bounded", "ReplayGuard", "bound_seen_counts", "majority_capped",
+__all__ = ["NormGuard", "Bounded", "ReplayGuard", "bound_seen_counts", "claimed_total",
+           "majority_capped",
            "ShareCap", "fair_seat_share", "seat_candidates", "ClaimTally"]
 
 
@@ -94,6 +95,13 @@ class Bounded(NamedTuple):
     clipped: bool
 
 
+def claimed_total(counts: np.ndarray) -> int:
+    """The exact sum of a claimed histogram.  Each count fits the wire's int64, their sum
+    need not: numpy's would wrap round to a negative total (ten classes at 2^62 sum to
+    -2^63), which every bound below would then wave through."""
+    return sum(counts.tolist())
+
+
 def bound_seen_counts(counts: np.ndarray, previous_total: int, allowance: int,
                       roster_totals: list[int], share: float, floor: int
                       ) -> tuple[np.ndarray, bool]:
@@ -105,7 +113,7 @@ def bound_seen_counts(counts: np.ndarray, previous_total: int, allowance: int,
     of two or three that still lets one device hold most of the factory's counts: the
     estimate it feeds is bounded apart, by :func:`majority_capped`.)
     """
-    total = int(counts.sum())
+    total = claimed_total(counts)
     cap = previous_total + allowance
     if roster_totals:
         cap = min(cap, max(int(share * float(np.median(roster_totals))), floor))

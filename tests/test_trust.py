@@ -17,6 +17,7 @@ from aggregator.trust import (
     ReplayGuard,
     ShareCap,
     bound_seen_counts,
+    claimed_total,
     majority_capped,
 )
 from edge_client import messages as m
@@ -216,6 +217,47 @@ def test_a_huge_seen_claim_cannot_make_p_real_one_class():
     # It counts as at most seen_share median devices: with 10, 10 of 13 devices' worth.
     share = st.config.seen_share
     assert seen.sum() <= share * 1000 + 3 * 1000 and seen[0] / seen.sum() < 0.8
+
+
+WIRE_MAX = np.iinfo(np.int64).max  # the largest count a frame carries
+
+
+@pytest.mark.parametrize("each", [2**62, WIRE_MAX], ids=["2^62", "int64-max"])
+def test_seen_counts_whose_sum_wraps_int64_are_clipped_not_waved_through(each):
+    # Two classes at 2^62 sum to 2^63: numpy's int64 sum is -2^63, which passed every bound.
+    assert int(np.full(2, 2**62, np.int64).sum()) < 0 and claimed_total(np.full(2, each)) > 0
+    st = _station(n=3)
+    _start(st)
+    lie = _stats("d0", seen=(each, each))
+    st.handle(lie, 1.0)
+    assert st.counters["clipped.seen_counts"] == 1
+    kept = st.stats["d0"].seen_counts
+    assert 0 < claimed_total(kept) <= 1000 + st.config.max_seen_rate * st.config.local_steps
+    seen = st.external.seen_counts()
+    assert (seen >= 0).all() and seen.sum() <= 2 * 2000  # majority-capped: half at most
+    assert isinstance(st.external.stats(), m.StationStats)  # a message the cloud can read
+
+
+def test_a_next_batch_whose_sum_wraps_int64_is_refused():
+    st = _station()
+    st.handle(_stats("d0", nxt=(WIRE_MAX, WIRE_MAX)), 0.0)
+    assert st.counters["rejected.bad_histogram"] == 1 and "d0" not in st.stats
+    st.handle(_stats("d1", nxt=(8, 0)), 0.0)  # exactly the batch size: kept
+    assert "d1" in st.stats
+
+
+def test_the_cloud_sums_station_counts_that_would_wrap_int64_exactly():
+    cloud = Cloud(CloudConfig(fleet="t", stations=("a", "b"), rounds=3),
+                  initial_weights=np.zeros(4), num_classes=2)
+    for s, counts in (("a", [WIRE_MAX, WIRE_MAX]), ("b", [50, 50])):
+        cloud.handle(m.StationStats(fleet="t", sender=s, round=0, iteration=0,
+                                    seen_counts=np.array(counts)), 0.0)
+    p = cloud.p_real
+    assert np.isfinite(p).all() and (p >= 0).all() and p.sum() == pytest.approx(1.0)
+    big = m.StationUpdate(fleet="t", sender="a", round=0, iteration=5, weights=np.ones(4),
+                          num_samples=10**12, seen_counts=np.array([WIRE_MAX, WIRE_MAX]))
+    cloud.handle(big, 0.0)
+    assert "clipped.station_samples" not in cloud.counters  # the room is 2^64, exactly
 
 
 def test_a_lying_histogram_cannot_buy_every_selection():
