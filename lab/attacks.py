@@ -1,7 +1,12 @@
 """What one compromised device sends: the attacks the trust checks are measured against.
 
 Each attack rewrites a device's outgoing messages (``tamper``); ``replay`` sends the
-device's first update again as every later reply.  ``nan`` cannot be a
+device's first update again as every later reply.  Of the lies about seen counts,
+``seen`` puts 10^15 samples in one class once, ``uniform_seen`` claims every class at the
+largest count the wire carries in every stats message, and ``seen_at_bound`` is the
+attacker who has read the station's code: every class grows, evenly, by exactly the
+growth a station accepts (``max_seen_rate x local_steps`` per iteration since its last
+report), so no clip ever catches it.  ``nan`` cannot be a
 message at all (messages refuse non-finite weights), so it becomes a forged frame,
 checksum and all, that the receiver's :class:`~edge_client.admission.Admission`
 must refuse.  The simulator and the hostile device process of the MQTT tests use
@@ -12,6 +17,7 @@ these same functions.  Used by ``safl experiment`` (``attack``, ``attackers``) a
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -24,10 +30,19 @@ from edge_client.transport import LocalBus
 
 __all__ = ["ATTACKS", "tamper", "forge_nan", "install"]
 
-ATTACKS = ("none", "scale", "inflate", "nan", "seen", "balanced", "replay")
+ATTACKS = ("none", "scale", "inflate", "nan", "seen", "balanced", "replay", "uniform_seen",
+           "seen_at_bound")
 SCALE = 1e6  # "an update scaled by 1e6"
 INFLATED = 10**12  # "an update claiming 10^12 samples"
 SEEN = 10**15  # "one report of 10^15 seen samples"
+WIRE_MAX = int(np.iinfo(np.int64).max)  # the largest count a frame carries
+
+
+def spread(total: int, width: int) -> np.ndarray:
+    """``total`` samples over ``width`` classes, as evenly as counts go."""
+    counts = np.full(width, total // width, dtype=np.int64)
+    counts[: total % width] += 1
+    return counts
 
 
 def forge_nan(frame: bytes, n_weights: int) -> bytes:
@@ -39,9 +54,11 @@ def forge_nan(frame: bytes, n_weights: int) -> bytes:
 
 
 def tamper(message: m.Message, attack: str,
-           memory: dict[str, np.ndarray] | None = None) -> m.Message | bytes:
-    """What the compromised device sends instead of ``message``; ``memory`` is what a
-    replaying device keeps between its messages."""
+           memory: dict[str, Any] | None = None) -> m.Message | bytes:
+    """What the compromised device sends instead of ``message``; ``memory`` is what the
+    device keeps between its messages: a replaying one its first update, one lying at the
+    bound the growth a station accepts per iteration (``growth``, set by whoever installs
+    it) and its last claim."""
     if isinstance(message, m.DeviceUpdate):
         if attack == "replay":
             if memory is None:  # without it the "attack" would silently be an honest device
@@ -63,23 +80,39 @@ def tamper(message: m.Message, attack: str,
         if attack == "balanced":
             # The histogram GBP-CS likes best: the batch spread evenly over the classes.
             total = max(1, int(message.next_batch_counts.sum()))
-            width = message.next_batch_counts.size
-            counts = np.full(width, total // width)
-            counts[: total % width] += 1
-            return dataclasses.replace(message, next_batch_counts=counts)
+            return dataclasses.replace(message, next_batch_counts=spread(
+                total, message.next_batch_counts.size))
+        if attack == "uniform_seen":
+            return dataclasses.replace(message, seen_counts=np.full_like(
+                message.seen_counts, WIRE_MAX))
+        if attack == "seen_at_bound":
+            return dataclasses.replace(message, seen_counts=_at_bound(message, memory))
     return message
 
 
 
 
-def install(runner: RoleRunner, attack: str, admission: Admission, bus: LocalBus) -> None:
+def _at_bound(message: m.DeviceStats, memory: dict[str, Any] | None) -> np.ndarray:
+    """Seen counts grown, in every class, by exactly what the station accepts since the
+    attacker's last claim: ``growth`` per station iteration, one iteration at least."""
+    if memory is None or "growth" not in memory:
+        raise ValueError("the seen_at_bound attack needs the growth a station accepts")
+    total, last = memory.get("claim", (0, None))
+    total += memory["growth"] * (1 if last is None else max(1, message.iteration - last))
+    memory["claim"] = (total, message.iteration)
+    return spread(total, message.seen_counts.size)
+
+
+def install(runner: RoleRunner, attack: str, admission: Admission, bus: LocalBus, *,
+            growth: int) -> None:
     """Make a simulated device hostile: its runner sends ``tamper``'s output instead.
 
     A forged frame goes through ``admission`` (what the station's transport does) and
-    whatever that yields, a refusal, is delivered in its place.
+    whatever that yields, a refusal, is delivered in its place.  ``growth``: the seen
+    samples its station accepts per iteration (``max_seen_rate x local_steps``).
     """
     honest = runner.publish
-    memory: dict[str, np.ndarray] = {}
+    memory: dict[str, Any] = {"growth": growth}
 
     def publish(out: list[m.Message]) -> None:
         for message in out:

@@ -169,7 +169,9 @@ class Factory:
                 admission = Admission(fleet=cfg.fleet, layout_hash=plan.layout,
                                       num_params=plan.num_params, max_message=1 << 30,
                                       reassembly_memory=1 << 30, chunk_timeout=60.0)
-                install(runner, spec.attack, admission, self.bus)
+                st = self.station.config  # the attacker has read it: it lies at its bounds
+                install(runner, spec.attack, admission, self.bus,
+                        growth=st.max_seen_rate * st.local_steps)
                 admissions.append(admission)
             devices.append(_SimDevice(dev, source, runner))
         return devices, admissions

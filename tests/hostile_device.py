@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from aggregator.config import StationConfig
 from edge_client.runner import StopFlag, serve
 from edge_client.service import DEVICE_TABLES, DeviceService, load_role_file
 from lab.attacks import tamper
@@ -23,7 +24,9 @@ def main() -> None:
     cfg = load_role_file(args.config, DEVICE_TABLES, {})
     runner, transport, hooks = DeviceService(**cfg).build()
     honest = transport.publish
-    memory = {}  # what a replaying device keeps of its first update
+    # What a replaying device keeps of its first update; the growth a station with the
+    # default bounds accepts (the attacker has read the code) for one lying at the bound.
+    memory = {"growth": StationConfig.max_seen_rate * cfg["device"].local_steps}
 
     def publish(topic, message):
         sent = tamper(message, args.attack, memory)

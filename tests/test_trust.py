@@ -260,6 +260,38 @@ def test_the_cloud_sums_station_counts_that_would_wrap_int64_exactly():
     assert "clipped.station_samples" not in cloud.counters  # the room is 2^64, exactly
 
 
+def test_the_attack_at_the_bound_sits_on_it_and_one_more_sample_is_clipped():
+    st = _station(n=3)
+    _start(st)
+    for d in ("d1", "d2"):  # neighbours large enough that the growth bound is the one that binds
+        st.handle(_stats(d, seen=(50_000, 50_000)), 1.0)
+    growth = st.config.max_seen_rate * st.config.local_steps
+    memory = {"growth": growth}
+    claims = []
+    for it in (0, 0, 3):  # twice in iteration 0, then three iterations later
+        st.iteration = it
+        lie = tamper(dataclasses.replace(_stats("d0"), iteration=it), "seen_at_bound", memory)
+        assert lie.seen_counts[0] == lie.seen_counts[1]  # every class alike
+        claims.append(claimed_total(lie.seen_counts))
+        st.handle(lie, 1.0)
+    assert claims == [growth, 2 * growth, 5 * growth]  # one allowance a report, or a iteration
+    assert st.tally.clipped.get("d0", 0) == 0  # its claims went through as they were
+    assert claimed_total(st.stats["d0"].seen_counts) == 5 * growth
+    st.iteration = 4
+    over = 6 * growth + 1  # one sample past what it accepts
+    st.handle(dataclasses.replace(_stats("d0", seen=(over // 2 + 1, over // 2)), iteration=4),
+              1.0)
+    assert st.tally.clipped["d0"] == 1
+    assert claimed_total(st.stats["d0"].seen_counts) <= 6 * growth
+    with pytest.raises(ValueError, match="growth"):
+        tamper(_stats("d0"), "seen_at_bound", {})
+
+
+def test_the_uniform_lie_claims_the_wire_maximum_in_every_class():
+    lie = tamper(_stats("d0"), "uniform_seen")
+    assert lie.seen_counts.tolist() == [WIRE_MAX, WIRE_MAX]
+
+
 def test_a_lying_histogram_cannot_buy_every_selection():
     n, size = 10, 3
     st = _station(n=n, super_node_size=size, rand_per_group=0, sync_period=1000,
