@@ -40,9 +40,10 @@ class StatsCheck:
         self._reject, self._clip = reject, clip
 
     def check(self, msg: m.DeviceStats, stats: Mapping[str, m.DeviceStats],
-              elapsed: int) -> m.DeviceStats | None:
+              window: tuple[int, int]) -> m.DeviceStats | None:
         """``msg`` as the station keeps it, or None where it is refused; ``stats``: what the
-        roster reported so far, ``elapsed``: iterations since its sender's last stats."""
+        roster reported so far, ``window``: the sender's accepted total its seen counts
+        grow from, and over how many iterations (:meth:`Roster.window`)."""
         if {msg.seen_counts.size, msg.next_batch_counts.size} != {self.num_classes}:
             self._reject("wrong_length", f"histograms of width {msg.seen_counts.size}, "
                          f"expected {self.num_classes}")
@@ -51,7 +52,7 @@ class StatsCheck:
             self._reject("bad_histogram", f"next batch of {batch} samples, the batch size is "
                          f"{self.config.batch_size}")
             return None
-        msg = self._plausible_seen(msg, stats, elapsed)
+        msg = self._plausible_seen(msg, stats, window)
         # Only metrics, but metrics operators act on: an accuracy outside [0, 1] is dropped
         # (as not measured) and counted; the histograms still count.
         if msg.epsilon < 0:
@@ -65,17 +66,16 @@ class StatsCheck:
         return msg
 
     def _plausible_seen(self, msg: m.DeviceStats, stats: Mapping[str, m.DeviceStats],
-                        elapsed: int) -> m.DeviceStats:
+                        window: tuple[int, int]) -> m.DeviceStats:
         """Seen counts bounded in growth and share (a claim of 10^15 samples must not decide
         ``P_real``); the clipped counts are what the station keeps and sums."""
         cfg = self.config
-        prev = stats.get(msg.sender)
         others = [int(s.seen_counts.sum()) for d, s in stats.items() if d != msg.sender]
         # A device senses per local step, and a flat round holds many steps between reports.
         per_iteration = cfg.max_seen_rate * cfg.local_steps
-        counts, clipped = bound_seen_counts(
-            msg.seen_counts, int(prev.seen_counts.sum()) if prev else 0,
-            per_iteration * elapsed, others, cfg.seen_share, per_iteration)
+        base, elapsed = window
+        counts, clipped = bound_seen_counts(msg.seen_counts, base, per_iteration * elapsed,
+                                            others, cfg.seen_share, per_iteration)
         if not clipped:
             return msg
         self._clip("seen_counts")
@@ -92,13 +92,27 @@ class Roster:
         self.stats: dict[str, m.DeviceStats] = {}
         self.offline: set[str] = set()
         self.seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
+        self._window: dict[str, tuple[int, int]] = {}  # what its last accepted grew from
 
     def checked(self, msg: m.DeviceStats, iteration: int) -> m.DeviceStats | None:
         """``msg`` as the station would keep it at ``iteration``, or None: refused."""
-        elapsed = max(1, iteration - self.seen_at.get(msg.sender, iteration))
-        return self.check.check(msg, self.stats, elapsed)
+        return self.check.check(msg, self.stats, self.window(msg.sender, iteration))
+
+    def window(self, device: str, iteration: int) -> tuple[int, int]:
+        """The accepted seen total a report of ``device`` at ``iteration`` grows from, and
+        the iterations of allowance it grows by.  A report in the iteration of the device's
+        last accepted one shares that one's window: the allowance is per iteration, not per
+        report, or a device sending a hundred reports an iteration would grow by a hundred
+        allowances in it."""
+        last = self.seen_at.get(device)
+        if last is None or device not in self.stats:
+            return 0, 1
+        if iteration == last and device in self._window:
+            return self._window[device]
+        return claimed_total(self.stats[device].seen_counts), max(1, iteration - last)
 
     def accept(self, msg: m.DeviceStats, iteration: int) -> None:
+        self._window[msg.sender] = self.window(msg.sender, iteration)
         self.stats[msg.sender] = msg
         self.seen_at[msg.sender] = iteration
         self.offline.discard(msg.sender)

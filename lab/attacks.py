@@ -6,7 +6,7 @@ device's first update again as every later reply.  Of the lies about seen counts
 largest count the wire carries in every stats message, and ``seen_at_bound`` is the
 attacker who has read the station's code: every class grows, evenly, by exactly the
 growth a station accepts (``max_seen_rate x local_steps`` per iteration since its last
-report), so no clip ever catches it.  ``nan`` cannot be a
+report, however many reports it sends in one), so no clip ever catches it.  ``nan`` cannot be a
 message at all (messages refuse non-finite weights), so it becomes a forged frame,
 checksum and all, that the receiver's :class:`~edge_client.admission.Admission`
 must refuse.  The simulator and the hostile device process of the MQTT tests use
@@ -94,11 +94,12 @@ def tamper(message: m.Message, attack: str,
 
 def _at_bound(message: m.DeviceStats, memory: dict[str, Any] | None) -> np.ndarray:
     """Seen counts grown, in every class, by exactly what the station accepts since the
-    attacker's last claim: ``growth`` per station iteration, one iteration at least."""
+    attacker's last claim: ``growth`` for its first claim and per station iteration since,
+    nothing more for another claim in the same iteration (the station's window)."""
     if memory is None or "growth" not in memory:
         raise ValueError("the seen_at_bound attack needs the growth a station accepts")
     total, last = memory.get("claim", (0, None))
-    total += memory["growth"] * (1 if last is None else max(1, message.iteration - last))
+    total += memory["growth"] * (1 if last is None else max(0, message.iteration - last))
     memory["claim"] = (total, message.iteration)
     return spread(total, message.seen_counts.size)
 

@@ -274,17 +274,36 @@ def test_the_attack_at_the_bound_sits_on_it_and_one_more_sample_is_clipped():
         assert lie.seen_counts[0] == lie.seen_counts[1]  # every class alike
         claims.append(claimed_total(lie.seen_counts))
         st.handle(lie, 1.0)
-    assert claims == [growth, 2 * growth, 5 * growth]  # one allowance a report, or a iteration
+    assert claims == [growth, growth, 4 * growth]  # one allowance an iteration
     assert st.tally.clipped.get("d0", 0) == 0  # its claims went through as they were
-    assert claimed_total(st.stats["d0"].seen_counts) == 5 * growth
+    assert claimed_total(st.stats["d0"].seen_counts) == 4 * growth
     st.iteration = 4
-    over = 6 * growth + 1  # one sample past what it accepts
+    over = 5 * growth + 1  # one sample past what it accepts
     st.handle(dataclasses.replace(_stats("d0", seen=(over // 2 + 1, over // 2)), iteration=4),
               1.0)
     assert st.tally.clipped["d0"] == 1
-    assert claimed_total(st.stats["d0"].seen_counts) <= 6 * growth
+    assert claimed_total(st.stats["d0"].seen_counts) <= 5 * growth
     with pytest.raises(ValueError, match="growth"):
         tamper(_stats("d0"), "seen_at_bound", {})
+
+
+def test_a_hundred_reports_in_one_iteration_grow_by_one_allowance():
+    st = _station(n=3)
+    _start(st)
+    for d in ("d1", "d2"):
+        st.handle(_stats(d, seen=(50_000, 50_000)), 1.0)
+    growth = st.config.max_seen_rate * st.config.local_steps
+    start = claimed_total(st.stats["d0"].seen_counts)
+    st.iteration = 1
+    for k in range(1, 101):  # each report claims one more allowance than the last
+        st.handle(_stats("d0", seen=(start // 2 + k * growth, start // 2)), 1.0)
+    assert claimed_total(st.stats["d0"].seen_counts) <= start + growth
+    assert st.tally.clipped["d0"] == 99  # the first report is within the iteration's allowance
+    kept = st.stats["d0"].seen_counts
+    st.iteration = 2  # the next iteration brings one more allowance, exactly
+    st.handle(_stats("d0", seen=(int(kept[0]) + growth, int(kept[1]))), 1.0)
+    assert claimed_total(st.stats["d0"].seen_counts) == claimed_total(kept) + growth
+    assert st.tally.clipped["d0"] == 99
 
 
 def test_the_uniform_lie_claims_the_wire_maximum_in_every_class():
