@@ -108,6 +108,31 @@ def test_a_hostile_device_is_refused_and_does_not_steer_the_model(tmp_path, digi
     assert counters.get("replies_missed", 0) == 0  # a refusal is an answer: no deadline wait
 
 
+@pytest.mark.parametrize("attack", ["uniform_seen", "seen_at_bound"])
+def test_a_device_lying_about_its_seen_counts_neither_stops_nor_steers_a_station(
+        tmp_path, digits, honest, attack, capsys):
+    # Every class at the int64 maximum once stopped the federation in its first round: the
+    # station's sum of the claims wrapped negative, and its own counts with it.
+    spec = _spec(digits)
+    plan = plan_fleet(STRATEGY, spec)
+    victim = plan.stations[0]["devices"][0]
+    server = _broker(tmp_path, spec)
+    try:
+        rows = _launch(tmp_path, digits, server, spec, PATIENT,
+                       commands={victim: [sys.executable, HOSTILE, attack]})
+        status = fleet_status(BrokerConfig(url=server.url, username="tester",
+                                           password=Mosquitto.PASSWORD), plan.fleet)
+    finally:
+        server.stop()
+    counters = status.stations["st0"].counters
+    with capsys.disabled():
+        print(f"\n{attack}: seen counts clipped {counters.get('clipped.seen_counts', 0)}, "
+              f"majority-capped {counters.get('seen_majority_capped', 0)}")
+        _finished(rows, spec, honest, f"attack {attack}")
+    if attack == "uniform_seen":
+        assert counters.get("clipped.seen_counts", 0) >= 1
+
+
 @pytest.mark.parametrize("victim", ["cloud", "st0"])
 def test_an_aggregator_killed_mid_run_resumes_from_its_checkpoint(tmp_path, digits, honest,
                                                                    victim, capsys):
