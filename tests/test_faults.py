@@ -80,13 +80,9 @@ def _finished(rows, spec, honest, label, within=0.02):
     assert abs(accuracy - honest) <= within
 
 
-@pytest.mark.parametrize("attack, reason", [("scale", "rejected.update_norm"),
-                                            ("inflate", "rejected.bad_count"),
-                                            ("nan", "rejected.non_finite"),
-                                            ("replay", "rejected.replay")])
-def test_a_hostile_device_is_refused_and_does_not_steer_the_model(tmp_path, digits, honest,
-                                                                   attack, reason, capsys):
-    spec = _spec(digits)
+def _hostile_run(tmp_path, digits, spec, attack):
+    """The fleet with its station st0's first device the hostile process; its rows and st0's
+    counters (the role's and its transport's)."""
     plan = plan_fleet(STRATEGY, spec)
     victim = plan.stations[0]["devices"][0]
     server = _broker(tmp_path, spec)
@@ -98,7 +94,17 @@ def test_a_hostile_device_is_refused_and_does_not_steer_the_model(tmp_path, digi
     finally:
         server.stop()
     st0 = status.stations["st0"]
-    counters = {**st0.counters, **st0.transport}
+    return rows, {**st0.counters, **st0.transport}
+
+
+@pytest.mark.parametrize("attack, reason", [("scale", "rejected.update_norm"),
+                                            ("inflate", "rejected.bad_count"),
+                                            ("nan", "rejected.non_finite"),
+                                            ("replay", "rejected.replay")])
+def test_a_hostile_device_is_refused_and_does_not_steer_the_model(tmp_path, digits, honest,
+                                                                   attack, reason, capsys):
+    spec = _spec(digits)
+    rows, counters = _hostile_run(tmp_path, digits, spec, attack)
     with capsys.disabled():
         print(f"\n{attack}: {counters.get(reason, 0)} refused ({reason}), "
               f"{counters.get('refused_replies', 0)} counted as answers, "
@@ -114,17 +120,7 @@ def test_a_device_lying_about_its_seen_counts_neither_stops_nor_steers_a_station
     # Every class at the int64 maximum once stopped the federation in its first round: the
     # station's sum of the claims wrapped negative, and its own counts with it.
     spec = _spec(digits)
-    plan = plan_fleet(STRATEGY, spec)
-    victim = plan.stations[0]["devices"][0]
-    server = _broker(tmp_path, spec)
-    try:
-        rows = _launch(tmp_path, digits, server, spec, PATIENT,
-                       commands={victim: [sys.executable, HOSTILE, attack]})
-        status = fleet_status(BrokerConfig(url=server.url, username="tester",
-                                           password=Mosquitto.PASSWORD), plan.fleet)
-    finally:
-        server.stop()
-    counters = status.stations["st0"].counters
+    rows, counters = _hostile_run(tmp_path, digits, spec, attack)
     with capsys.disabled():
         print(f"\n{attack}: seen counts clipped {counters.get('clipped.seen_counts', 0)}, "
               f"majority-capped {counters.get('seen_majority_capped', 0)}")
