@@ -176,6 +176,7 @@ class BufferedStation(Station):
         weight = msg.num_samples * staleness_weight(cfg.staleness_weight, staleness)
         self.sync.fold.add(z - base, weight, key=f"{msg.sender}@{msg.iteration}")
         self._buffered_samples += msg.num_samples
+        self.roster.trained_on(msg.sender)
         self.counters["received_updates"] += 1
         if staleness:
             self.counters["stale_updates"] += 1

@@ -30,6 +30,12 @@ from .trust import bound_seen_counts, claimed_total, majority_capped
 
 __all__ = ["Roster", "StatsCheck"]
 
+# A device's claimed seen shape is checked against the batches its admitted updates were
+# selected on (what the station saw it train) once it has this many; beyond this total
+# variation between the two, the trained shape stands in for the claimed one in P_real.
+SHAPE_MIN_UPDATES = 8
+SHAPE_TOLERANCE = 0.25
+
 
 class StatsCheck:
     """The checks of one station's incoming stats."""
@@ -93,6 +99,8 @@ class Roster:
         self.offline: set[str] = set()
         self.seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
         self._window: dict[str, tuple[int, int]] = {}  # what its last accepted grew from
+        self.trained: dict[str, np.ndarray] = {}  # next batches its admitted updates had
+        self.trained_updates: Counter[str] = Counter()
 
     def checked(self, msg: m.DeviceStats, iteration: int) -> m.DeviceStats | None:
         """``msg`` as the station would keep it at ``iteration``, or None: refused."""
@@ -185,14 +193,37 @@ class Roster:
         """The largest epsilon a device reports its local differential privacy has spent."""
         return max((s.epsilon for s in self.stats.values()), default=0.0)
 
+    def trained_on(self, device: str) -> None:
+        """An update of ``device`` was admitted: the batch it reported it would train on
+        joins what the station saw it train."""
+        if device in self.stats:
+            batch = self.stats[device].next_batch_counts
+            self.trained[device] = self.trained.get(device, 0) + batch
+            self.trained_updates[device] += 1
+
+    def _shaped(self, device: str, counts: np.ndarray) -> np.ndarray:
+        """``counts`` as ``P_real`` takes them: the claimed total, in the shape the station
+        saw the device train where the claimed shape is further than SHAPE_TOLERANCE from
+        it (a device cannot make up the label mix it adds to its factory's)."""
+        trained = self.trained.get(device)
+        total = claimed_total(counts)
+        if trained is None or self.trained_updates[device] < SHAPE_MIN_UPDATES or not total \
+                or not trained.sum():
+            return counts
+        shape = trained / trained.sum()
+        if 0.5 * float(np.abs(counts / total - shape).sum()) <= SHAPE_TOLERANCE:
+            return counts
+        self.counters["seen_shape_replaced"] += 1
+        return np.floor(total * shape).astype(np.int64)
+
     def seen_counts(self, at_least: int) -> np.ndarray:
         """The factory's label counts for ``P_real``: no device outweighs the rest, and never
         fewer than ``at_least``, the samples its updates have reported (the cloud checks
         those against it)."""
         if not self.stats:
             return np.zeros(self.num_classes, dtype=np.int64)
-        total, capped = majority_capped([s.seen_counts for s in self.stats.values()],
-                                        at_least=at_least)
+        total, capped = majority_capped([self._shaped(d, s.seen_counts)
+                                         for d, s in self.stats.items()], at_least=at_least)
         if capped:
             self.counters["seen_majority_capped"] += capped
         return total

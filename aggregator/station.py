@@ -95,8 +95,7 @@ class Station(StationResume, RoleBase[StationState]):
                              clip=self._clip)
         self.stats, self.offline = self.roster.stats, self.roster.offline
         self.external = ExternalSync(config, self.roster, self.counters)
-        self.dp = CentralDP(config, config.seed)
-        self.tally = ClaimTally(config.devices)
+        self.dp, self.tally = CentralDP(config, config.seed), ClaimTally(config.devices)
         self.stragglers = StragglerWatch.for_station(config)
 
     @property
@@ -269,6 +268,7 @@ class Station(StationResume, RoleBase[StationState]):
             if fused is None:
                 return self._refused_reply(msg.sender, now)
             self.sync.update(msg.sender, fused, msg.num_samples)
+            self.roster.trained_on(msg.sender)  # what it trained joins the roster's view
         else:
             self.sync.skip(msg.sender)
         return self._close_if_answered(now)

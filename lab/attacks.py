@@ -6,7 +6,10 @@ device's first update again as every later reply.  Of the lies about seen counts
 largest count the wire carries in every stats message, and ``seen_at_bound`` is the
 attacker who has read the station's code: every class grows, evenly, by exactly the
 growth a station accepts (``max_seen_rate x local_steps`` per iteration since its last
-report, however many reports it sends in one), so no clip ever catches it.  ``nan`` cannot be a
+report, however many reports it sends in one), so no clip ever catches it;
+``seen_shape_at_bound`` grows as fast, in the shape furthest towards even that the station
+takes from it: just inside ``SHAPE_TOLERANCE`` of the batches it reported (what the station
+sees it train).  ``nan`` cannot be a
 message at all (messages refuse non-finite weights), so it becomes a forged frame,
 checksum and all, that the receiver's :class:`~edge_client.admission.Admission`
 must refuse.  The simulator and the hostile device process of the MQTT tests use
@@ -31,7 +34,7 @@ from edge_client.transport import LocalBus
 __all__ = ["ATTACKS", "tamper", "forge_nan", "install"]
 
 ATTACKS = ("none", "scale", "inflate", "nan", "seen", "balanced", "replay", "uniform_seen",
-           "seen_at_bound")
+           "seen_at_bound", "seen_shape_at_bound")
 SCALE = 1e6  # "an update scaled by 1e6"
 INFLATED = 10**12  # "an update claiming 10^12 samples"
 SEEN = 10**15  # "one report of 10^15 seen samples"
@@ -87,6 +90,8 @@ def tamper(message: m.Message, attack: str,
                 message.seen_counts, WIRE_MAX))
         if attack == "seen_at_bound":
             return dataclasses.replace(message, seen_counts=_at_bound(message, memory))
+        if attack == "seen_shape_at_bound":
+            return dataclasses.replace(message, seen_counts=_shape_at_bound(message, memory))
     return message
 
 
@@ -104,16 +109,33 @@ def _at_bound(message: m.DeviceStats, memory: dict[str, Any] | None) -> np.ndarr
     return spread(total, message.seen_counts.size)
 
 
+def _shape_at_bound(message: m.DeviceStats, memory: dict[str, Any] | None) -> np.ndarray:
+    """:func:`_at_bound`'s total in the shape of the batches the device reported, moved
+    towards even up to 0.95 of the station's shape tolerance (``tolerance``)."""
+    counts = _at_bound(message, memory)
+    assert memory is not None  # _at_bound refused without it
+    batches = memory["batches"] = memory.get("batches", 0) + message.next_batch_counts
+    if not batches.sum():
+        return counts
+    own = batches / batches.sum()
+    even = np.full(own.size, 1.0 / own.size)
+    apart = 0.5 * float(np.abs(even - own).sum())
+    step = 1.0 if apart == 0 else min(1.0, 0.95 * memory["tolerance"] / apart)
+    total = int(counts.sum())
+    return np.floor(total * (own + step * (even - own))).astype(np.int64)
+
+
 def install(runner: RoleRunner, attack: str, admission: Admission, bus: LocalBus, *,
-            growth: int) -> None:
+            growth: int, tolerance: float) -> None:
     """Make a simulated device hostile: its runner sends ``tamper``'s output instead.
 
     A forged frame goes through ``admission`` (what the station's transport does) and
     whatever that yields, a refusal, is delivered in its place.  ``growth``: the seen
-    samples its station accepts per iteration (``max_seen_rate x local_steps``).
+    samples its station accepts per iteration (``max_seen_rate x local_steps``),
+    ``tolerance`` the shape tolerance it checks seen counts with.
     """
     honest = runner.publish
-    memory: dict[str, Any] = {"growth": growth}
+    memory: dict[str, Any] = {"growth": growth, "tolerance": tolerance}
 
     def publish(out: list[m.Message]) -> None:
         for message in out:

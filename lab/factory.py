@@ -20,6 +20,7 @@ import numpy as np
 
 from aggregator.config import StationConfig
 from aggregator.fedbuff import station_role
+from aggregator.roster import SHAPE_TOLERANCE
 from edge_client import messages as m
 from edge_client.admission import Admission
 from edge_client.config import DeviceConfig, InferenceConfig, from_mapping
@@ -171,7 +172,7 @@ class Factory:
                                       reassembly_memory=1 << 30, chunk_timeout=60.0)
                 st = self.station.config  # the attacker has read it: it lies at its bounds
                 install(runner, spec.attack, admission, self.bus,
-                        growth=st.max_seen_rate * st.local_steps)
+                        growth=st.max_seen_rate * st.local_steps, tolerance=SHAPE_TOLERANCE)
                 admissions.append(admission)
             devices.append(_SimDevice(dev, source, runner))
         return devices, admissions

@@ -10,6 +10,7 @@ import argparse
 import logging
 
 from aggregator.config import StationConfig
+from aggregator.roster import SHAPE_TOLERANCE
 from edge_client.runner import StopFlag, serve
 from edge_client.service import DEVICE_TABLES, DeviceService, load_role_file
 from lab.attacks import tamper
@@ -26,7 +27,8 @@ def main() -> None:
     honest = transport.publish
     # What a replaying device keeps of its first update; the growth a station with the
     # default bounds accepts (the attacker has read the code) for one lying at the bound.
-    memory = {"growth": StationConfig.max_seen_rate * cfg["device"].local_steps}
+    memory = {"growth": StationConfig.max_seen_rate * cfg["device"].local_steps,
+              "tolerance": SHAPE_TOLERANCE}
 
     def publish(topic, message):
         sent = tamper(message, args.attack, memory)

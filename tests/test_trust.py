@@ -306,6 +306,54 @@ def test_a_hundred_reports_in_one_iteration_grow_by_one_allowance():
     assert st.tally.clipped["d0"] == 99
 
 
+def _trained(st, device, nxt, updates):
+    """``device`` reports ``nxt`` as its next batch and has ``updates`` updates admitted."""
+    st.handle(_stats(device, nxt=nxt), 1.0)
+    for _ in range(updates):
+        st.roster.trained_on(device)
+
+
+@pytest.mark.parametrize("seen, replaced", [
+    ((6250, 3750), False),  # total variation 0.25 from the trained 7:1, exactly the tolerance
+    ((6249, 3751), True),   # one sample further
+    ((1000, 1000), True),   # the even claim of a device that trains on 7:1
+])
+def test_a_claimed_seen_shape_far_from_what_the_device_trains_on_is_replaced(seen, replaced):
+    from aggregator.roster import SHAPE_MIN_UPDATES, SHAPE_TOLERANCE
+    assert SHAPE_TOLERANCE == 0.25
+    st = _station(n=3, max_seen_rate=10**6)
+    _start(st)
+    _trained(st, "d0", (7, 1), SHAPE_MIN_UPDATES)
+    st.handle(_stats("d0", seen=seen, nxt=(7, 1)), 1.0)
+    kept = st.roster._shaped("d0", st.stats["d0"].seen_counts)
+    assert st.counters["seen_shape_replaced"] == int(replaced)
+    if replaced:  # the claimed total, in the trained shape
+        np.testing.assert_array_equal(kept, np.floor(sum(seen) * np.array([7 / 8, 1 / 8])))
+    else:
+        np.testing.assert_array_equal(kept, seen)
+
+
+def test_the_shape_is_checked_only_after_enough_trained_batches():
+    from aggregator.roster import SHAPE_MIN_UPDATES
+    st = _station(n=3)
+    _start(st)
+    _trained(st, "d0", (8, 0), SHAPE_MIN_UPDATES - 1)
+    st.external.seen_counts()
+    assert "seen_shape_replaced" not in st.counters
+    st.roster.trained_on("d0")  # the eighth: an even claim of 500:500 against 8:0 is replaced
+    st.external.seen_counts()
+    assert st.counters["seen_shape_replaced"] == 1
+
+
+def test_an_admitted_update_adds_its_batch_to_what_the_station_saw_its_device_train():
+    st = _station(n=3)
+    _start(st)
+    st.handle(_upd("d0", 0.1), 1.0)
+    st.handle(tamper(_upd("d1", 0.2), "inflate"), 1.0)  # refused: nothing trained is seen
+    assert st.roster.trained_updates == {"d0": 1}
+    np.testing.assert_array_equal(st.roster.trained["d0"], st.stats["d0"].next_batch_counts)
+
+
 def test_the_uniform_lie_claims_the_wire_maximum_in_every_class():
     lie = tamper(_stats("d0"), "uniform_seen")
     assert lie.seen_counts.tolist() == [WIRE_MAX, WIRE_MAX]
