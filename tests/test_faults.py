@@ -114,7 +114,7 @@ def test_a_hostile_device_is_refused_and_does_not_steer_the_model(tmp_path, digi
     assert counters.get("replies_missed", 0) == 0  # a refusal is an answer: no deadline wait
 
 
-@pytest.mark.parametrize("attack", ["uniform_seen", "seen_at_bound"])
+@pytest.mark.parametrize("attack", ["uniform_seen", "seen_at_bound", "seen_shape_at_bound"])
 def test_a_device_lying_about_its_seen_counts_neither_stops_nor_steers_a_station(
         tmp_path, digits, honest, attack, capsys):
     # Every class at the int64 maximum once stopped the federation in its first round: the

@@ -354,6 +354,24 @@ def test_an_admitted_update_adds_its_batch_to_what_the_station_saw_its_device_tr
     np.testing.assert_array_equal(st.roster.trained["d0"], st.stats["d0"].next_batch_counts)
 
 
+def test_the_shape_lie_sits_just_inside_the_tolerance_and_is_kept():
+    from aggregator.roster import SHAPE_MIN_UPDATES, SHAPE_TOLERANCE
+    st = _station(n=3, max_seen_rate=10**6)
+    _start(st)
+    memory = {"growth": 4000, "tolerance": SHAPE_TOLERANCE}
+    for it in range(SHAPE_MIN_UPDATES + 2):
+        st.iteration = it
+        lie = tamper(dataclasses.replace(_stats("d0", nxt=(7, 1)), iteration=it),
+                     "seen_shape_at_bound", memory)
+        st.handle(lie, 1.0)
+        st.roster.trained_on("d0")
+    shape = lie.seen_counts / lie.seen_counts.sum()
+    apart = 0.5 * float(np.abs(shape - np.array([7 / 8, 1 / 8])).sum())
+    assert 0.9 * SHAPE_TOLERANCE < apart <= SHAPE_TOLERANCE  # as far as it may go, and no more
+    st.external.seen_counts()
+    assert "seen_shape_replaced" not in st.counters
+
+
 def test_the_uniform_lie_claims_the_wire_maximum_in_every_class():
     lie = tamper(_stats("d0"), "uniform_seen")
     assert lie.seen_counts.tolist() == [WIRE_MAX, WIRE_MAX]
