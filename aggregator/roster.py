@@ -76,7 +76,7 @@ class StatsCheck:
         """Seen counts bounded in growth and share (a claim of 10^15 samples must not decide
         ``P_real``); the clipped counts are what the station keeps and sums."""
         cfg = self.config
-        others = [int(s.seen_counts.sum()) for d, s in stats.items() if d != msg.sender]
+        others = [claimed_total(s.seen_counts) for d, s in stats.items() if d != msg.sender]
         # A device senses per local step, and a flat round holds many steps between reports.
         per_iteration = cfg.max_seen_rate * cfg.local_steps
         base, elapsed = window

@@ -135,7 +135,7 @@ def majority_capped(counts: list[np.ndarray], at_least: int = 0) -> tuple[np.nda
     not fail that check because its largest device was capped.  Returns the counts and how
     many devices were capped (0 or 1).
     """
-    totals = np.array([int(c.sum()) for c in counts], dtype=np.int64)
+    totals = np.array([claimed_total(c) for c in counts], dtype=np.int64)
     summed = np.asarray(np.sum(counts, axis=0, dtype=np.int64))
     whole = int(totals.sum())
     for k, total in enumerate(totals):
