@@ -75,7 +75,7 @@ class RoleCheckpoint:
 @dataclass(frozen=True, kw_only=True)
 class StationCheckpoint(RoleCheckpoint):
     """A station's scalars at a round boundary (its arrays: the model, ``P_real``, each
-    device's counts and replay sketches)."""
+    device's counts, the batches it was seen to train and replay sketches)."""
 
     role: Participant = Participant.STATION
     id: str
@@ -83,6 +83,8 @@ class StationCheckpoint(RoleCheckpoint):
     consumed_before: int = 0  # of the rounds already uploaded
     upload_samples: int | None  # of the upload the cloud has not answered yet
     seen_at: dict[str, int]
+    windows: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # Roster.window
+    trained_updates: dict[str, int] = dataclasses.field(default_factory=dict)
     sitting_out: dict[str, int] = dataclasses.field(default_factory=dict)
     norms: list[float]  # the norm guard's history
     recent: list[list[str]]  # recent super nodes, for the seat cap

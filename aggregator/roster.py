@@ -126,13 +126,23 @@ class Roster:
         self.offline.discard(msg.sender)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The checkpoint's share: each device's seen counts and next-batch histogram (its
-        ``seen_at`` goes in the document)."""
+        """The checkpoint's share in arrays: each device's seen counts, next-batch histogram
+        and the batches the station saw it train (the rest is in :meth:`state`)."""
         return {**grouped("seen", {d: st.seen_counts for d, st in self.stats.items()}),
-                **grouped("next", {d: st.next_batch_counts for d, st in self.stats.items()})}
+                **grouped("next", {d: st.next_batch_counts for d, st in self.stats.items()}),
+                **grouped("trained", self.trained)}
 
-    def restore(self, arrays: Mapping[str, np.ndarray], seen_at: Mapping[str, int]) -> None:
-        """Back to :meth:`arrays` and ``seen_at``, for the roster's devices only."""
+    def state(self) -> dict[str, Any]:
+        """The checkpoint's share in the document: when each device last reported, what its
+        report grew from (a restart mid-iteration must not hand out a fresh allowance) and
+        how many admitted updates its trained shape rests on."""
+        return {"seen_at": dict(self.seen_at),
+                "windows": {d: list(w) for d, w in self._window.items()},
+                "trained_updates": dict(self.trained_updates)}
+
+    def restore(self, arrays: Mapping[str, np.ndarray], seen_at: Mapping[str, int],
+                windows: Mapping[str, list[int]], trained_updates: Mapping[str, int]) -> None:
+        """Back to :meth:`arrays` and :meth:`state`, for the roster's devices only."""
         cfg = self.config
         seen, nxt = group(arrays, "seen"), group(arrays, "next")
         for d in cfg.devices:
@@ -141,6 +151,12 @@ class Roster:
                                               station=cfg.station_id, seen_counts=seen[d],
                                               next_batch_counts=nxt[d])
         self.seen_at = {d: int(i) for d, i in seen_at.items() if d in cfg.devices}
+        self._window = {d: (int(w[0]), int(w[1])) for d, w in windows.items()
+                        if d in cfg.devices}
+        self.trained = {d: np.array(v, dtype=np.int64)
+                        for d, v in group(arrays, "trained").items() if d in cfg.devices}
+        self.trained_updates = Counter({d: int(n) for d, n in trained_updates.items()
+                                        if d in self.trained})
 
     def ready(self) -> list[str]:
         """Devices online whose next batch is ready, in roster order."""

@@ -59,7 +59,7 @@ class StationResume:
         arrays.update(self.admission.arrays())
         meta = StationCheckpoint(
             id=self.id, state=self.state, round=self.round, iteration=self.iteration,
-            **self.external.state(), **self.seating.state(), seen_at=dict(self.roster.seen_at),
+            **self.external.state(), **self.seating.state(), **self.roster.state(),
             norms=self.admission.norms(), rng=dict(self.rng.bit_generator.state),
             counters=dict(self.counters), dp_bound=self.dp.adaptive_bound,
             tally=self.tally.state())
@@ -73,7 +73,7 @@ class StationResume:
             raise ShapeError("the checkpoint's model has another size")
         self.weights = np.array(arrays["weights"]) if "weights" in arrays else None
         self.p_real = np.array(arrays["p_real"]) if "p_real" in arrays else None
-        self.roster.restore(arrays, meta.seen_at)
+        self.roster.restore(arrays, meta.seen_at, meta.windows, meta.trained_updates)
         self.state = StationState(meta.state)
         self.round, self.iteration = meta.round, meta.iteration
         self.external.restore(meta.consumed, meta.consumed_before)

@@ -345,6 +345,31 @@ def test_the_shape_is_checked_only_after_enough_trained_batches():
     assert st.counters["seen_shape_replaced"] == 1
 
 
+def test_a_restarted_station_keeps_the_allowance_already_spent_and_the_trained_shape():
+    from aggregator.roster import SHAPE_MIN_UPDATES
+    st = _station(n=3)
+    _start(st)
+    for d in ("d1", "d2"):
+        st.handle(_stats(d, seen=(50_000, 50_000)), 1.0)
+    _trained(st, "d0", (8, 0), SHAPE_MIN_UPDATES)  # trains on class 0, claims an even mix
+    growth = st.config.max_seen_rate * st.config.local_steps
+    half = claimed_total(st.stats["d0"].seen_counts) // 2
+    st.iteration = 1
+    st.handle(_stats("d0", seen=(half, half + growth), nxt=(8, 0)), 1.0)  # the allowance, all
+    arrays, meta = st.snapshot()
+    back = _station(n=3)
+    back.restore(arrays, meta)
+    # Restarted within the iteration: its allowance is spent, not handed out afresh.
+    back.handle(_stats("d0", seen=(half, half + 2 * growth), nxt=(8, 0)), 1.0)
+    assert back.tally.clipped["d0"] == 1
+    assert 2 * half + growth - 2 < claimed_total(back.stats["d0"].seen_counts) \
+        <= 2 * half + growth  # (the scaled clip floors each of the two classes)
+    # And the shape check still rests on the batches it was seen to train before.
+    replaced = back.counters["seen_shape_replaced"]
+    back.external.seen_counts()
+    assert back.counters["seen_shape_replaced"] == replaced + 1
+
+
 def test_an_admitted_update_adds_its_batch_to_what_the_station_saw_its_device_train():
     st = _station(n=3)
     _start(st)
