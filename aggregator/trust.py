@@ -135,11 +135,11 @@ def majority_capped(counts: list[np.ndarray], at_least: int = 0) -> tuple[np.nda
     not fail that check because its largest device was capped.  Returns the counts and how
     many devices were capped (0 or 1).
     """
-    totals = np.array([claimed_total(c) for c in counts], dtype=np.int64)
+    totals = [claimed_total(c) for c in counts]  # exact: an int64 array would overflow
     summed = np.asarray(np.sum(counts, axis=0, dtype=np.int64))
-    whole = int(totals.sum())
+    whole = sum(totals)
     for k, total in enumerate(totals):
-        others = whole - int(total)
+        others = whole - total
         if len(counts) > 1 and 0 < others < total:
             shaped = summed - counts[k] + counts[k].astype(np.float64) * (others / total)
             target = max(2 * others, min(at_least, whole))

@@ -105,6 +105,10 @@ def test_no_device_outweighs_the_rest_of_its_factory():
     total, _ = majority_capped(counts, at_least=1000)
     assert total.sum() == 1000 and total[0] / total.sum() == pytest.approx(550 / 800, abs=2e-3)
     assert majority_capped(counts, at_least=10**9)[0].sum() == 5400
+    # A claim whose total is past the int64 range (a checkpoint written before the bounds)
+    # is capped like any other, not an overflow.
+    total, capped = majority_capped([np.array([WIRE_MAX, WIRE_MAX]), np.array([10, 30])])
+    assert capped == 1 and total.tolist() == [30, 50]
 
 
 def test_a_flat_rounds_streaming_is_not_clipped():
