@@ -3,10 +3,12 @@
 QoS 1 with persistent sessions, MQTT 5 where the broker speaks it (else 3.1.1),
 reconnects with jittered exponential backoff inside the transport, a retained
 presence per participant with a Last Will saying offline, and the wire codec
-with chunking.  Inbound frames are queued by paho's network thread and admitted
+with chunking.  Inbound frames are queued by the network thread and admitted
 (:class:`~edge_client.admission.Admission`) in :meth:`deliver` on the caller's
 thread, so roles stay single-threaded.  No frame and no handler error stops the
-service: each is counted by reason.
+service: each is counted by reason.  The socket belongs to one thread at a time
+(:class:`~edge_client.socket_owner.SocketOwner`): the caller's while it connects, the
+network thread's after.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from .codec import encode, stream
 from .config import BrokerConfig
 from .documents import Document, decode_document, encode_document
 from .errors import BrokerRefused, ConfigError, ConnectError, MessageError
+from .reconnect import REFUSED_FOR_GOOD, backoff, retry
+from .socket_owner import SocketOwner
 from .tls import broker_identity, check_pair
 from .topics import is_document_topic, matches, topic_for
 
@@ -44,15 +48,6 @@ log = logging.getLogger(__name__)
 Handler = Callable[[str, m.Message], None]
 DocumentHandler = Callable[[str, Document], None]
 RawHandler = Callable[[str, bytes], None]
-
-
-# CONNACK reason codes (MQTT 5; paho maps 3.1.1's return codes onto them) that no retry
-# can cure: a client id refused, bad credentials, not authorised, banned, a bad
-# authentication method.
-REFUSED_FOR_GOOD = frozenset({0x85, 0x86, 0x87, 0x8A, 0x8C})
-# Refusals a broker that binds client ids to identities gives a client connecting as
-# someone else (or as no one): said as such, not as a bare reason code.
-_IDENTITY_REFUSALS = frozenset({0x85, 0x87})
 
 
 class MqttTransport:
@@ -105,6 +100,7 @@ class MqttTransport:
         self._doc_subs: list[tuple[str, DocumentHandler]] = []
         self._raw_subs: list[tuple[str, RawHandler]] = []
         self._inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._socket = SocketOwner(client_id, self.counters)
         self.admission = Admission(fleet=fleet, layout_hash=layout_hash, num_params=num_params,
                                    max_message=config.max_message,
                                    reassembly_memory=config.reassembly_memory,
@@ -195,7 +191,7 @@ class MqttTransport:
             return False
         deadline = time.monotonic() + self.config.handshake_timeout
         while time.monotonic() < deadline and not self._connected.is_set():
-            if self._client.loop(timeout=0.1) != paho.MQTT_ERR_SUCCESS or self._refused:
+            if self._pump(0.1) != paho.MQTT_ERR_SUCCESS or self._refused:
                 break
         if not self._connected.is_set() and self._v5 and self.config.protocol == "auto":
             # A 3.1.1-only broker (amqtt) refuses or drops an MQTT 5 CONNECT.
@@ -207,47 +203,25 @@ class MqttTransport:
         return self._connected.is_set()
 
     def _backoff(self) -> Iterator[float]:
-        """Pauses between connection attempts: doubling from ``backoff_min`` to
-        ``backoff_max``, each drawn in 50-100% of that (jitter: a fleet that lost its broker
-        does not come back at once), from this participant's own generator."""
-        delay = self.config.backoff_min
-        while True:
-            yield delay * float(self._jitter.uniform(0.5, 1.0))
-            delay = min(delay * 2, self.config.backoff_max)
+        return backoff(self.config, self._jitter)
 
     def _retry(self, attempt: Callable[[], bool], deadline: float | None = None) -> bool:
-        """The one reconnect loop: ``attempt`` until it connects (True) or the transport is
-        closed (False).  With a ``deadline`` (the first connection) it tries at once and gives
-        up when the broker refuses for good (:class:`BrokerRefused`) or the next pause would
-        pass the deadline (:class:`ConnectError`).  A running service that lost its broker
-        pauses before each try, the first too (a fleet that lost its broker together must
-        not come back together), and keeps trying (credentials may be fixed meanwhile)."""
-        pauses = self._backoff()
-        if deadline is None and self._stop.wait(next(pauses)):
-            return False
-        for pause in pauses:
-            if attempt():
-                return True
-            if deadline is not None and self._refused is not None \
-                    and self._refused.value in REFUSED_FOR_GOOD:
-                hint = ""
-                if self._refused.value in _IDENTITY_REFUSALS:
-                    hint = ("; a broker that binds client ids to identities refuses a client "
-                            "id that is not the certificate's (or username's) name, and a "
-                            "client with neither")
-                raise BrokerRefused(f"{self.config.url} refused {self.client_id}: "
-                                    f"{self._refused}{hint}")
-            if deadline is not None and time.monotonic() + pause > deadline:
-                raise ConnectError(f"cannot connect to {self.config.url} as {self.client_id} "
-                                   f"within {self.config.connect_timeout:.0f} s"
-                                   + (f" ({self._refused})" if self._refused else ""))
-            if self._stop.wait(pause):
-                return False
-        return False  # pragma: no cover - the backoff never ends
+        """The one reconnect loop (:func:`~edge_client.reconnect.retry`)."""
+        return retry(attempt, pauses=self._backoff(), stop=self._stop,
+                     refused=lambda: self._refused, config=self.config,
+                     client_id=self.client_id, deadline=deadline)
 
     def connect(self) -> None:
-        """Connect (retrying with backoff until ``connect_timeout``) and start the network loop."""
-        self._retry(self._try_connect, deadline=time.monotonic() + self.config.connect_timeout)
+        """Connect (retrying with backoff until ``connect_timeout``) and start the network loop.
+
+        The caller's thread owns the socket until the network thread takes it over; calls
+        from other threads meanwhile wait in the outbox."""
+        self._socket.take()
+        try:
+            self._retry(self._try_connect,
+                        deadline=time.monotonic() + self.config.connect_timeout)
+        finally:
+            self._socket.release()
         self._thread = threading.Thread(target=self._network_loop, daemon=True,
                                         name=f"mqtt-{self.client_id}")
         self._thread.start()
@@ -261,18 +235,24 @@ class MqttTransport:
             return False
         deadline = time.monotonic() + self.config.handshake_timeout
         while not self._connected.is_set() and time.monotonic() < deadline:
-            if self._client.loop(timeout=0.1) != paho.MQTT_ERR_SUCCESS:
+            if self._pump(0.1) != paho.MQTT_ERR_SUCCESS:
                 break
         return self._connected.is_set()
 
     def _network_loop(self) -> None:
+        self._socket.take()
         while not self._stop.is_set():
-            if self._client.loop(timeout=0.2) == paho.MQTT_ERR_SUCCESS \
-                    and self._connected.is_set():
+            if self._pump(0.2) == paho.MQTT_ERR_SUCCESS and self._connected.is_set():
                 continue
             self._connected.clear()
             if not self._retry(self._try_reconnect):
                 break
+        self._socket.drain()  # what close() handed over last (the offline presence)
+        self._client.disconnect()
+
+    def _pump(self, timeout: float) -> paho.MQTTErrorCode:
+        return self._socket.turn(self._client, connected=self._connected.is_set(),
+                                 timeout=timeout)
 
     @property
     def connected(self) -> bool:
@@ -283,7 +263,10 @@ class MqttTransport:
                           handler: Any) -> None:
         subs.append((topic_filter, handler))
         if self._connected.is_set():  # else _on_connect subscribes it
-            self._client.subscribe(topic_filter, qos=1)
+            self._socket.submit(lambda: self._subscribe(topic_filter))
+
+    def _subscribe(self, topic_filter: str) -> None:
+        self._client.subscribe(topic_filter, qos=1)
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
         self._add_subscription(self._subs, topic_filter, handler)
@@ -299,11 +282,24 @@ class MqttTransport:
 
     def publish(self, topic: str, message: m.Message) -> None:
         retain = isinstance(message, m.Presence)
-        for part in stream(message, chunk_size=self.config.chunk_size, fp16=self.config.fp16,
-                           layout_hash=self.layout_hash, wire_version=self.config.wire_version):
-            self._last_info = self._client.publish(topic, part, qos=1, retain=retain)
-            self.counters["bytes_out"] += len(part)
+        parts = list(stream(message, chunk_size=self.config.chunk_size, fp16=self.config.fp16,
+                            layout_hash=self.layout_hash,
+                            wire_version=self.config.wire_version))
+        self.counters["bytes_out"] += sum(len(part) for part in parts)
         self.counters["messages_out"] += 1
+        self._socket.submit(lambda: self._send(topic, parts, qos=1, retain=retain))
+
+    def publish_raw(self, topic: str, payload: bytes, *, qos: int = 1,
+                    retain: bool = False) -> None:
+        """Publish bytes as they are (another system's format, such as the line's labels)."""
+        self._socket.submit(lambda: self._send(topic, [payload], qos=qos, retain=retain))
+
+    def _send(self, topic: str, parts: list[bytes], *, qos: int, retain: bool) -> None:
+        """On the socket's thread: the parts of one message, back to back."""
+        for part in parts:
+            info = self._client.publish(topic, part, qos=qos, retain=retain)
+            if qos:
+                self._last_info = info  # what close() waits for
 
     def _presence_frame(self, *, online: bool) -> bytes:
         """This participant's presence (or its Last Will), in its wire version and without
@@ -320,9 +316,8 @@ class MqttTransport:
                          qos: int = 1) -> None:
         """Publish a JSON document: retained (a manifest, a summary for ``safl status``), or
         a stream of them at QoS 0 (predictions: the next one supersedes a lost one)."""
-        info = self._client.publish(topic, encode_document(doc), qos=qos, retain=retain)
-        if qos:
-            self._last_info = info  # what close() waits for
+        self._socket.submit(lambda: self._send(topic, [encode_document(doc)], qos=qos,
+                                        retain=retain))
 
     def deliver(self) -> int:
         """Admit queued frames and call their handlers; returns how many were delivered."""
@@ -375,19 +370,30 @@ class MqttTransport:
     def close(self) -> None:
         """Flush what was published, say offline (retained), disconnect, stop the thread."""
         self._closing = True
-        if self._last_info is not None and self._connected.is_set():
+        flushed = threading.Event()
+        sent: list[paho.MQTTMessageInfo | None] = []
+
+        def say_offline() -> None:  # on the socket's thread, after every earlier call
+            sent.append(self._last_info)
+            if self.presence is not None and self._connected.is_set():
+                sent.append(self._client.publish(topic_for(self.presence),
+                                                 self._presence_frame(online=False), qos=1,
+                                                 retain=True))
+            flushed.set()
+        self._socket.submit(say_offline)
+        if self._connected.is_set():
+            flushed.wait(self.config.close_timeout)
+        for info, timeout in zip(sent, (self.config.close_timeout, 2.0), strict=False):
+            if info is None:
+                continue
             try:
-                self._last_info.wait_for_publish(timeout=self.config.close_timeout)
+                info.wait_for_publish(timeout=timeout)
             except (RuntimeError, ValueError):
                 log.warning("%s closed with unacknowledged messages", self.client_id)
-        if self.presence is not None and self._connected.is_set():
-            info = self._client.publish(topic_for(self.presence),
-                                        self._presence_frame(online=False), qos=1, retain=True)
-            try:
-                info.wait_for_publish(timeout=2.0)
-            except (RuntimeError, ValueError):
-                pass
         self._stop.set()
+        self._socket.submit(lambda: None)  # wake the network thread out of its select
         if self._thread is not None:
             self._thread.join(timeout=3.0)
-        self._client.disconnect()
+        else:
+            self._client.disconnect()
+        self._socket.close()

@@ -33,7 +33,7 @@ def main() -> None:
     def publish(topic, message):
         sent = tamper(message, args.attack, memory)
         if isinstance(sent, bytes):  # a forged frame: straight onto the wire
-            transport._client.publish(topic, sent, qos=1)
+            transport.publish_raw(topic, sent)
         else:
             honest(topic, sent)
     transport.publish = publish

@@ -172,7 +172,7 @@ def test_acls_confine_devices_and_bad_credentials_are_refused(fleet, tmp_path):
             t.connect()
         time.sleep(0.3)
         # cam1 impersonates cam2, the station and the cloud: the broker drops all three.
-        cam1._client.publish("safl/plant/dev/cam2/update", b"x", qos=1)
+        cam1.publish_raw("safl/plant/dev/cam2/update", b"x")
         forged_model = m.StationModel(fleet="plant", sender="st0", round=0, iteration=0,
                                       weights=np.zeros(8))
         cam1.publish(topic_for(forged_model), forged_model)

@@ -77,7 +77,7 @@ def test_a_certificate_acts_only_as_its_own_participant(factory):
     for t in posers:
         t.connect()
     time.sleep(0.3)
-    posers[0]._client.publish("safl/plant/dev/cam2/update", b"as cam2", qos=1)
+    posers[0].publish_raw("safl/plant/dev/cam2/update", b"as cam2")
     forged = m.StationModel(fleet="plant", sender="st0", round=0, iteration=0,
                             weights=np.zeros(8))
     posers[1].publish(topic_for(forged), forged)

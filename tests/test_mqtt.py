@@ -494,7 +494,7 @@ def test_documents_are_checked_and_a_failing_handler_is_counted(tmp_path):
         writer.connect()
         reader.connect()
         time.sleep(0.2)
-        writer._client.publish(summary_topic("f", "station", "s0"), b"{not json", qos=1)
+        writer.publish_raw(summary_topic("f", "station", "s0"), b"{not json")
         doc = StationSummary(station="s1", state="waiting", round=2, iteration=20, devices=3,
                              online=3, quorum=1)
         writer.publish_document(summary_topic("f", "station", "s1"), doc)
