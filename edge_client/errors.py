@@ -35,7 +35,7 @@ class ConfigError(SaflError, ValueError):
 
     def __init__(self, key: str, problem: str) -> None:
         super().__init__(f"config key {key!r}: {problem}")
-        self.key = key
+        self.key, self.problem = key, problem
 
 
 class MessageError(SaflError, ValueError):

@@ -6,6 +6,7 @@ describe, the metrics endpoint, and the device service.  The loop itself is
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from .config import (
     ServiceConfig,
     SourceConfig,
     load_config,
+    read_toml,
 )
 from .device import Device
 from .documents import Document
@@ -51,7 +53,16 @@ DEVICE_TABLES = {"device": DeviceConfig, "model": ModelConfig, "source": SourceC
 
 def load_role_file(path: str | Path | None, tables: dict[str, type],
                    overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Load several config tables of one role's TOML file, each with its overrides."""
+    """Load several config tables of one role's TOML file, each with its overrides.  A
+    table the role does not read (``[inferense]``) is refused like an unknown key: its
+    settings would be silently ignored."""
+    if path is not None:
+        unknown = sorted(set(read_toml(path, "config")) - set(tables))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], list(tables), n=1)
+            raise ConfigError(unknown[0], f"unknown table [{unknown[0]}] in {path}"
+                              + (f"; did you mean [{near[0]}]?" if near else "")
+                              + f"; this role reads {', '.join(f'[{t}]' for t in tables)}")
     return {name: load_config(cls, name, path, overrides.get(name))
             for name, cls in tables.items()}
 

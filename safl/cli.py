@@ -115,12 +115,15 @@ def _status(args: argparse.Namespace) -> int:
 
 def _monitor(args: argparse.Namespace) -> int:
     from aggregator.monitor import run_monitor
-    from edge_client.config import BrokerConfig, load_config
-    from edge_client.errors import ConfigError
 
-    host, _, port = args.http.rpartition(":")
+    # --http, else the [monitor] table provisioning writes into monitor/status-*.toml
+    from edge_client.config import BrokerConfig, load_config, read_toml
+    from edge_client.errors import ConfigError
+    table = read_toml(args.config, "config").get("monitor", {}) if args.config else {}
+    http = args.http or str(table.get("http", "127.0.0.1:8080"))
+    host, _, port = http.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError("--http", f"must be HOST:PORT, got {args.http!r}")
+        raise ConfigError("--http", f"must be HOST:PORT, got {http!r}")
     broker = load_config(BrokerConfig, "broker", args.config, {"url": args.broker})
     run_monitor(broker, args.fleet, host, int(port), out=args.out)
     return 0
@@ -150,7 +153,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _provision(args: argparse.Namespace) -> int:
-    from aggregator.provision import kick, provision
+    from aggregator.kick import kick
+    from aggregator.provision import provision
 
     if args.kick and args.revoke:
         raise ConfigError("kick", "revoke first, reload the brokers, then kick: not in one call")
@@ -242,8 +246,9 @@ def _add_status(sub) -> None:
         p.add_argument("--fleet", default="default")
     status.add_argument("--wait", type=float, default=1.5, help="seconds to collect retained state")
     status.set_defaults(run=_status)
-    monitor.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT",
-                         help="where to serve the page (default 127.0.0.1:8080)")
+    monitor.add_argument("--http", default=None, metavar="HOST:PORT",
+                         help="where to serve the page (default: the config's [monitor] http, "
+                         "else 127.0.0.1:8080)")
     monitor.add_argument("--out", type=Path, default=None, help="record the field test here "
                          "for `safl report` (devices.csv, metrics.csv, fleet.json)")
     monitor.set_defaults(run=_monitor)

@@ -22,6 +22,7 @@ from edge_client.config import BrokerConfig, load_config
 from edge_client.errors import BrokerRefused, ConfigError, ConnectError
 from edge_client.metrics import MetricsServer, render
 from edge_client.mqtt import MqttTransport
+from edge_client.service import DEVICE_TABLES, load_role_file
 from edge_client.tls import check_pair
 from edge_client.topics import topic_for
 
@@ -366,7 +367,7 @@ def test_systemd_units_are_sandboxed_and_restart(role):
         assert "Unknown key" not in out.stderr and "Invalid" not in out.stderr, out.stderr
 
 
-def test_compose_file_runs_the_provisioned_hierarchy(tmp_path):
+def test_compose_file_runs_the_provisioned_hierarchy(tmp_path, monkeypatch):
     yaml = pytest.importorskip("yaml")
     doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = doc["services"]
@@ -388,9 +389,19 @@ def test_compose_file_runs_the_provisioned_hierarchy(tmp_path):
     for role, names in roles.items():
         for name in names:
             command = services[name]["command"]
-            assert command[0] == role and on_host(command[command.index("--config") + 1]).exists()
+            config = on_host(command[command.index("--config") + 1])
+            assert command[0] == role and config.exists()
             broker = services[name]["depends_on"][0]
             assert broker in brokers
+            if role == "device":  # runs as the compose file starts it: files as provisioned
+                with monkeypatch.context() as env:
+                    for key, value in services[name]["environment"].items():
+                        env.setenv(key, value)
+                    cfg = load_role_file(config, DEVICE_TABLES, {"broker": {
+                        key: str(on_host(f"/fleet/{sub}")) for key, sub in (
+                            ("ca", "ca/ca.pem"), ("cert", f"devices/{name}/client.pem"),
+                            ("key", f"devices/{name}/client.key"))}})
+                assert cfg["source"].kind == "synthetic"
     for s in fleet.stations:  # each station's broker bridges to the cloud broker by name
         conf = (tmp_path / "fleet" / "stations" / s.id / "broker" / "mosquitto.conf").read_text()
         assert "address cloud-broker:8883" in conf and "/fleet/ca/ca.pem" in conf

@@ -17,7 +17,8 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 from test_deploy import Broker, _broker_cfg, _transport, _update, _wait, fleet  # noqa: F401
 
-from aggregator.provision import MAX_PACKET, kick, provision
+from aggregator.kick import kick
+from aggregator.provision import MAX_PACKET, provision
 from edge_client import messages as m
 from edge_client.config import BrokerConfig
 from edge_client.documents import StationSummary

@@ -1,0 +1,194 @@
+"""What ``safl provision`` writes runs as written: complete device files whose batch agrees
+with their station's, line applications with their own certificates and exact grants, bind
+addresses from the fleet file, and role files refusing tables they do not read."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from brokers import free_port
+from test_deploy import Broker, _broker_cfg, _transport, needs_mosquitto
+
+from aggregator.config import StationConfig
+from aggregator.fleet_file import load_fleet_file
+from aggregator.provision import provision
+from edge_client.config import BrokerConfig
+from edge_client.errors import ConfigError
+from edge_client.service import DEVICE_TABLES, load_role_file
+from edge_client.topics import predictions_topic
+
+pytest.importorskip("cryptography")
+
+FLEET = """
+[fleet]
+name = "plant"
+cloud_host = "127.0.0.1"
+cloud_port = {cloud}
+cloud_bind = "127.0.0.1"
+metrics_port = 9101
+
+[model]
+name = "mlp"
+input_shape = [3, 16, 16]
+num_classes = 4
+
+[training]
+batch_size = 16
+local_steps = 2
+
+[[stations]]
+id = "st0"
+host = "127.0.0.1"
+port = {st0}
+bind = "127.0.0.1"
+devices = ["cam1", "cam2", "cam3"]
+
+[[devices]]
+id = "cam1"
+station = "st0"
+camera = "http://127.0.0.1:8090/cam.mjpg"
+
+[[lines]]
+id = "press-line"
+station = "st0"
+devices = ["cam1"]
+
+[[lines]]
+id = "paint-line"
+station = "st0"
+devices = ["cam2"]
+"""
+
+
+@pytest.fixture
+def lined(tmp_path):
+    ports = {"cloud": free_port(), "st0": free_port()}
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(**ports))
+    out = tmp_path / "fleet"
+    provision(path, out)
+    return path, out, ports
+
+
+def _station(out) -> dict:
+    from edge_client.config import ModelConfig, ServiceConfig
+    return load_role_file(out / "stations" / "st0" / "station.toml",
+                          {"station": StationConfig, "model": ModelConfig,
+                           "broker": BrokerConfig, "service": ServiceConfig}, {})
+
+
+def test_device_files_run_as_written_and_agree_with_their_station(lined):
+    _, out, _ = lined
+    station = _station(out)["station"]
+    for did in ("cam1", "cam2", "cam3"):
+        text = (out / "devices" / did / "device.toml").read_text()
+        if did == "cam1":  # the fleet file names its camera: the file loads as it is
+            cfg = load_role_file(out / "devices" / did / "device.toml", DEVICE_TABLES, {})
+        else:  # the one value left to fill is named, and start-up names it too
+            assert "FILL IN" in text and "uri" in text
+            with pytest.raises(ConfigError, match="'uri'"):
+                load_role_file(out / "devices" / did / "device.toml", DEVICE_TABLES, {})
+            cfg = load_role_file(out / "devices" / did / "device.toml", DEVICE_TABLES,
+                                 {"source": {"uri": "0"}})
+        device, model, source = cfg["device"], cfg["model"], cfg["source"]
+        # What the station accepts bounds what the device can claim: no refusals by config.
+        assert device.batch_size * device.local_steps <= station.batch_size * station.local_steps
+        assert device.min_batch <= device.batch_size
+        assert model.input_shape == (3, 16, 16) and model.num_classes == 4
+        assert _station(out)["model"] == model
+        assert source.kind == "camera" and source.resize == (16, 16) and not source.grayscale
+        assert source.label_topic == f"line/st0/{did}/labels"
+        assert cfg["inference"].enabled and cfg["inference"].publish
+        assert cfg["service"].metrics_host == "127.0.0.1"  # loopback unless the fleet opens it
+    assert station.batch_size == 16 and station.local_steps == 2
+
+
+def test_brokers_listen_where_the_fleet_file_says(lined, tmp_path):
+    _, out, ports = lined
+    assert f"listener {ports['st0']} 127.0.0.1\n" in (
+        out / "stations" / "st0" / "broker" / "mosquitto.conf").read_text()
+    assert f"listener {ports['cloud']} 127.0.0.1\n" in (
+        out / "cloud" / "broker" / "mosquitto.conf").read_text()
+    # Without a bind, every interface, as before.
+    path = tmp_path / "open.toml"
+    path.write_text(FLEET.format(**ports).replace('cloud_bind = "127.0.0.1"\n', "")
+                    .replace('bind = "127.0.0.1"\n', ""))
+    provision(path, tmp_path / "open")
+    assert f"listener {ports['st0']}\n" in (
+        tmp_path / "open" / "stations" / "st0" / "broker" / "mosquitto.conf").read_text()
+    status = (out / "monitor" / "status-st0.toml").read_text()
+    assert '[monitor]\nhttp = "127.0.0.1:8080"' in status
+
+
+@pytest.mark.parametrize("text, key", [
+    ('[[lines]]\nid = "x"\nstation = "st0"\ndevices = ["cam1"]\n', "lines.devices"),
+    ('[[lines]]\nid = "cam3"\nstation = "st0"\ndevices = ["cam3"]\n', "lines.id"),
+    ('[[lines]]\nid = "y"\nstation = "st9"\ndevices = ["cam3"]\n', "lines.station"),
+    ('[[lines]]\nid = "y"\nstation = "st0"\ndevices = ["cam9"]\n', "lines.devices"),
+    ('[training]\nupdate_stages = ["int8:256"]\n', "training.update_stages"),
+])
+def test_bad_lines_and_tables_are_named(tmp_path, text, key):
+    path = tmp_path / "fleet.toml"
+    body = FLEET.format(cloud=1883, st0=1884).replace("[training]\nbatch_size = 16\n"
+                                                      "local_steps = 2\n", "")
+    path.write_text(body + text)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_fleet_file(path)
+
+
+def test_a_misspelled_table_is_refused_like_a_misspelled_key(lined):
+    _, out, _ = lined
+    path = out / "devices" / "cam1" / "device.toml"
+    path.write_text(path.read_text().replace("[inference]", "[inferense]"))
+    with pytest.raises(ConfigError, match=r"unknown table \[inferense\].*did you mean "
+                                          r"\[inference\]"):
+        load_role_file(path, DEVICE_TABLES, {})
+
+
+@needs_mosquitto
+def test_each_line_reads_its_devices_predictions_and_writes_only_their_labels(lined):
+    _, out, ports = lined
+    broker = Broker(out / "stations" / "st0" / "broker" / "mosquitto.conf", ports["st0"])
+    try:
+        def connect(*parts, client):
+            return _transport(_broker_cfg(out, out.joinpath(*parts)), client)
+
+        press = connect("lines", "press-line", "line.toml", client="press-line")
+        paint = connect("lines", "paint-line", "line.toml", client="paint-line")
+        default = connect("lines", "line-st0", "line.toml", client="line-st0")
+        cams = {d: connect("devices", d, "device.toml", client=d) for d in ("cam1", "cam2")}
+        seen = {name: [] for name in ("press", "paint", "cam1", "cam2")}
+        for name, t in (("press", press), ("paint", paint)):
+            t.subscribe_raw(predictions_topic("plant", "+"),
+                            lambda topic, p, name=name: seen[name].append(topic))
+        for d, t in cams.items():
+            t.subscribe_raw(f"line/st0/{d}/labels", lambda topic, p, d=d: seen[d].append(p))
+        for t in (press, paint, default, *cams.values()):
+            t.connect()
+        time.sleep(0.3)
+        for d, t in cams.items():
+            t.publish_raw(predictions_topic("plant", d), b'{"label": 1}', qos=1)
+        press.publish_raw("line/st0/cam1/labels", json.dumps({"t": 1.0, "label": 1}).encode())
+        press.publish_raw("line/st0/cam2/labels", b'{"t": 1.0, "label": 3}')  # not its device
+        paint.publish_raw("line/st0/cam2/labels", b'{"t": 2.0, "label": 2}')
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            for t in (press, paint, *cams.values()):
+                t.deliver()
+            time.sleep(0.05)
+        assert seen["press"] == [predictions_topic("plant", "cam1")]
+        assert seen["paint"] == [predictions_topic("plant", "cam2")]
+        assert seen["cam1"] == [b'{"t": 1.0, "label": 1}']
+        assert seen["cam2"] == [b'{"t": 2.0, "label": 2}']
+        # Two line applications at once, each its own identity: neither kicked the other off.
+        assert all(t.connected and t.counters["disconnects"] == 0 for t in (press, paint))
+        # The default line has cam3 only (the others are declared lines').
+        acl = (out / "stations" / "st0" / "broker" / "acl").read_text()
+        block = acl.split("user line-st0\n")[1].split("\n\n")[0]
+        assert "cam3" in block and "cam1" not in block and "cam2" not in block
+        for t in (press, paint, default, *cams.values()):
+            t.close()
+    finally:
+        broker.stop()
