@@ -58,7 +58,7 @@ class CentralPrivacy:
     # Each device in at most this many of a round's internal syncs (0: no cap): the
     # selector picks under it, and it bounds what one device's data can enter.
     max_participations: int = 0
-    privacy_delta: float = 1e-5
+    privacy_delta: float = 1e-5  # the delta of the (epsilon, delta) the ledger reports
     # Seed the noise from the role's seed (reproducible simulations), not the OS's entropy.
     noise_seeded: bool = False
 

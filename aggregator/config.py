@@ -37,18 +37,19 @@ class StationConfig(TrainingSettings, CentralPrivacy):
     most ``local_steps x batch_size`` samples, a next-batch histogram at most ``batch_size``.
     """
 
-    station_id: str
-    devices: tuple[str, ...]
-    fleet: str = "default"
+    station_id: str  # this station's id: its topics and its certificate's name
+    devices: tuple[str, ...]  # the roster: every device that may join
+    fleet: str = "default"  # the fleet's name, the first level of every topic
     super_node_size: int = 4  # FedGS's L
-    rand_per_group: int = 1
-    selector: str = "gbp_cs"
+    rand_per_group: int = 1  # members of a super node drawn at random
+    selector: str = "gbp_cs"  # how the super node is chosen: gbp_cs (FedGS), random or greedy
+    # Internal sync rule: fedavg, or a robust one (median, trimmed_mean, krum).
     fusion: str = "fedavg"
     sync_period: int = 5  # FedGS's T: iterations between external syncs
     iteration_timeout: float = 30.0  # seconds a super node has to reply
     min_quorum: int = 1  # updates needed for an internal sync to change w^m
     min_devices: int = 0  # devices whose stats start the station; 0 means the whole roster
-    gbp_max_iter: int = 100
+    gbp_max_iter: int = 100  # GBP-CS iterations per selection
     seed: int = 0  # of the random part of each super node
     hello_interval: float = 2.0  # seconds between join repeats until the cloud answers
     # Update-distance guard (docs/reliability.md): a fixed bound on ||z - w^m||, or (0) an
@@ -154,11 +155,11 @@ class CloudConfig(ServerOptimizerSettings, CentralPrivacy):
     :class:`ServerOptimizerSettings`) the server optimiser, and (from :class:`CentralPrivacy`)
     central DP across stations: each station's update clipped, the noise at the cloud."""
 
-    stations: tuple[str, ...]
-    rounds: int
-    fleet: str = "default"
-    round_timeout: float = 600.0
-    min_stations: int = 1
+    stations: tuple[str, ...]  # the stations whose updates the cloud fuses
+    rounds: int  # external syncs before the final model
+    fleet: str = "default"  # the fleet's name, the first level of every topic
+    round_timeout: float = 600.0  # seconds the cloud waits for a round's station updates
+    min_stations: int = 1  # station updates a round needs to close at its timeout
     station_weighting: str = "samples"  # or "equal", as the FedGS reference code does
     fusion: str = "fedavg"  # external sync rule; a robust one bounds a compromised station
 

@@ -28,11 +28,11 @@ __all__ = ["ServerOptimizerSettings", "ServerOptimizer", "SERVER_OPTIMIZERS",
 class ServerOptimizerSettings:
     """The cloud's server optimiser and its hyper-parameters."""
 
-    server_optimizer: str = "none"
-    server_lr: float = 1.0
-    beta1: float = 0.9
-    beta2: float = 0.99
-    tau: float = 1e-3
+    server_optimizer: str = "none"  # none, fedavgm, fedadam, fedyogi or fedadagrad
+    server_lr: float = 1.0  # the server optimiser's step size
+    beta1: float = 0.9  # first-moment decay (momentum)
+    beta2: float = 0.99  # second-moment decay (adaptive optimisers)
+    tau: float = 1e-3  # adaptivity floor of the adaptive optimisers
 
     def __post_init__(self) -> None:
         if self.server_optimizer not in SERVER_OPTIMIZERS:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from aggregator.config import CloudConfig, StationConfig
@@ -125,3 +128,18 @@ def test_no_unseeded_generator_anywhere():
                     elif ast.unparse(node.func.value) in ("np.random", "numpy.random"):
                         assert node.func.attr in ("Generator", "PCG64", "SeedSequence"), \
                             f"{path}:{node.lineno} uses numpy's global random state ({func})"
+
+
+def test_the_configuration_reference_is_current_and_says_what_every_key_means():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "make_config_doc.py"
+    spec = importlib.util.spec_from_file_location("make_config_doc", path)
+    doc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(doc)
+    for _role, _command, tables in doc.ROLES:
+        for name, cls in tables.items():
+            for f in dataclasses.fields(cls):
+                assert doc.meaning(cls, f.name), f"[{name}] {f.name} has no comment to show"
+    assert doc.OUT.read_text() == doc.render(), (
+        "docs/config.md is stale: run python docs/make_config_doc.py")

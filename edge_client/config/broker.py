@@ -21,28 +21,29 @@ class BrokerConfig:
     """
 
     url: str = "mqtt://127.0.0.1:1883"
+    # Login where the broker uses passwords (provisioned brokers: the certificate).
     username: str = ""
-    password: str = ""
-    ca: str = ""
-    cert: str = ""
-    key: str = ""
+    password: str = ""  # its password; prefer SAFL_BROKER_PASSWORD to writing it here
+    ca: str = ""  # CA bundle that signed the broker's certificate (TLS)
+    cert: str = ""  # this participant's client certificate: its identity on a provisioned broker
+    key: str = ""  # the certificate's private key (0600)
     protocol: str = "auto"
-    keepalive: int = 30
+    keepalive: int = 30  # seconds between pings; a silent peer is dropped after 1.5x
     session_expiry: int = 3600  # seconds the broker keeps a disconnected session (MQTT 5)
-    chunk_size: int = 256 * 1024
+    chunk_size: int = 256 * 1024  # bytes per MQTT packet of a chunked frame
     max_message: int = 64 * 1024 * 1024  # largest reassembled frame accepted
-    reassembly_memory: int = 256 * 1024 * 1024
-    chunk_timeout: float = 60.0
+    reassembly_memory: int = 256 * 1024 * 1024  # bytes of chunks held awaiting their frames
+    chunk_timeout: float = 60.0  # seconds a partial frame waits for its chunks
     dedupe_window: int = 8192  # message ids remembered for exactly-once delivery
     handshake_timeout: float = 5.0  # seconds one CONNECT may take to be answered
     close_timeout: float = 10.0  # seconds to flush what was published before disconnecting
-    fp16: bool = False
+    fp16: bool = False  # send weights as float16 (half the bytes)
     # The frame format this role writes: 1 while receivers older than wire version 2 remain
     # (every receiver reads both); see docs/protocol.md.
     wire_version: int = WIRE_VERSION
-    connect_timeout: float = 30.0
-    backoff_min: float = 0.5
-    backoff_max: float = 30.0
+    connect_timeout: float = 30.0  # seconds to reach the broker at start-up before giving up
+    backoff_min: float = 0.5  # seconds before the first reconnect attempt (doubles, with jitter)
+    backoff_max: float = 30.0  # longest pause between reconnect attempts
 
     @property
     def host_port(self) -> tuple[str, int]:

@@ -37,9 +37,9 @@ class TrainingSettings:
 class DeviceConfig(TrainingSettings):
     """Settings of one device (SPEC §2-3)."""
 
-    device_id: str
-    station: str
-    fleet: str = "default"
+    device_id: str  # this device's id: its topics and its certificate's name
+    station: str  # the base station it belongs to
+    fleet: str = "default"  # the fleet's name, the first level of every topic
     # Labelled samples the device waits for before it reports a batch ready: a live camera
     # whose labels trickle in would otherwise be picked for one-sample steps (1: any).
     min_batch: int = 1
@@ -49,7 +49,7 @@ class DeviceConfig(TrainingSettings):
     lr_decay: float = 0.1
     temperature: float = 50.0  # SAFL's maximum temperature L, in iterations
     mix: float = 0.5  # SAFL's eps: 1 recovers FedAvg/FedGS exactly
-    granularity: str = "element"
+    granularity: str = "element"  # annealed merge mask: element, tensor or model
     nu: float = 0.0  # upload-gate regulariser; 0 always uploads
     # The annealed merge uses the local model only while it is this many station
     # iterations old or younger; an older one starts from the aggregate (docs/algorithms.md).
@@ -59,9 +59,9 @@ class DeviceConfig(TrainingSettings):
     # when selected at most once per this many iterations and reported with the stats; 0: off.
     local_eval_interval: int = 50
     prox_mu: float = 0.0  # FedProx proximal weight; 0 disables
-    buffer_capacity: int = 1024
-    holdout_every: int = 10
-    holdout_capacity: int = 256
+    buffer_capacity: int = 1024  # samples the stream buffer keeps (the oldest leave first)
+    holdout_every: int = 10  # one sample in this many is held out for local accuracy (0: none)
+    holdout_capacity: int = 256  # held-out samples kept
     seed: int = 0  # of the merge masks and upload-gate draws
     # Local differential privacy (a "noise" stage in update_stages, docs/privacy.md): the
     # epsilon at privacy_delta this device may spend before it stops uploading (0: no limit).

@@ -31,7 +31,7 @@ class InferenceConfig:
     passed over); "always" uses every model that arrives.
     """
 
-    enabled: bool = True
+    enabled: bool = True  # predict on every sample the source delivers
     fps: float = 0.0
     every: int = 1
     max_batch: int = 64

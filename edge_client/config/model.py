@@ -25,10 +25,10 @@ class ModelConfig:
         """What the trainers build: your module, else the zoo name."""
         return self.module or self.name
 
-    name: str = "mlp"
+    name: str = "mlp"  # a zoo model (safl models list), or the head of an exported one
     backend: str = "numpy"
-    input_shape: tuple[int, ...] = (28, 28)
-    num_classes: int = 10
+    input_shape: tuple[int, ...] = (28, 28)  # one sample's shape, as the source delivers it
+    num_classes: int = 10  # classes the model tells apart
     artifacts: str = ""
     seed: int = 0
     device: str = "auto"  # torch: "auto" (CUDA where available), "cpu", "cuda" or "cuda:N"

@@ -21,7 +21,7 @@ class ServiceConfig:
     """
 
     metrics_port: int = 0
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str = "127.0.0.1"  # address /metrics listens on
     state_dir: str = ""
     emulate_step_s: float = 0.0
 

@@ -22,7 +22,7 @@ class PreprocessSettings:
 
     crop: tuple[int, ...] = ()
     resize: tuple[int, ...] = ()
-    grayscale: bool = False
+    grayscale: bool = False  # convert frames to one grey channel
     scale: float = 1.0 / 255.0
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
@@ -52,7 +52,7 @@ class SourceConfig(PreprocessSettings):
     ``synthetic`` is for tests.
     """
 
-    kind: str
+    kind: str  # replay, camera or synthetic
     path: str = ""
     labels_path: str = ""
     uri: str = ""
@@ -63,9 +63,9 @@ class SourceConfig(PreprocessSettings):
     label_topic: str = ""
     label_window: float = 0.5
     label_delay_max: float = 30.0
-    classes: tuple[str, ...] = ()
-    sample_fps: float = 0.0
-    loop: bool = False
+    classes: tuple[str, ...] = ()  # class names, for an image folder's sub-folders
+    sample_fps: float = 0.0  # frames per second taken from a camera or video (0: all)
+    loop: bool = False  # start a recording over at its end
     seed: int = 0  # of the replay order
     # Replay at the federation's pace: ``per_iteration`` samples arrive with each station
     # model (0: stream through the pump as fast as training takes them), after ``initial``;
