@@ -195,7 +195,8 @@ def _lines(raws: list[dict[str, Any]], stations: list[StationEntry], seen: set[s
         lid, sid = str(raw.get("id", "")), str(raw.get("station", ""))
         check_id("lines.id", lid)
         if lid in seen or lid in (MONITOR, "cloud") or lid.startswith("line-"):
-            raise ConfigError("lines.id", f"{lid!r} is taken (or reserved)")
+            raise ConfigError("lines.id", f"{lid!r} is taken, or reserved (ids beginning "
+                              "'line-' are the default lines' logins)")
         seen.add(lid)
         if sid not in by_station:
             raise ConfigError("lines.station", f"line {lid!r} names unknown station {sid!r}")
