@@ -15,6 +15,7 @@ station's presence comes back, the cloud repeats the current global model to it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
@@ -31,6 +32,8 @@ from .config import CloudConfig
 from .fusion import Fold, fold_for
 from .server_optimizers import build_server_optimizer
 from .trust import claimed_total
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Cloud", "CloudState", "CloudEvent"]
 
@@ -217,6 +220,8 @@ class Cloud(RoleBase[CloudState]):
             return [self._global_model()]
         self.offline.add(msg.sender)
         self.counters["stations_offline"] += 1
+        log.warning("cloud: station %s went offline (its Last Will); rounds close without it",
+                    msg.sender)
         waiting = [s for s in self.config.stations
                    if s not in self._updates and s not in self.offline]
         if self.state == _C.COLLECTING and not waiting \

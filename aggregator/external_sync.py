@@ -10,6 +10,7 @@ uploads have reported, which the cloud checks them against (``roster.py``).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any
 
@@ -21,6 +22,8 @@ from .config import StationConfig
 from .roster import Roster
 
 __all__ = ["ExternalSync"]
+
+log = logging.getLogger(__name__)
 
 
 class ExternalSync:
@@ -71,8 +74,18 @@ class ExternalSync:
         """A global model came: nothing is owed."""
         self.pending = None
 
-    def reannounce(self) -> list[m.Message]:
-        """The cloud (re)appeared: our counts, and the unanswered upload again."""
+    def cloud_presence(self, online: bool, station: str, joining: bool = False
+                       ) -> list[m.Message]:
+        """The cloud (re)appeared: our counts (unless the station is still joining), and
+        the unanswered upload again.  It went away (its Last Will): said, and the upload
+        waits for it."""
+        if online and joining:
+            return []
+        if not online:
+            self.counters["cloud_offline"] += 1
+            log.warning("station %s: the cloud went offline (its Last Will); internal syncs go "
+                        "on, the upload waits for it", station)
+            return []
         self.counters["reannouncements"] += 1
         return [self.stats(), *([self.pending] if self.pending is not None else [])]
 

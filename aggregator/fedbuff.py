@@ -98,8 +98,8 @@ class BufferedStation(Station):
         if not picked and not self._in_flight:
             if len(self.sync.fold) >= cfg.min_quorum:  # nobody left to ask: fold what came
                 return out + self._close_iteration(now)
-            starving = self._starve(now, len(ready))
-            return out + ([] if publish else starving)
+            gathering = self._gather(now, len(ready))
+            return out + ([] if publish else gathering)
         for d in picked:
             self._in_flight[d] = (self.iteration, now)
         self.sync.members = tuple(sorted(self._in_flight))

@@ -68,14 +68,14 @@ class Station(StationResume, RoleBase[StationState]):
     TRANSITIONS = {
         (_S.JOINING, _E.DEVICES_REPORTED): _S.WAITING,
         **{(state, event): new
-           for state in (_S.JOINING, _S.WAITING, _S.COLLECTING, _S.STARVED)
+           for state in (_S.JOINING, _S.WAITING, _S.COLLECTING, _S.GATHERING)
            for event, new in ((_E.SUPER_NODE_SELECTED, _S.COLLECTING),
-                              (_E.TOO_FEW_READY, _S.STARVED), (_E.FINAL_MODEL, _S.DONE))},
+                              (_E.TOO_FEW_READY, _S.GATHERING), (_E.FINAL_MODEL, _S.DONE))},
         **{(state, event): new
-           for state in (_S.COLLECTING, _S.STARVED)
+           for state in (_S.COLLECTING, _S.GATHERING)
            for event, new in ((_E.SYNC_DUE, _S.WAITING), (_E.RESTARTED, _S.RESUMING))},
         (_S.RESUMING, _E.SUPER_NODE_SELECTED): _S.COLLECTING,
-        (_S.RESUMING, _E.TOO_FEW_READY): _S.STARVED,
+        (_S.RESUMING, _E.TOO_FEW_READY): _S.GATHERING,
     }
 
     def __init__(self, config: StationConfig, *, num_params: int, num_classes: int,
@@ -122,8 +122,8 @@ class Station(StationResume, RoleBase[StationState]):
     def start(self, now: float) -> list[m.Message]:
         """A station resumed from a checkpoint repeats its upload or begins the iteration."""
         if self.state == _S.WAITING and self.weights is not None:
-            return self.external.reannounce()
-        if self.state in (_S.COLLECTING, _S.STARVED):
+            return self.external.cloud_presence(True, self.id)
+        if self.state in (_S.COLLECTING, _S.GATHERING):
             return self._resume(now)
         return []
 
@@ -145,7 +145,7 @@ class Station(StationResume, RoleBase[StationState]):
             log.info("station %s joining: %s", self.id, self.roster.joining())
         if self.state == _S.WAITING and self.weights is None:
             return self.external.hello(now)
-        if self.state == _S.STARVED and now >= self.deadline:
+        if self.state == _S.GATHERING and now >= self.deadline:
             self.counters["iterations_without_data"] += 1
             log.warning("station %s: iteration %d closes untrained, %d devices online < quorum "
                         "%d", self.id, self.iteration, self.roster.online, self.config.min_quorum)
@@ -162,7 +162,7 @@ class Station(StationResume, RoleBase[StationState]):
         return []
 
     def wakeup(self) -> float | None:
-        if self.state in (_S.COLLECTING, _S.STARVED):
+        if self.state in (_S.COLLECTING, _S.GATHERING):
             return self.deadline
         if self.state == _S.WAITING and self.weights is None:
             return self.external.next_hello
@@ -215,7 +215,7 @@ class Station(StationResume, RoleBase[StationState]):
             # A late joiner gets the current model; it is selectable from now on.
             self.counters["late_joins"] += 1
             out.append(self._model_message())
-        return out + self._unstarve(now)
+        return out + self._end_gathering(now)
 
     def _devices_reported(self, msg: m.DeviceStats, now: float) -> list[m.Message]:
         """The stats that complete the roster (``min_devices``): tell the cloud our counts."""
@@ -225,12 +225,12 @@ class Station(StationResume, RoleBase[StationState]):
         return [self.external.stats()]
 
     def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
-        if msg.role == m.Participant.CLOUD and msg.online:  # our counts, an unanswered upload
-            return [] if self.state == _S.JOINING else self.external.reannounce()
+        if msg.role == m.Participant.CLOUD:  # our counts, an unanswered upload; or gone
+            return self.external.cloud_presence(msg.online, self.id, self.state == _S.JOINING)
         if msg.role != m.Participant.DEVICE or msg.sender not in self.config.devices:
             return []
         if msg.online:  # after a Last Will (a broker restart fires them all): selectable again
-            return self._unstarve(now) if self.roster.back_online(msg.sender) else []
+            return self._end_gathering(now) if self.roster.back_online(msg.sender) else []
         self.roster.went_offline(msg.sender)
         return self._member_offline(msg.sender, now)
 
@@ -295,9 +295,9 @@ class Station(StationResume, RoleBase[StationState]):
             return [self._model_message(final=True)]
         return self._begin_iteration(now, ready)
 
-    def _unstarve(self, now: float) -> list[m.Message]:
-        """A starved station begins its iteration as soon as a quorum is ready."""
-        if self.state == _S.STARVED and len(self.roster.ready()) >= self.config.min_quorum:
+    def _end_gathering(self, now: float) -> list[m.Message]:
+        """A gathering station begins its iteration as soon as a quorum is ready."""
+        if self.state == _S.GATHERING and len(self.roster.ready()) >= self.config.min_quorum:
             return self._begin_iteration(now)
         return []
 
@@ -307,13 +307,13 @@ class Station(StationResume, RoleBase[StationState]):
         return _E.SUPER_NODE_SELECTED if quorum else _E.TOO_FEW_READY
 
     def _begin_iteration(self, now: float, ready: list[str] | None = None) -> list[m.Message]:
-        """Select the next super node, or starve; ``ready`` where the caller just listed it."""
+        """Select the next super node, or gather; ``ready`` where the caller just listed it."""
         cfg = self.config
         ready = self.roster.ready() if ready is None else ready
         new = self.next_state(self._iteration_event(ready))
-        if new == _S.STARVED:
+        if new == _S.GATHERING:
             self._collect(())
-            return self._starve(now, len(ready))
+            return self._gather(now, len(ready))
         self._collect(self._pick(ready, cfg.super_node_size))
         self.seating.seated(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
@@ -328,14 +328,14 @@ class Station(StationResume, RoleBase[StationState]):
             return out + self._close_iteration(now)
         return out
 
-    def _starve(self, now: float, ready: int) -> list[m.Message]:
-        """Wait for devices, each iteration up to its timeout, rather than close it
-        untrained; the model goes out once, as starvation begins (it wakes paced devices)."""
+    def _gather(self, now: float, ready: int) -> list[m.Message]:
+        """Wait for devices' data, each iteration up to its timeout, rather than close it
+        untrained (only that is worth a warning, in :meth:`tick`); the model goes out once,
+        as gathering begins (it wakes paced devices)."""
         cfg = self.config
-        newly = self.state != _S.STARVED
+        newly = self.state != _S.GATHERING
         if newly:
-            log.warning("station %s: %d devices ready, quorum %d: waiting up to %.0f s an "
-                        "iteration", self.id, ready, cfg.min_quorum, cfg.iteration_timeout)
+            log.debug("station %s: %d ready < quorum %d: gathering", self.id, ready, cfg.min_quorum)
         self.state = self.next_state(_E.TOO_FEW_READY)
         self.deadline = now + cfg.iteration_timeout
         return [self._model_message()] if newly else []

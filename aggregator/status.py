@@ -172,7 +172,7 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                      + (f", updates as {doc.update_stages}"
                         if doc.update_stages != m.MODEL_ENCODING else ""))
     for doc in (found.stations[sid] for sid in stations if sid in found.stations):
-        if doc.state == StationState.STARVED:
+        if doc.state == StationState.GATHERING:
             lines.append(f"{doc.station} waits for devices: {doc.online} online, "
                          f"quorum {doc.quorum}")
         if doc.state == StationState.JOINING and doc.missing:

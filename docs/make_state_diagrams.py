@@ -22,14 +22,15 @@ ROLES = (
              "trains on it when selected; a selection that overtakes its model waits for it "
              "(MQTT orders messages per topic only)."),
     (Station, "A base station joins when its roster reported, then runs iterations: a super "
-              "node if a quorum of devices is ready, else it waits (starved); every T "
+              "node if a quorum of devices is ready, else it waits for its devices' data "
+              "(gathering); every T "
               "iterations it uploads and waits for the global model.  `resuming` is passed "
               "through when a station restarts from a checkpoint taken mid-round."),
     (BufferedStation, "A station in buffered mode (`[station] mode = \"buffered\"`, FedBuff) "
                       "moves through the same table with another meaning: `collecting` is "
                       "devices training (up to the super node size at once, each asked as a "
                       "place frees) and the buffer filling; each fold of `buffer_size` "
-                      "updates is an iteration and re-enters `collecting`; `starved` is "
+                      "updates is an iteration and re-enters `collecting`; `gathering` is "
                       "nobody to ask and nothing to fold; every T folds it uploads and "
                       "waits (answers that come meanwhile wait in the buffer for the global "
                       "model)."),

@@ -102,6 +102,7 @@ class Device(RoleBase[DeviceState]):
         self.state = self.INITIAL
         self.last_train_s = 0.0
         self._next_hello = 0.0
+        self._unanswered: tuple[float, float] | None = None  # (first hello, silence warned at)
         self._model: m.StationModel | None = None
         self._accept_any_iteration = False  # set when the station's presence comes back
         self._awaiting: m.Selection | None = None  # a selection that came before its model
@@ -137,11 +138,29 @@ class Device(RoleBase[DeviceState]):
 
     def tick(self, now: float) -> list[m.Message]:
         """Until a station model arrives, repeat the stats: the station may start later."""
-        if self.state == _D.WAITING and now >= self._next_hello:
-            self._next_hello = now + self.config.hello_interval
-            self.counters["hellos"] += 1
-            return [self._stats(0, 0)]
-        return []
+        if self.state != _D.WAITING:
+            self._unanswered = None
+            return []
+        if now < self._next_hello:
+            return []
+        self._next_hello = now + self.config.hello_interval
+        self.counters["hellos"] += 1
+        self._warn_unanswered(now)
+        return [self._stats(0, 0)]
+
+    def _warn_unanswered(self, now: float) -> None:
+        """Hellos nobody answers for ``unanswered_warning`` seconds: say so, then at each
+        doubling of the silence.  A wrong broker, or an ACL that drops the stats or the
+        station's model, looks exactly like a station that has not started."""
+        since, warned = self._unanswered or (now, 0.0)
+        wait, silent = self.config.unanswered_warning, now - since
+        if wait and silent >= max(wait, 2 * warned):
+            self.counters["hellos_unanswered"] += 1
+            log.warning("device %s: no answer from station %s for %.0f s: is it running, and "
+                        "does this broker (and its ACL) carry this device's stats to it and "
+                        "its model back?", self.id, self.config.station, silent)
+            warned = silent
+        self._unanswered = (since, warned)
 
     def wakeup(self) -> float | None:
         return self._next_hello if self.state == _D.WAITING else None
@@ -252,7 +271,12 @@ class Device(RoleBase[DeviceState]):
     def _on_station_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
         """The station (re)appeared: it may have restarted from an older checkpoint, so the
         next model it sends is accepted whatever its iteration, and it gets our stats."""
-        if not msg.online or msg.role != m.Participant.STATION:
+        if msg.role != m.Participant.STATION:
+            return []
+        if not msg.online:  # its Last Will: the models stop until it is back
+            self.counters["station_offline"] += 1
+            log.warning("device %s: station %s went offline (its Last Will); waiting for it",
+                        self.id, msg.sender)
             return []
         self.state = self.next_state(_E.STATION_BACK)
         self._accept_any_iteration = self._model is not None

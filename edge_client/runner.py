@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from . import messages as m
 from .admission import LogLimiter
+from .errors import SourceError
 from .metrics import MetricsServer
 from .role import Role
 from .sources.replay import ReplaySource
@@ -111,7 +112,9 @@ def serve(runners: RoleRunner[Any] | Sequence[RoleRunner[Any]], transport: Trans
     ``stop`` is set or ``done()`` is true; close the transport whatever happens.
 
     ``hooks`` run every loop turn with the time (feeding samples, publishing a summary); a
-    hook that fails is counted on the first runner and the loop goes on.  ``linger`` seconds
+    hook that fails is counted on the first runner and the loop goes on, except a source
+    that failed for good (:class:`SourceError`, a camera past its ``retries``): the service
+    ends with that error, and its unit restarts it.  ``linger`` seconds
     of delivery after the end let the last answers go out; ``metrics`` closes with the loop.
     """
     runners = [runners] if isinstance(runners, RoleRunner) else list(runners)
@@ -129,6 +132,8 @@ def serve(runners: RoleRunner[Any] | Sequence[RoleRunner[Any]], transport: Trans
             for hook in hooks:
                 try:
                     hook(clock())
+                except SourceError:  # the camera is gone past its retries: end, naming it
+                    raise
                 except Exception:  # feeding or reporting failed once: count it, keep serving
                     runners[0].count_error("errors.tick", "a service hook failed")
             if not busy:

@@ -23,9 +23,10 @@ class StationState(RoleState):
     JOINING = "joining"  # waiting for its devices' first stats
     WAITING = "waiting"  # for the global model
     COLLECTING = "collecting"  # the replies of a super node
-    # Fewer devices ready than the quorum: it waits, up to ``iteration_timeout`` an
-    # iteration, instead of closing iterations without training.
-    STARVED = "starved"
+    # Fewer devices ready than the quorum: it waits for their data, up to
+    # ``iteration_timeout`` an iteration, instead of closing iterations without training
+    # (a live-camera fleet gathers between most iterations: labels trickle in).
+    GATHERING = "gathering"
     RESUMING = "resuming"  # restarted from a checkpoint taken mid-round
     DONE = "done"
 

@@ -120,7 +120,7 @@ class Factory:
                 # A station mid-iteration waits on its deadline; one that waits for the cloud
                 # waits on the cloud's model, which the driver brings.
                 keep_time=lambda: self.station.state in (StationState.COLLECTING,
-                                                         StationState.STARVED),
+                                                         StationState.GATHERING),
                 hold=lambda: self.station.state == StationState.WAITING,
                 max_virtual_s=clock.max_virtual_s, handling_s=clock.handling_ms / 1e3)
             self.bus, self.links = timed, _Links(clock, timed, cfg.seed)

@@ -1,9 +1,10 @@
 """docs/deploy.md, run as written: its fleet file and every command block marked
 ``<!-- run -->``, in order, as root in a fresh folder on one machine, brokers included.
 
-What the test changes, and only this: the hosts and ports of the fleet file (loopback and
-free ports, since the cloud and the factory share this machine, and no metrics port), ``/etc/safl`` and
-``/var/lib/safl`` (folders of the test), and ``safl`` (this checkout's command).  The board
+What the test changes, and only this: the hosts and ports of the fleet file (loopback, free
+ports and no metrics port, since the cloud and the factory share this machine),
+``/etc/safl`` and ``/var/lib/safl`` (folders of the test), and ``safl`` (this checkout's
+command).  The board
 block runs once per device of the fleet, and the dry run starts every device.  Mosquitto
 drops to its own user and the roles run as ``safl``: a file either cannot read fails here.
 """

@@ -11,7 +11,7 @@ from aggregator.station import Station
 from edge_client import messages as m
 from edge_client.pipeline import UpdatePipeline
 
-STATES = {"joining", "waiting", "collecting", "starved", "done"}
+STATES = {"joining", "waiting", "collecting", "gathering", "done"}
 
 
 def _random_encoded(rng, common, n):

@@ -161,10 +161,10 @@ def test_updates_of_an_interrupted_iteration_are_not_fused_later():
         st.handle(m.DeviceStats(fleet="t", sender=f"d{k}", round=0, iteration=0, station="s",
                                 seen_counts=np.ones(2, int), next_batch_counts=np.zeros(2, int)),
                   2.0)
-    # The cloud moves on: a new global model, too few devices ready, the station starves.
+    # The cloud moves on: a new global model, too few devices ready, the station gathers.
     st.handle(m.GlobalModel(fleet="t", sender="cloud", round=1, iteration=0,
                             weights=np.full(4, 1.0), p_real=[0.5, 0.5]), 2.0)
-    st.tick(100.0)  # the starved iteration closes at its deadline
+    st.tick(100.0)  # the gathering iteration closes at its deadline
     assert st.counters["iterations_without_data"] == 1
     np.testing.assert_allclose(st.weights, 1.0)  # not round 0's updates folded into round 1
 
@@ -651,3 +651,52 @@ def test_a_device_keeps_its_local_model_only_for_a_merge(digits, mix, keeps):
     _run(bus, runners)
     assert globals_[-1].final and all(d.counters["steps"] for d in devices)
     assert all((d.local.weights is not None) == keeps for d in devices)
+
+
+def test_a_device_nobody_answers_says_so_then_at_each_doubling(caplog):
+    """A wrong broker, or an ACL that drops its stats, looks like a station not yet up:
+    after unanswered_warning seconds of hellos the device says which it may be."""
+    cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0,
+                       hello_interval=2.0, unanswered_warning=30.0)
+    dev = Device(cfg, _trainer(), num_classes=F, sample_shape=(8, 8),
+                 rng=np.random.default_rng(0))
+    with caplog.at_level("WARNING", logger="edge_client.device"):
+        for t in range(0, 130, 2):
+            assert len(dev.tick(float(t))) == 1  # a hello every 2 s
+    warnings = [r.getMessage() for r in caplog.records if "no answer" in r.getMessage()]
+    assert [w.split(" for ")[1].split(" s")[0] for w in warnings] == ["30", "60", "120"]
+    assert dev.counters["hellos_unanswered"] == 3 and "ACL" in warnings[0]
+    # Once a model came, the silence is over: a later wait counts from its own start.
+    n = dev.trainer.num_params
+    dev.handle(m.StationModel(fleet="t", sender="s", round=0, iteration=0,
+                              weights=np.zeros(n)), 130.0)
+    assert dev.tick(131.0) == [] and dev._unanswered is None
+    quiet = DeviceConfig(device_id="d1", station="s", fleet="t", unanswered_warning=0)
+    silent = Device(quiet, _trainer(), num_classes=F, sample_shape=(8, 8),
+                    rng=np.random.default_rng(0))
+    for t in range(0, 300, 2):
+        silent.tick(float(t))
+    assert silent.counters["hellos_unanswered"] == 0
+
+
+def test_peers_say_when_a_station_or_the_cloud_goes_away(caplog):
+    """A Last Will is logged by whoever depended on the one that vanished."""
+    dev = Device(DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0),
+                 _trainer(), num_classes=F, sample_shape=(8, 8), rng=np.random.default_rng(0))
+    station = Station(StationConfig(station_id="s", devices=("d0",), fleet="t",
+                                    super_node_size=1, rand_per_group=0),
+                      num_params=dev.trainer.num_params, num_classes=F,
+                      rng=np.random.default_rng(0))
+    cloud = Cloud(CloudConfig(stations=("s",), rounds=3, fleet="t"),
+                  initial_weights=dev.trainer.get_flat(), num_classes=F)
+    gone = {role: m.Presence(fleet="t", sender=sender, round=0, iteration=0, role=role,
+                             online=False)
+            for role, sender in ((m.Participant.STATION, "s"), (m.Participant.CLOUD, "cloud"))}
+    with caplog.at_level("WARNING"):
+        dev.handle(gone[m.Participant.STATION], 1.0)
+        cloud.handle(gone[m.Participant.STATION], 1.0)
+        station.handle(gone[m.Participant.CLOUD], 1.0)
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "station s went offline" in said and "the cloud went offline" in said
+    assert said.count("went offline") == 3
+    assert dev.counters["station_offline"] == 1 and station.counters["cloud_offline"] == 1

@@ -285,3 +285,43 @@ def test_a_network_camera_that_sends_nothing_is_given_up_on_after_its_timeout():
         next(source.samples())
     assert time.monotonic() - started < 10  # FFmpeg's own default waits 30 s
     server.close()
+
+
+@pytest.mark.skipif(__import__("shutil").which("mosquitto") is None,
+                    reason="Mosquitto is installed by .ci/run")
+def test_a_camera_past_its_retries_stops_the_device_naming_it(tmp_path):
+    """As docs/sources.md says: the device exits (code 5, so its unit restarts it) with the
+    URI in its error, rather than serving on with a dead source."""
+    import subprocess
+    import sys
+
+    from brokers import Mosquitto, acl_lines
+
+    broker = Mosquitto(tmp_path, ["st0", "cam1"], acl_lines("f", {"st0": ["cam1"]}))
+    try:
+        uri = "http://127.0.0.1:9/cam.mjpg"  # nothing listens on the discard port
+        config = tmp_path / "device.toml"
+        config.write_text(
+            '[device]\nfleet = "f"\ndevice_id = "cam1"\nstation = "st0"\n'
+            '[model]\nname = "softmax"\ninput_shape = [8, 8]\nnum_classes = 4\n'
+            f'[source]\nkind = "camera"\nuri = "{uri}"\nlabel = 0\ngrayscale = true\n'
+            'resize = [8, 8]\nretries = 1\nbackoff = 0.1\ntimeout = 1.0\n'
+            f'[broker]\nurl = "{broker.url}"\nusername = "cam1"\n'
+            f'password = "{Mosquitto.PASSWORD}"\n')
+        started = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "edge_client", "--config", str(config)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 5, out.stderr[-2000:]
+        assert uri in out.stderr and "after 2 attempts" in out.stderr
+        assert time.monotonic() - started < 30
+    finally:
+        broker.stop()
+
+
+def test_a_synthetic_source_keeps_its_pace():
+    from edge_client.sources import SyntheticSource
+
+    paced = SyntheticSource((4,), 2, np.random.default_rng(0), limit=6, fps=50.0)
+    started = time.monotonic()
+    assert len(list(paced.samples())) == 6
+    assert time.monotonic() - started >= 6 / 50.0 * 0.9

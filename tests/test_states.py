@@ -63,7 +63,7 @@ def _stats(d):
                          seen_counts=np.ones(2, int), next_batch_counts=np.ones(2, int))
 
 
-def _starve(st):
+def _gather(st):
     st.offline.update(st.config.devices)
 
 
@@ -80,7 +80,7 @@ def _global(final):
 STATION = {  # event: (what makes it this event, what sets it off)
     StationEvent.DEVICES_REPORTED: (None, lambda st: st._devices_reported(_stats("d1"), 0.0)),
     StationEvent.SUPER_NODE_SELECTED: (None, lambda st: st._begin_iteration(0.0)),
-    StationEvent.TOO_FEW_READY: (_starve, lambda st: st._begin_iteration(0.0)),
+    StationEvent.TOO_FEW_READY: (_gather, lambda st: st._begin_iteration(0.0)),
     StationEvent.SYNC_DUE: (_at_sync, lambda st: st._close_iteration(0.0)),
     StationEvent.FINAL_MODEL: (None, _global(final=True)),
     StationEvent.RESTARTED: (None, lambda st: st._resume(0.0)),

@@ -434,10 +434,10 @@ def test_a_station_below_quorum_waits_instead_of_closing_empty_iterations():
     st.handle(_stats("d0"), 0.0)
     out = st.handle(m.GlobalModel(fleet="t", sender="cloud", round=0, iteration=0,
                                   weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
-    assert st.state == "starved" and not any(isinstance(x, m.Selection) for x in out)
+    assert st.state == "gathering" and not any(isinstance(x, m.Selection) for x in out)
     assert st.tick(5.0) == [] and st.iteration == 0
     st.tick(10.0)  # the timeout closes this iteration untrained, and the next one waits again
-    assert st.iteration == 1 and st.state == "starved" and st.deadline == 20.0
+    assert st.iteration == 1 and st.state == "gathering" and st.deadline == 20.0
     assert st.tick(15.0) == [] and st.iteration == 1
     from aggregator.status import FleetStatus, format_status
     from edge_client.documents import StationSummary
@@ -462,7 +462,7 @@ def test_a_device_back_after_its_last_will_is_selectable_again():
     st.handle(offline, 1.0)
     for d in ("d0", "d1"):
         st.handle(_upd(d), 1.0)
-    assert st.state == "starved"  # 2 ready < quorum 3
+    assert st.state == "gathering"  # 2 ready < quorum 3
     st.handle(m.Presence(fleet="t", sender="d2", round=0, iteration=0, role="dev",
                          online=True), 2.0)
     assert st.state == "collecting" and st.counters["devices_back_online"] == 1

@@ -71,6 +71,9 @@ class DeviceConfig(TrainingSettings):
     # operating system's entropy: whoever knows the seed could subtract the noise.
     noise_seeded: bool = False
     hello_interval: float = 2.0  # seconds between stats repeats until a model arrives
+    # Seconds of hellos no station answers before the device warns (then at each doubling
+    # of the silence); 0: never.
+    unanswered_warning: float = 30.0
 
     def __post_init__(self) -> None:
         from ..safl import GRANULARITIES
@@ -91,6 +94,7 @@ class DeviceConfig(TrainingSettings):
         check_range("holdout_every", self.holdout_every, 0)
         check_range("holdout_capacity", self.holdout_capacity, 1)
         check_range("hello_interval", self.hello_interval, 0, low_open=True)
+        check_range("unanswered_warning", self.unanswered_warning, 0)
         check_range("privacy_budget", self.privacy_budget, 0)
         check_range("privacy_delta", self.privacy_delta, 0, 1, low_open=True)
         if self.privacy_budget and not UpdatePipeline(self.update_stages).noise:

@@ -64,7 +64,7 @@ class SourceConfig(PreprocessSettings):
     label_window: float = 0.5
     label_delay_max: float = 30.0
     classes: tuple[str, ...] = ()  # class names, for an image folder's sub-folders
-    sample_fps: float = 0.0  # frames per second taken from a camera or video (0: all)
+    sample_fps: float = 0.0  # frames a second taken from a camera or video, synthetic pace (0: all)
     loop: bool = False  # start a recording over at its end
     seed: int = 0  # of the replay order
     # Replay at the federation's pace: ``per_iteration`` samples arrive with each station

@@ -7,6 +7,7 @@ OpenCV is needed for images, video and cameras only: ``pip install 'safl-edge[ca
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,12 +42,15 @@ __all__ = [
 
 
 class SyntheticSource:
-    """Class-dependent Gaussian samples, for tests and smoke runs only."""
+    """Class-dependent Gaussian samples, for tests and smoke runs only: as fast as they are
+    taken, or ``fps`` a second (a sensor's pace, for a dry run beside real cameras)."""
 
     def __init__(self, sample_shape: tuple[int, ...], num_classes: int,
-                 rng: np.random.Generator, *, limit: int | None = None) -> None:
+                 rng: np.random.Generator, *, limit: int | None = None,
+                 fps: float = 0.0) -> None:
         self.sample_shape, self.num_classes, self.rng, self.limit = (
             tuple(sample_shape), num_classes, rng, limit)
+        self.period = 1.0 / fps if fps else 0.0
         self.centres = rng.normal(size=(num_classes, *self.sample_shape)).astype(np.float32)
         self.counters: Counter[str] = Counter()
 
@@ -57,6 +61,8 @@ class SyntheticSource:
             noise = self.rng.normal(scale=0.5, size=self.sample_shape).astype(np.float32)
             yield self.centres[y] + noise, y
             n += 1
+            if self.period:
+                time.sleep(self.period)
 
     def close(self) -> None:
         pass
@@ -74,7 +80,7 @@ def build_source(cfg: SourceConfig, *, sample_shape: tuple[int, ...], num_classe
                  rng: np.random.Generator) -> tuple[Source, bool]:
     """Build the configured source; returns it and whether its pump may drop when full."""
     if cfg.kind == "synthetic":
-        return SyntheticSource(sample_shape, num_classes, rng), False
+        return SyntheticSource(sample_shape, num_classes, rng, fps=cfg.sample_fps), False
     preprocess = Preprocess.from_settings(cfg, sample_shape)
     path = Path(cfg.path)
     if cfg.is_video:
