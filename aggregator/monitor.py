@@ -47,7 +47,8 @@ MAX_CLIENTS = 16  # requests served at once; more are told to come back
 MAX_DEVICES = 10_000  # devices with a series: an open broker's flood of ids stops there
 DEVICE_COLUMNS = ["t", "round", "iteration", "device", "station", "local_accuracy",
                   "prequential_accuracy", "uploads", "skips", "refused", "clipped",
-                  "frames_dropped", "bytes_out", "bytes_in"]
+                  "frames_dropped", "label_joined", "label_unmatched", "label_expired",
+                  "bytes_out", "bytes_in"]
 
 
 class FleetHistory:
@@ -154,6 +155,9 @@ class FleetHistory:
                 "refused": seen_by.device_refused.get(did, 0) if seen_by else None,
                 "clipped": seen_by.device_clipped.get(did, 0) if seen_by else None,
                 "frames_dropped": doc.source.get("frames_dropped", 0),
+                # A live line's labels: joined to a frame, matching none, or too late.
+                **{k: doc.source.get(k) for k in ("label_joined", "label_unmatched",
+                                                   "label_expired")},
                 "bytes_out": doc.transport.get("bytes_out", 0),
                 "bytes_in": doc.transport.get("bytes_in", 0)}
 

@@ -169,7 +169,9 @@ function render(doc) {
     ['deployed_round', 'in use'], ['shadow_accuracy', 'candidate', 3],
     ['promotions_refused', 'refused models'], ['uploads', 'uploads'], ['skips', 'skips'],
     ['refused', 'refused'], ['clipped', 'clipped'],
-    ['frames_dropped', 'frames dropped'], ['bytes_out', 'bytes out'], ['bytes_in', 'bytes in']],
+    ['frames_dropped', 'frames dropped'], ['label_joined', 'labels joined'],
+    ['label_unmatched', 'unmatched'], ['label_expired', 'expired'],
+    ['bytes_out', 'bytes out'], ['bytes_in', 'bytes in']],
     doc.devices);
   chart('global-accuracy', [{name: 'global', color: COLORS[0], points: doc.global_accuracy}],
         {xInteger: true, xLabel: 'round', yMin: 0, yMax: 1});

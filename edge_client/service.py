@@ -181,8 +181,9 @@ class DeviceService:
         published = summaries(transport, summary_topic(cfg.fleet, m.Participant.DEVICE,
                                                        device.id), lambda: device.summary(
             transport=dict(transport.counters),
-            source={k: int(v) for k, v in (pump.metrics() if pump else {}).items()
-                    if k != "queued"}), every=2.0)
+            source={**{k: int(v) for k, v in (pump.metrics() if pump else {}).items()
+                       if k != "queued"},
+                    **(dict(self.labels.counters) if self.labels else {})}), every=2.0)
         metrics = with_metrics(self.service, "device", lambda: (
             {**device.counters, **transport.counters,
              **({f"source.{k}": v for k, v in pump.metrics().items() if k != "queued"}

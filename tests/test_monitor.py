@@ -35,7 +35,8 @@ def _history() -> FleetHistory:
                 DeviceSummary(device="d0", station="st0", state=DeviceState.READY, round=k,
                               iteration=3 * k, local_accuracy=0.2 * k, counters={"uploads": k},
                               transport={"bytes_out": 1000 * k, "bytes_in": 4000 * k},
-                              source={"frames_dropped": 2}),
+                              source={"frames_dropped": 2, "label_joined": 7 * k,
+                                      "label_unmatched": 1, "label_expired": k}),
                 StationSummary(station="st0", state=StationState.COLLECTING, round=k,
                                iteration=3 * k, devices=2, online=1, quorum=1,
                                counters={"received_updates": 5, "rejected.update_norm": 1},
@@ -57,6 +58,8 @@ def test_the_history_keeps_each_series_and_the_tables():
     d0, d1 = doc["devices"]
     assert (d0["presence"], d0["uploads"], d0["clipped"], d0["frames_dropped"]) == \
         (True, 3, 3, 2)
+    # The line's labels as the device counted them: joined, unmatched, expired.
+    assert (d0["label_joined"], d0["label_unmatched"], d0["label_expired"]) == (21, 1, 3)
     assert (d1["id"], d1["presence"]) == ("d1", False)  # seen only by its presence
     (st0,) = doc["stations"]
     assert (st0["presence"], st0["online"], st0["uploads"], st0["refused"]) == (True, 1, 5, 1)

@@ -32,6 +32,8 @@ from stream_servers import Line, StreamServer, have_ffmpeg
 from test_deploy import Broker, _broker_cfg
 
 from aggregator.provision import provision
+from aggregator.status import fleet_status
+from edge_client import messages as m
 from edge_client.topics import predictions_topic
 
 pytest.importorskip("cv2")
@@ -167,6 +169,21 @@ def test_a_provisioned_tls_fleet_with_cameras_holds_for_minutes(tmp_path, digits
             dead = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
             assert not dead, (dead, {n: (logs / f"{n}.log").read_text()[-2000:] for n in dead})
         elapsed = time.monotonic() - started
+        # What an operator sees from the factory's status file: every device, and the
+        # line's labels joined on the camera devices.
+        factory = fleet_status(_broker_cfg(out, out / "monitor" / "status-st0.toml"), "plant")
+        joined = {d: factory.devices[d].source.get("label_joined", 0) for d in CAMERAS}
+        online = sum(o for (r, _), o in factory.presence.items() if r == m.Participant.DEVICE)
+        # The station vanishes (kill -9): its Last Will reaches the cloud's broker through
+        # the bridge, the cloud says so, and the cloud's status file shows it offline.
+        procs["st0"].kill()
+        killed, vanished = time.monotonic(), None
+        cloud_view = _broker_cfg(out, out / "monitor" / "status-cloud.toml")
+        while time.monotonic() - killed < 90 and vanished is None:
+            seen = fleet_status(cloud_view, "plant", wait=0.5).presence
+            if seen.get((m.Participant.STATION, "st0")) is False:
+                vanished = time.monotonic() - killed
+        time.sleep(1.0)
     finally:
         for belt in belts:
             belt.stop()
@@ -189,6 +206,7 @@ def test_a_provisioned_tls_fleet_with_cameras_holds_for_minutes(tmp_path, digits
     tls_errors = {name: len(TLS_ERRORS.findall(text)) for name, text in broker_logs.items()}
     connections = {name: _connections(text) for name, text in broker_logs.items()}
     role_logs = {n: (logs / f"{n}.log").read_text() for n in procs}
+    said = {n: "st0 went offline" in role_logs[n] for n in ("cloud", *CAMERAS, *OTHERS)}
     lost = {n: text.count("lost the broker") for n, text in role_logs.items()}
     with open(tmp_path / "cloud-out" / "metrics.csv") as f:
         rounds = [int(row["round"]) for row in csv.DictReader(f)]
@@ -197,6 +215,8 @@ def test_a_provisioned_tls_fleet_with_cameras_holds_for_minutes(tmp_path, digits
     figures = {"seconds": round(elapsed), "rounds": len(rounds), "tls_errors": tls_errors,
                "connections": {n: dict(c) for n, c in connections.items()}, "lost_broker": lost,
                "predictions_read_by_lines": predictions, "labels_published": labels,
+               "labels_joined": joined, "devices_online": online,
+               "station_shown_offline_after_s": vanished and round(vanished, 1),
                "exit_codes": {n: p.returncode for n, p in procs.items()}}
     print("\nsoak: " + json.dumps(figures))
     assert tls_errors == {"cloud": 0, "st0": 0}, figures
@@ -211,4 +231,9 @@ def test_a_provisioned_tls_fleet_with_cameras_holds_for_minutes(tmp_path, digits
     assert len(rounds) >= SECONDS / 30, figures
     # The line read its camera's predictions all along (10 fps), and published labels.
     assert min(predictions.values()) >= 3 * SECONDS and labels >= SECONDS, figures
-    assert all(rc in (0, -15) for rc in figures["exit_codes"].values()), figures
+    codes = {n: rc for n, rc in figures["exit_codes"].items() if n != "st0"}
+    assert all(rc in (0, -15) for rc in codes.values()), figures
+    assert online == 4 and min(joined.values()) > 0, figures
+    # Within two keep-alive periods (30 s each); a Last Will fires as the socket closes.
+    assert vanished is not None and vanished <= 60, figures
+    assert all(said.values()), said
