@@ -122,7 +122,9 @@ class UpdateAdmission:
         most = cfg.local_steps * cfg.batch_size
         if not 1 <= msg.num_samples <= most:
             return "bad_count", (f"claims {msg.num_samples} samples; a device trains on 1.."
-                                 f"{most} (local_steps x batch_size) per iteration")
+                                 f"{most} (local_steps x batch_size) per iteration: its "
+                                 "[device] batch_size and local_steps must not exceed this "
+                                 "station's (safl provision writes both from [training])")
         fresh, ratio = self.replay.check(msg.sender, z, base)
         if not fresh:
             return "replay", (f"repeats one of its recent updates (distance {ratio:.2g} x its "
