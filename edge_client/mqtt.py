@@ -316,8 +316,8 @@ class MqttTransport:
                          qos: int = 1) -> None:
         """Publish a JSON document: retained (a manifest, a summary for ``safl status``), or
         a stream of them at QoS 0 (predictions: the next one supersedes a lost one)."""
-        self._socket.submit(lambda: self._send(topic, [encode_document(doc)], qos=qos,
-                                        retain=retain))
+        payload = encode_document(doc)
+        self._socket.submit(lambda: self._send(topic, [payload], qos=qos, retain=retain))
 
     def deliver(self) -> int:
         """Admit queued frames and call their handlers; returns how many were delivered."""
