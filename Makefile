@@ -25,8 +25,11 @@ $(VENV)/.test-deps: pyproject.toml | $(PY)
 demo: $(VENV)/.demo-deps
 	$(VENV)/bin/safl demo $(DEMO_ARGS)
 
+# Installs the suite's Debian packages first where it may (root, or sudo without a
+# password); elsewhere it ends naming what was skipped and how to install it.
 test: $(VENV)/.test-deps
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@deploy/system-packages.sh auto
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; deploy/system-packages.sh report; exit $$rc
 
 # What a board installs: the wheel (and sdist) built from this tree, in a clean venv.
 wheel: $(VENV)/.test-deps

@@ -303,3 +303,34 @@ def test_the_runtime_packages_keep_modules_and_functions_small(tmp_path):
     (at / "fits.py").write_text("def f():\n" + body + "    y = 0\n")
     (at / "long.py").write_text("\n" * (MAX_MODULE_LINES + 1))
     assert _oversized(at) == ["pkg/fits.py:1 f: 61 lines", "pkg/long.py: 401 lines"]
+
+
+def test_make_test_names_what_it_could_not_install_in_one_line(tmp_path):
+    """One list of Debian packages (deploy/system-packages.sh): .ci/run installs it,
+    `make test` installs it where it may and otherwise ends with one line naming what was
+    skipped and the command that installs it."""
+    import os
+    import re
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    script = root / "deploy" / "system-packages.sh"
+    assert "deploy/system-packages.sh install" in (root / ".ci" / "run").read_text()
+    recipe = (root / "Makefile").read_text().split("\ntest:")[1].split("\n\n")[0]
+    assert "system-packages.sh auto" in recipe and "system-packages.sh report" in recipe
+    listed = re.findall(r"^    ([a-z0-9][^#\n]*)$", script.read_text().split("PACKAGES=(")[1]
+                        .split("\n)")[0], re.M)
+    packages = " ".join(listed).split()
+    assert {"mosquitto", "chromium", "ffmpeg", "dataset-fashion-mnist"} <= set(packages)
+    for installed, expected in ((False, 1), (True, 0)):
+        fake = tmp_path / ("yes" if installed else "no")
+        fake.mkdir()
+        status = "install ok installed" if installed else "unknown ok not-installed"
+        (fake / "dpkg-query").write_text(f"#!/bin/sh\nprintf '{status}'\n")
+        (fake / "dpkg-query").chmod(0o755)
+        out = subprocess.run(["bash", str(script), "report"], capture_output=True, text=True,
+                             env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"})
+        assert out.returncode == 0 and len(out.stdout.splitlines()) == expected, out.stdout
+        if not installed:
+            assert all(p in out.stdout for p in packages)
+            assert "sudo deploy/system-packages.sh install" in out.stdout
