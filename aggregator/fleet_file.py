@@ -165,7 +165,7 @@ _FLEET_KEYS = {"name", "cloud_host", "cloud_port", "update_stages", "metrics_por
 
 
 def _address(key: str, value: Any) -> str:
-    if not isinstance(value, str) or any(c in value for c in " /:"):
+    if not isinstance(value, str) or any(c in value for c in " /\t"):  # "::" is IPv6's all
         raise ConfigError(key, f"must be a host name or address to listen on, got {value!r}")
     return value
 
