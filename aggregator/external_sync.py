@@ -74,18 +74,24 @@ class ExternalSync:
         """A global model came: nothing is owed."""
         self.pending = None
 
-    def cloud_presence(self, online: bool, station: str, joining: bool = False
+    def cloud_presence(self, presence: m.Presence, station: str, joining: bool = False
                        ) -> list[m.Message]:
         """The cloud (re)appeared: our counts (unless the station is still joining), and
         the unanswered upload again.  It went away (its Last Will): said, and the upload
         waits for it."""
+        online, final = presence.online, presence.final
         if online and joining:
             return []
         if not online:
             self.counters["cloud_offline"] += 1
-            log.warning("station %s: the cloud went offline (its Last Will); internal syncs go "
-                        "on, the upload waits for it", station)
+            (log.info if final else log.warning)(
+                "station %s: the cloud went offline (its Last Will); internal syncs go on, "
+                "the upload waits for it", station)
             return []
+        return self.reannounce()
+
+    def reannounce(self) -> list[m.Message]:
+        """Our counts, and the unanswered upload again."""
         self.counters["reannouncements"] += 1
         return [self.stats(), *([self.pending] if self.pending is not None else [])]
 

@@ -122,7 +122,7 @@ class Station(StationResume, RoleBase[StationState]):
     def start(self, now: float) -> list[m.Message]:
         """A station resumed from a checkpoint repeats its upload or begins the iteration."""
         if self.state == _S.WAITING and self.weights is not None:
-            return self.external.cloud_presence(True, self.id)
+            return self.external.reannounce()
         if self.state in (_S.COLLECTING, _S.GATHERING):
             return self._resume(now)
         return []
@@ -226,7 +226,7 @@ class Station(StationResume, RoleBase[StationState]):
 
     def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
         if msg.role == m.Participant.CLOUD:  # our counts, an unanswered upload; or gone
-            return self.external.cloud_presence(msg.online, self.id, self.state == _S.JOINING)
+            return self.external.cloud_presence(msg, self.id, self.state == _S.JOINING)
         if msg.role != m.Participant.DEVICE or msg.sender not in self.config.devices:
             return []
         if msg.online:  # after a Last Will (a broker restart fires them all): selectable again

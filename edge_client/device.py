@@ -23,6 +23,7 @@ from .line import Line
 from .local_steps import LocalModel, LocalSteps
 from .pipeline import UpdatePipeline
 from .role import RoleBase, RoleEvent
+from .silence import Silence
 from .states import DeviceState
 from .topics import device_topics
 from .trainers import Trainer
@@ -102,7 +103,7 @@ class Device(RoleBase[DeviceState]):
         self.state = self.INITIAL
         self.last_train_s = 0.0
         self._next_hello = 0.0
-        self._unanswered: tuple[float, float] | None = None  # (first hello, silence warned at)
+        self.silence = Silence(config.unanswered_warning)  # hellos nobody answered
         self._model: m.StationModel | None = None
         self._accept_any_iteration = False  # set when the station's presence comes back
         self._awaiting: m.Selection | None = None  # a selection that came before its model
@@ -139,28 +140,18 @@ class Device(RoleBase[DeviceState]):
     def tick(self, now: float) -> list[m.Message]:
         """Until a station model arrives, repeat the stats: the station may start later."""
         if self.state != _D.WAITING:
-            self._unanswered = None
+            self.silence.heard()
             return []
         if now < self._next_hello:
             return []
         self._next_hello = now + self.config.hello_interval
         self.counters["hellos"] += 1
-        self._warn_unanswered(now)
-        return [self._stats(0, 0)]
-
-    def _warn_unanswered(self, now: float) -> None:
-        """Hellos nobody answers for ``unanswered_warning`` seconds: say so, then at each
-        doubling of the silence.  A wrong broker, or an ACL that drops the stats or the
-        station's model, looks exactly like a station that has not started."""
-        since, warned = self._unanswered or (now, 0.0)
-        wait, silent = self.config.unanswered_warning, now - since
-        if wait and silent >= max(wait, 2 * warned):
+        if (silent := self.silence.hello(now)) is not None:
             self.counters["hellos_unanswered"] += 1
             log.warning("device %s: no answer from station %s for %.0f s: is it running, and "
                         "does this broker (and its ACL) carry this device's stats to it and "
                         "its model back?", self.id, self.config.station, silent)
-            warned = silent
-        self._unanswered = (since, warned)
+        return [self._stats(0, 0)]
 
     def wakeup(self) -> float | None:
         return self._next_hello if self.state == _D.WAITING else None
@@ -272,6 +263,13 @@ class Device(RoleBase[DeviceState]):
         """The station (re)appeared: it may have restarted from an older checkpoint, so the
         next model it sends is accepted whatever its iteration, and it gets our stats."""
         if msg.role != m.Participant.STATION:
+            return []
+        if not msg.online and msg.final and self._model is not None and self.state != _D.DONE:
+            # It ended while this device was away (its final model went to a lost session).
+            self.counters["final_missed"] += 1
+            log.info("device %s: station %s finished while this device was away; it keeps "
+                     "its model of round %d", self.id, msg.sender, self._model.round)
+            self.state = self.next_state(_E.FINAL_MODEL)
             return []
         if not msg.online:  # its Last Will: the models stop until it is back
             self.counters["station_offline"] += 1

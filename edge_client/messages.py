@@ -316,10 +316,15 @@ class GlobalModel(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Presence(Message):
-    """Retained online/offline status of a participant; its Last Will says offline."""
+    """Retained online/offline status of a participant; its Last Will says offline.
+
+    ``final``: the offline status of a participant whose part of the federation is over (a
+    station after its final model): a device that was away when that model went out learns
+    from it, retained, that nothing more will come."""
 
     role: Participant
     online: bool
+    final: bool = field(default=False, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -301,7 +301,7 @@ class MqttTransport:
             if qos:
                 self._last_info = info  # what close() waits for
 
-    def _presence_frame(self, *, online: bool) -> bytes:
+    def _presence_frame(self, *, online: bool, final: bool = False) -> bytes:
         """This participant's presence (or its Last Will), in its wire version and without
         a layout: anyone may read it, whatever model it runs."""
         p = self.presence
@@ -309,7 +309,7 @@ class MqttTransport:
             raise ValueError(f"{self.client_id} has no presence to publish")
         if not online:
             p = m.Presence(fleet=p.fleet, sender=p.sender, round=0, iteration=0, role=p.role,
-                           online=False)
+                           online=False, final=final)
         return encode(p, wire_version=self.config.wire_version)
 
     def publish_document(self, topic: str, doc: Document, *, retain: bool = True,
@@ -367,8 +367,9 @@ class MqttTransport:
         self._dispatch(handlers, topic, doc)
         return 1
 
-    def close(self) -> None:
-        """Flush what was published, say offline (retained), disconnect, stop the thread."""
+    def close(self, final: bool = False) -> None:
+        """Flush what was published, say offline (retained; ``final`` where this
+        participant's part of the federation is over), disconnect, stop the thread."""
         self._closing = True
         flushed = threading.Event()
         sent: list[paho.MQTTMessageInfo | None] = []
@@ -376,9 +377,8 @@ class MqttTransport:
         def say_offline() -> None:  # on the socket's thread, after every earlier call
             sent.append(self._last_info)
             if self.presence is not None and self._connected.is_set():
-                sent.append(self._client.publish(topic_for(self.presence),
-                                                 self._presence_frame(online=False), qos=1,
-                                                 retain=True))
+                sent.append(self._client.publish(topic_for(self.presence), self._presence_frame(
+                    online=False, final=final), qos=1, retain=True))
             flushed.set()
         self._socket.submit(say_offline)
         if self._connected.is_set():

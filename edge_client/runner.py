@@ -145,9 +145,17 @@ def serve(runners: RoleRunner[Any] | Sequence[RoleRunner[Any]], transport: Trans
         if on_stop is not None:
             on_stop()
     finally:
-        transport.close()
+        # Ended by the federation, not by a signal or an error: its presence says so.
+        transport.close(final=not stop and _ended(done))
         if metrics is not None:
             metrics.close()
+
+
+def _ended(done: Callable[[], bool]) -> bool:
+    try:
+        return bool(done())
+    except Exception:  # a role that failed half-way is not done
+        return False
 
 
 def pace_replay(runner: RoleRunner[Device], source: ReplaySource, rate: float) -> None:

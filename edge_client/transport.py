@@ -39,7 +39,7 @@ class Transport(Protocol):
     def publish(self, topic: str, message: m.Message) -> None: ...
     def deliver(self) -> int: ...
     def wait(self, timeout: float) -> None: ...
-    def close(self) -> None: ...
+    def close(self, final: bool = False) -> None: ...
 
 
 class LocalBus:
@@ -109,6 +109,6 @@ class LocalBus:
         what was still queued is dropped (a simulation that has trained its budget)."""
         self._stopping = True
 
-    def close(self) -> None:
+    def close(self, final: bool = False) -> None:
         self.closed = True
         self._queue.clear()

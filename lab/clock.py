@@ -296,7 +296,7 @@ class Port:
     def wait(self, timeout: float) -> None:
         """Returns at once, as the in-process bus does."""
 
-    def close(self) -> None:
+    def close(self, final: bool = False) -> None:
         self.bus.close()
 
     @property
@@ -462,7 +462,7 @@ class TimedBus(LocalBus):
             self._in_flight = 0
         return count
 
-    def close(self) -> None:
+    def close(self, final: bool = False) -> None:
         super().close()
         self._events.clear()
         self._in_flight = 0

@@ -509,3 +509,36 @@ def test_documents_are_checked_and_a_failing_handler_is_counted(tmp_path):
     assert got == [doc]  # the next handler still ran
     assert reader.counters["rejected.internal"] == 1
     assert reader.counters["rejected.document"] == 1
+
+
+def test_a_final_presence_stays_retained_for_a_device_that_comes_back_late(tmp_path):
+    """What a station leaves behind at a normal end is its retained offline presence with
+    ``final`` set (a Last Will never says final); one that reconnects later reads it."""
+    server = Mosquitto(tmp_path, ["st0", "d0"], acl_lines("f", {"st0": ["d0"]}))
+    try:
+        def station(final):
+            presence = m.Presence(fleet="f", sender="st0", round=0, iteration=0,
+                                  role=m.Participant.STATION, online=True)
+            t = MqttTransport(BrokerConfig(url=server.url, username="st0",
+                                           password=Mosquitto.PASSWORD, connect_timeout=5),
+                              client_id="st0", fleet="f", presence=presence)
+            t.connect()
+            time.sleep(0.2)
+            t.close(final=final)
+
+        seen = []
+        for final in (False, True):
+            station(final)
+            device = MqttTransport(BrokerConfig(url=server.url, username="d0",
+                                                password=Mosquitto.PASSWORD),
+                                   client_id=f"d0-{final}", fleet="f", persistent=False)
+            device.subscribe("safl/f/station/st0/status", lambda t, msg: seen.append(msg))
+            device.connect()
+            deadline = time.monotonic() + 3
+            while len(seen) < 1 + final and time.monotonic() < deadline:
+                device.deliver()
+                time.sleep(0.05)
+            device.close()
+        assert [(p.online, p.final) for p in seen] == [(False, False), (False, True)]
+    finally:
+        server.stop()

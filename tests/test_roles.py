@@ -670,7 +670,7 @@ def test_a_device_nobody_answers_says_so_then_at_each_doubling(caplog):
     n = dev.trainer.num_params
     dev.handle(m.StationModel(fleet="t", sender="s", round=0, iteration=0,
                               weights=np.zeros(n)), 130.0)
-    assert dev.tick(131.0) == [] and dev._unanswered is None
+    assert dev.tick(131.0) == [] and dev.silence.since is None
     quiet = DeviceConfig(device_id="d1", station="s", fleet="t", unanswered_warning=0)
     silent = Device(quiet, _trainer(), num_classes=F, sample_shape=(8, 8),
                     rng=np.random.default_rng(0))
@@ -700,3 +700,50 @@ def test_peers_say_when_a_station_or_the_cloud_goes_away(caplog):
     assert "station s went offline" in said and "the cloud went offline" in said
     assert said.count("went offline") == 3
     assert dev.counters["station_offline"] == 1 and station.counters["cloud_offline"] == 1
+
+
+def test_a_device_away_when_the_final_model_went_out_finishes_on_the_final_presence(caplog):
+    """The flake of test_a_broker_restart_is_survived[False], on demand: a broker without
+    persistence restarts near the end, the station's final model goes out while a device is
+    still reconnecting (no session to queue it in), and the device waited forever.  The
+    station's retained offline presence at a normal end says final: nothing more will come."""
+    cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0)
+    dev = Device(cfg, _trainer(), num_classes=F, sample_shape=(8, 8),
+                 rng=np.random.default_rng(0))
+    n = dev.trainer.num_params
+
+    def presence(online, final=False):
+        return m.Presence(fleet="t", sender="s", round=0, iteration=0,
+                          role=m.Participant.STATION, online=online, final=final)
+
+    # Before any model of this station: a final presence retained from an earlier run ends
+    # nothing (a fresh device waits for the new federation's station).
+    assert dev.handle(presence(False, final=True), 0.0) == [] and not dev.finished
+    dev.handle(m.StationModel(fleet="t", sender="s", round=7, iteration=21,
+                              weights=np.zeros(n)), 1.0)
+    dev.handle(presence(False), 2.0)  # a Last Will: it waits for the station
+    assert not dev.finished
+    with caplog.at_level("INFO", logger="edge_client.device"):
+        dev.handle(presence(False, final=True), 3.0)
+    assert dev.finished and dev.counters["final_missed"] == 1
+    assert "finished while this device was away" in caplog.text and "round 7" in caplog.text
+
+
+def test_a_service_ended_by_its_federation_says_final_one_stopped_does_not(tmp_path):
+    """``serve`` closes with a final presence only when ``done()`` ended it."""
+    from edge_client.runner import StopFlag, serve
+
+    class Recording(LocalBus):
+        def close(self, final: bool = False) -> None:
+            self.final = final
+            super().close(final)
+
+    dev = Device(DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0),
+                 _trainer(), num_classes=F, sample_shape=(8, 8), rng=np.random.default_rng(0))
+    for done, stopped, final in ((True, False, True), (False, True, False)):
+        bus = Recording()
+        stop = StopFlag(install=False)
+        if stopped:
+            stop.event.set()
+        serve(RoleRunner(dev, bus), bus, stop=stop, done=lambda d=done: d, linger=0.0)
+        assert bus.final is final
