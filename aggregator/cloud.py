@@ -220,9 +220,11 @@ class Cloud(RoleBase[CloudState]):
             return [self._global_model()]
         self.offline.add(msg.sender)
         self.counters["stations_offline"] += 1
-        (log.info if msg.final else log.warning)(
-            "cloud: station %s went offline (its Last Will); rounds close without it",
-            msg.sender)
+        if msg.final:
+            log.info("cloud: station %s finished", msg.sender)
+        else:
+            log.warning("cloud: station %s went offline (its Last Will); rounds close without "
+                        "it", msg.sender)
         waiting = [s for s in self.config.stations
                    if s not in self._updates and s not in self.offline]
         if self.state == _C.COLLECTING and not waiting \

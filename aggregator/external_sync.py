@@ -79,16 +79,15 @@ class ExternalSync:
         """The cloud (re)appeared: our counts (unless the station is still joining), and
         the unanswered upload again.  It went away (its Last Will): said, and the upload
         waits for it."""
-        online, final = presence.online, presence.final
-        if online and joining:
-            return []
-        if not online:
-            self.counters["cloud_offline"] += 1
-            (log.info if final else log.warning)(
-                "station %s: the cloud went offline (its Last Will); internal syncs go on, "
-                "the upload waits for it", station)
-            return []
-        return self.reannounce()
+        if presence.online:
+            return [] if joining else self.reannounce()
+        self.counters["cloud_offline"] += 1
+        if presence.final:
+            log.info("station %s: the cloud finished", station)
+        else:
+            log.warning("station %s: the cloud went offline (its Last Will); internal syncs "
+                        "go on, the upload waits for it", station)
+        return []
 
     def reannounce(self) -> list[m.Message]:
         """Our counts, and the unanswered upload again."""

@@ -38,12 +38,12 @@ from edge_client.codec import DEFAULT_CHUNK_SIZE
 from edge_client.config import toml_text
 from edge_client.errors import ConfigError
 from edge_client.messages import Participant
-from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES
+from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES, label_topic
 
 from .fleet_file import MONITOR, FleetFile, StationEntry, load_fleet_file
 from .pki import issue, make_ca, serial_of, write_crl, write_private
 from .prometheus import ALERT_RULES, scrape_config
-from .role_files import device_file, label_topic, line_file, model_table, training_table
+from .role_files import device_file, line_file, model_table, training_table
 
 __all__ = ["FleetFile", "load_fleet_file", "provision", "MAX_PACKET", "ProvisionState"]
 

@@ -13,15 +13,11 @@ from typing import Any
 
 from edge_client import topics
 from edge_client.config import toml_text
+from edge_client.topics import label_topic
 
 from .fleet_file import FleetFile
 
-__all__ = ["device_file", "line_file", "camera_preprocess", "model_table", "training_table",
-           "label_topic", "CAMERA_PLACEHOLDER"]
-
-# What a device file says while the fleet file names no camera for it: start-up refuses
-# it, naming [source] uri.
-CAMERA_PLACEHOLDER = ""
+__all__ = ["device_file", "line_file", "camera_preprocess", "model_table", "training_table"]
 
 
 def camera_preprocess(shape: tuple[int, ...]) -> dict[str, Any]:
@@ -69,7 +65,8 @@ def device_file(fleet: FleetFile, did: str, sid: str, *, broker: dict[str, Any],
                     "camera = ...).")
     device = {"fleet": fleet.name, "device_id": did, "station": sid, **training,
               "min_batch": training["batch_size"], **stages}
-    source = {"kind": "camera", "uri": camera or CAMERA_PLACEHOLDER,
+    # No camera named: uri stays empty, which start-up refuses, naming [source] uri.
+    source = {"kind": "camera", "uri": camera,
               **camera_preprocess(fleet.model.input_shape),
               "label_topic": label_topic(sid, did)}
     parts = [
@@ -108,8 +105,3 @@ def line_file(fleet: FleetFile, lid: str, sid: str, *, broker: dict[str, Any],
              '{"t": <unix seconds>, "label": <int>}' for d in devices]
     head.append("# and nothing else (docs/sources.md, docs/deploy.md).")
     return "\n".join(head) + "\n\n" + _table("broker", broker)
-
-
-def label_topic(station: str, device: str) -> str:
-    """Where a device's line publishes its labels (the device's ``[source] label_topic``)."""
-    return f"{topics.line_prefix(station)}/{device}/labels"

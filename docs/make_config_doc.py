@@ -18,27 +18,15 @@ import typing
 from pathlib import Path
 
 from aggregator.config import CloudConfig, StationConfig
-from edge_client.config import (
-    BrokerConfig,
-    DeviceConfig,
-    InferenceConfig,
-    ModelConfig,
-    ServiceConfig,
-    SourceConfig,
-)
+from edge_client.service import DEVICE_TABLES, SHARED_TABLES
 
 OUT = Path(__file__).with_name("config.md")
 
+# The tables each role's loader reads (edge_client/service.py, safl/cli.py), in its order.
 ROLES = (
-    ("device", "`safl device --config F` (or `safl-device`)",
-     {"device": DeviceConfig, "model": ModelConfig, "source": SourceConfig,
-      "inference": InferenceConfig, "broker": BrokerConfig, "service": ServiceConfig}),
-    ("station", "`safl station --config F`",
-     {"station": StationConfig, "model": ModelConfig, "broker": BrokerConfig,
-      "service": ServiceConfig}),
-    ("cloud", "`safl cloud --config F`",
-     {"cloud": CloudConfig, "model": ModelConfig, "broker": BrokerConfig,
-      "service": ServiceConfig}),
+    ("device", "`safl device --config F` (or `safl-device`)", DEVICE_TABLES),
+    ("station", "`safl station --config F`", {"station": StationConfig, **SHARED_TABLES}),
+    ("cloud", "`safl cloud --config F`", {"cloud": CloudConfig, **SHARED_TABLES}),
 )
 
 

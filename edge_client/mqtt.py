@@ -251,8 +251,7 @@ class MqttTransport:
         self._client.disconnect()
 
     def _pump(self, timeout: float) -> paho.MQTTErrorCode:
-        return self._socket.turn(self._client, connected=self._connected.is_set(),
-                                 timeout=timeout)
+        return self._socket.turn(self._client, connected=self._connected, timeout=timeout)
 
     @property
     def connected(self) -> bool:

@@ -119,6 +119,7 @@ def serve(runners: RoleRunner[Any] | Sequence[RoleRunner[Any]], transport: Trans
     """
     runners = [runners] if isinstance(runners, RoleRunner) else list(runners)
     clock = runners[0].clock
+    ended = False  # by the federation (done), not by a signal or an error
     transport.connect()
     try:
         for runner in runners:
@@ -138,6 +139,7 @@ def serve(runners: RoleRunner[Any] | Sequence[RoleRunner[Any]], transport: Trans
                     runners[0].count_error("errors.tick", "a service hook failed")
             if not busy:
                 transport.wait(idle_sleep)  # wakes as soon as a frame arrives
+        ended = not stop
         end = time.monotonic() + linger
         while time.monotonic() < end and not stop:
             transport.deliver()
@@ -145,17 +147,9 @@ def serve(runners: RoleRunner[Any] | Sequence[RoleRunner[Any]], transport: Trans
         if on_stop is not None:
             on_stop()
     finally:
-        # Ended by the federation, not by a signal or an error: its presence says so.
-        transport.close(final=not stop and _ended(done))
+        transport.close(final=ended)  # its presence says so
         if metrics is not None:
             metrics.close()
-
-
-def _ended(done: Callable[[], bool]) -> bool:
-    try:
-        return bool(done())
-    except Exception:  # a role that failed half-way is not done
-        return False
 
 
 def pace_replay(runner: RoleRunner[Device], source: ReplaySource, rate: float) -> None:

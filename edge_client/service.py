@@ -41,14 +41,15 @@ from .trainers import Trainer, build_trainer, layout_hash
 from .trainers.paced import PacedTrainer
 
 __all__ = ["DeviceService", "load_role_file", "with_metrics", "model_trainer",
-           "role_transport", "DEVICE_TABLES"]
+           "role_transport", "DEVICE_TABLES", "SHARED_TABLES"]
 
 log = logging.getLogger(__name__)
 
 
-# The tables of a device's TOML file.
+# The tables every role's file has beside its own ([station], [cloud]), and a device's.
+SHARED_TABLES = {"model": ModelConfig, "broker": BrokerConfig, "service": ServiceConfig}
 DEVICE_TABLES = {"device": DeviceConfig, "model": ModelConfig, "source": SourceConfig,
-                 "broker": BrokerConfig, "service": ServiceConfig, "inference": InferenceConfig}
+                 "inference": InferenceConfig, "broker": BrokerConfig, "service": ServiceConfig}
 
 
 def load_role_file(path: str | Path | None, tables: dict[str, type],

@@ -70,13 +70,14 @@ class SocketOwner:
                 self.counters["errors.publish"] += 1
                 log.exception("%s could not hand a call to the broker", self.name)
 
-    def turn(self, client: paho.Client, *, connected: bool, timeout: float
+    def turn(self, client: paho.Client, *, connected: threading.Event, timeout: float
              ) -> paho.MQTTErrorCode:
         """One turn of the network loop (owner only): wait for the broker's bytes, room to
         write or a call in the outbox; then read, run the calls, write, and keep the
         connection alive, in the order of paho's own ``loop()``.  Calls wait while the
-        connection is down (``connected`` false): a publish then leaves after the
-        reconnect, as paho's own queue would send it."""
+        connection is down (``connected`` unset, read after this turn's bytes, so a CONNACK
+        read now lets them out now): a publish then leaves after the reconnect, as paho's
+        own queue would send it."""
         sock = client.socket()
         if sock is None:
             return paho.MQTT_ERR_NO_CONN
@@ -97,7 +98,7 @@ class SocketOwner:
             rc = client.loop_read()
             if rc != paho.MQTT_ERR_SUCCESS or client.socket() is None:
                 return rc or paho.MQTT_ERR_CONN_LOST
-        if connected:
+        if connected.is_set():
             self.drain()
         if client.want_write():
             rc = client.loop_write()

@@ -28,6 +28,7 @@ __all__ = [
     "participant_of",
     "prefix",
     "line_prefix",
+    "label_topic",
     "predictions_topic",
     "DEVICE_LEAVES",
     "STATION_LEAVES",
@@ -90,6 +91,13 @@ def line_prefix(station: str) -> str:
     """The factory line's own topics on a station's broker (labels it publishes live;
     provisioned brokers let the station's devices read them)."""
     return f"line/{station}"
+
+
+def label_topic(station: str, device: str) -> str:
+    """Where a device's line application publishes its labels (its ``[source]
+    label_topic`` in the files ``safl provision`` writes; the ACL lets that line alone
+    write it and that device alone read it)."""
+    return f"{line_prefix(station)}/{device}/labels"
 
 
 def station_model_topic(fleet: str, station: str) -> str:

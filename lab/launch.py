@@ -227,13 +227,13 @@ def _watch(fleet: Fleet, timeout: float, during: Callable[[Fleet], None] | None,
     return seen
 
 
-def _stop(procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    """Terminate what is still running, and kill what does not stop within 5 s."""
+def _stop(procs: dict[str, subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+    """Terminate what is still running, and kill what does not stop within ``grace`` s."""
     for p in procs.values():
         if p.poll() is None:
             p.terminate()
     for p in procs.values():
         try:
-            p.wait(5)
+            p.wait(grace)
         except subprocess.TimeoutExpired:
             p.kill()

@@ -76,11 +76,9 @@ def _aggregator_role(args: argparse.Namespace, table: str, config: type, service
                      flags: dict[str, dict[str, str]] | None = None, **service_kw) -> int:
     """Load a station's or the cloud's role file (its table, [model], [broker], [service])
     with the flags every role takes, and run its service until the federation ends."""
-    from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
-    from edge_client.service import load_role_file
+    from edge_client.service import SHARED_TABLES, load_role_file
 
-    cfg = load_role_file(args.config, {table: config, "model": ModelConfig,
-                                       "broker": BrokerConfig, "service": ServiceConfig},
+    cfg = load_role_file(args.config, {table: config, **SHARED_TABLES},
                          overrides(args, broker={"broker": "url"},
                                    service={"metrics_port": "metrics_port",
                                             "state_dir": "state_dir"}, **(flags or {})))

@@ -82,7 +82,7 @@ class Mosquitto(_BrokerProcess):
 
     def __init__(self, folder: Path, users: list[str], acl: list[str], *,
                  message_size_limit: int = 0, tls: dict[str, Path] | None = None,
-                 persistence: bool = False) -> None:
+                 persistence: bool = False, log_types: tuple[str, ...] = ("error",)) -> None:
         self.folder, self.port = Path(folder), free_port()
         passwd, aclfile, conf = (self.folder / n for n in ("passwd", "acl", "mosquitto.conf"))
         passwd.write_text("")
@@ -95,7 +95,7 @@ class Mosquitto(_BrokerProcess):
                  f"persistence {'true' if persistence else 'false'}",
                  f"persistence_location {self.folder}/",
                  "max_queued_messages 10000", "set_tcp_nodelay true", "log_dest stderr",
-                 "log_type error"]
+                 *(f"log_type {t}" for t in log_types)]
         if os.geteuid() == 0:
             lines.append("user root")  # else it drops to 'mosquitto' and cannot read tmp files
         if message_size_limit:

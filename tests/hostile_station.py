@@ -18,8 +18,7 @@ import numpy as np
 import aggregator.services as services
 from aggregator.config import StationConfig
 from edge_client import messages as m
-from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
-from edge_client.service import load_role_file
+from edge_client.service import SHARED_TABLES, load_role_file
 
 
 def main() -> None:
@@ -43,8 +42,7 @@ def main() -> None:
         transport.publish = publish  # type: ignore[method-assign]
         return transport
     services.role_transport = hostile_transport
-    cfg = load_role_file(args.config, {"station": StationConfig, "model": ModelConfig,
-                                       "broker": BrokerConfig, "service": ServiceConfig}, {})
+    cfg = load_role_file(args.config, {"station": StationConfig, **SHARED_TABLES}, {})
     services.StationService(**cfg).run()
 
 

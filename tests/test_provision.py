@@ -14,9 +14,8 @@ from test_deploy import Broker, _broker_cfg, _transport, needs_mosquitto
 from aggregator.config import StationConfig
 from aggregator.fleet_file import load_fleet_file
 from aggregator.provision import provision
-from edge_client.config import BrokerConfig
 from edge_client.errors import ConfigError
-from edge_client.service import DEVICE_TABLES, load_role_file
+from edge_client.service import DEVICE_TABLES, SHARED_TABLES, load_role_file
 from edge_client.topics import predictions_topic
 
 pytest.importorskip("cryptography")
@@ -73,10 +72,8 @@ def lined(tmp_path):
 
 
 def _station(out) -> dict:
-    from edge_client.config import ModelConfig, ServiceConfig
     return load_role_file(out / "stations" / "st0" / "station.toml",
-                          {"station": StationConfig, "model": ModelConfig,
-                           "broker": BrokerConfig, "service": ServiceConfig}, {})
+                          {"station": StationConfig, **SHARED_TABLES}, {})
 
 
 def test_device_files_run_as_written_and_agree_with_their_station(lined):
@@ -192,3 +189,20 @@ def test_each_line_reads_its_devices_predictions_and_writes_only_their_labels(li
             t.close()
     finally:
         broker.stop()
+
+
+@pytest.mark.parametrize("line, ok", [
+    ('monitor_http = "127.0.0.1:65535"', True), ('monitor_http = "127.0.0.1:65536"', False),
+    ('monitor_http = "127.0.0.1:0"', False), ('monitor_http = "8080"', False),
+    ('metrics_bind = "::"', True), ('metrics_bind = "0.0.0.0 "', False),
+    ('metrics_bind = "10.0.0.1/24"', False),
+])
+def test_listening_addresses_are_checked_at_their_edges(tmp_path, line, ok):
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(cloud=1883, st0=1884).replace(
+        'cloud_bind = "127.0.0.1"', f'cloud_bind = "127.0.0.1"\n{line}'))
+    if ok:
+        load_fleet_file(path)
+    else:
+        with pytest.raises(ConfigError, match=line.split(" = ")[0]):
+            load_fleet_file(path)

@@ -35,6 +35,7 @@ from aggregator.provision import provision
 from aggregator.status import fleet_status
 from edge_client import messages as m
 from edge_client.topics import predictions_topic
+from lab.launch import _stop as stop_processes
 
 pytest.importorskip("cv2")
 pytest.importorskip("cryptography")
@@ -192,13 +193,8 @@ def test_a_provisioned_tls_fleet_with_cameras_holds_for_minutes(tmp_path, digits
             belt.stop()
         for line in lines.values():
             line.stop()
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        # A device under load may take its close_timeout (10 s) to flush: no kill before.
+        stop_processes(procs, grace=20.0)
         for broker in brokers.values():
             broker.stop()
         for server in cams.values():
