@@ -19,7 +19,7 @@ $(VENV)/.demo-deps: pyproject.toml | $(PY)
 
 $(VENV)/.test-deps: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet '$(TORCH)'
-	$(PY) -m pip install --quiet -e '.[data,plot,dev,torch,ort,camera,export,broker,deploy,privacy,ray]'
+	$(PY) -m pip install --quiet -e '.[data,plot,dev,torch,ort,camera,export,broker,deploy,privacy,ray,body,pretrained]'
 	touch $@
 
 demo: $(VENV)/.demo-deps

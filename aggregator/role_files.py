@@ -20,12 +20,13 @@ from .fleet_file import FleetFile
 __all__ = ["device_file", "line_file", "camera_preprocess", "model_table", "training_table"]
 
 
-def camera_preprocess(shape: tuple[int, ...]) -> dict[str, Any]:
+def camera_preprocess(shape: tuple[int, ...], body: str = "none") -> dict[str, Any]:
     """How a camera frame becomes a sample of ``shape``: grey for (H, W) and (1, H, W),
-    colour for (3, H, W), resized to W x H."""
+    colour for (3, H, W), resized to W x H; RGB for a pretrained body."""
     h, w = shape[-2], shape[-1]
     grey = len(shape) == 2 or shape[0] == 1
-    return {"grayscale": grey, "resize": [w, h]}
+    return {"grayscale": grey, "resize": [w, h], **({"rgb": True} if body != "none" and
+                                                    not grey else {})}
 
 
 def model_table(fleet: FleetFile) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def device_file(fleet: FleetFile, did: str, sid: str, *, broker: dict[str, Any],
               "min_batch": training["batch_size"], **stages}
     # No camera named: uri stays empty, which start-up refuses, naming [source] uri.
     source = {"kind": "camera", "uri": camera,
-              **camera_preprocess(fleet.model.input_shape),
+              **camera_preprocess(fleet.model.input_shape, fleet.model.body),
               "label_topic": label_topic(sid, did)}
     parts = [
         "\n".join(head) + "\n",

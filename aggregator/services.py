@@ -121,7 +121,8 @@ class StationService:
         if cfg.central_dp_noise:
             keep_privacy_ledger(role.dp, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.STATION,
-                                   participant=cfg.station_id, trainer=trainer)
+                                   participant=cfg.station_id, trainer=trainer,
+                                   model=self.model)
 
         first_model: list[float] = []
 
@@ -192,7 +193,7 @@ class CloudService:
             keep_privacy_ledger(role.dp, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.CLOUD,
                                    participant=CLOUD_ID, trainer=trainer,
-                                   client_id=f"{cfg.fleet}-cloud")
+                                   model=self.model, client_id=f"{cfg.fleet}-cloud")
         rows: list[dict[str, Any]] = []
         log_rows = _MetricsLog(self.out)
         checkpoint = _checkpointing(role, self.service.state_dir, "cloud",

@@ -122,15 +122,16 @@ def _kept_model(args: argparse.Namespace) -> tuple[str, Trainer, ModelConfig]:
 
 def run_export(args: argparse.Namespace) -> int:
     """Export the deployable model a device keeps in its ``[service] state_dir``."""
+    from .body import body_manifest
+    from .service import federation_layout
     from .serving import load_deployable
-    from .trainers import layout_hash
     from .trainers.onnx_export import export_onnx
 
     state_dir, trainer, model = _kept_model(args)
-    saved = load_deployable(state_dir, layout_hash=layout_hash(trainer.layout))
+    saved = load_deployable(state_dir, layout_hash=federation_layout(model, trainer))
     out = export_onnx(trainer, saved.weights, args.out, input_shape=tuple(model.input_shape),
                       num_classes=model.num_classes, model_round=saved.round,
-                      model_name=model.spec)
+                      model_name=model.spec, body=body_manifest(model))
     print(f"wrote {out}: {model.spec}, round {saved.round}, input {tuple(model.input_shape)}, "
           f"{model.num_classes} classes")
     return 0
@@ -138,11 +139,11 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_rollback(args: argparse.Namespace) -> int:
     """Put the model a device used before its latest promotion back into use."""
+    from .service import federation_layout
     from .serving import roll_back
-    from .trainers import layout_hash
 
-    state_dir, trainer, _ = _kept_model(args)
-    now, aside = roll_back(state_dir, layout_hash=layout_hash(trainer.layout))
+    state_dir, trainer, model = _kept_model(args)
+    now, aside = roll_back(state_dir, layout_hash=federation_layout(model, trainer))
     print(f"{state_dir}: the model of round {now.round} (iteration {now.iteration}) is in "
           f"use again; round {aside.round}'s is set aside (a second rollback restores it). "
           "Start the device for it to take effect.")

@@ -26,6 +26,7 @@ from .topics import station_model_topic, topic_for
 from .transport import Transport
 
 if TYPE_CHECKING:  # the device imports the runner's module family, not the other way round
+    from .body import Body
     from .device import Device
 
 __all__ = ["RoleRunner", "StopFlag", "serve", "pace_replay"]
@@ -152,16 +153,19 @@ def serve(runners: RoleRunner[Any] | Sequence[RoleRunner[Any]], transport: Trans
             metrics.close()
 
 
-def pace_replay(runner: RoleRunner[Device], source: ReplaySource, rate: float) -> None:
+def pace_replay(runner: RoleRunner[Device], source: ReplaySource, rate: float,
+                body: Body | None = None) -> None:
     """Feed ``runner``'s device ``rate`` samples per local step of each station model, from
     ``source``: a replayed stream paced by the federation (simulations, and devices with
     ``[source] per_iteration``).  Subscribed after the role, so the device has stored the
-    model when that iteration's samples arrive."""
+    model when that iteration's samples arrive.  A ``body`` embeds them first."""
     device = runner.role
     steps = device.config.local_steps
 
     def on_model(topic: str, message: m.Message) -> None:
         x, y = source.paced(rate, steps)
+        if len(y) and body is not None:
+            x = body.embed(x)
         if len(y):
             runner.publish(device.ingest(x, y, runner.clock()))
     runner.transport.subscribe(station_model_topic(device.config.fleet, device.config.station),

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import messages as m
+from .body import body_id, head_input_shape, open_body
 from .config import (
     BrokerConfig,
     DeviceConfig,
@@ -41,7 +42,7 @@ from .trainers import Trainer, build_trainer, layout_hash
 from .trainers.paced import PacedTrainer
 
 __all__ = ["DeviceService", "load_role_file", "with_metrics", "model_trainer",
-           "role_transport", "DEVICE_TABLES", "SHARED_TABLES"]
+           "role_transport", "federation_layout", "DEVICE_TABLES", "SHARED_TABLES"]
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +71,27 @@ def load_role_file(path: str | Path | None, tables: dict[str, type],
 
 def model_trainer(model: ModelConfig, lr: float) -> Trainer:
     """The trainer a role's ``[model]`` table describes (stations and the cloud use it for the
-    layout, the initial weights and evaluation, never for SGD)."""
-    return build_trainer(model.spec, backend=model.backend, input_shape=model.input_shape,
+    layout, the initial weights and evaluation, never for SGD).  With a body it is the
+    head, on the body's embeddings."""
+    return build_trainer(model.spec, backend=model.backend, input_shape=head_input_shape(model),
                          num_classes=model.num_classes, lr=lr, seed=model.seed,
-                         artifacts=model.artifacts or None, device=model.device)
+                         artifacts=model.artifacts or None, device=model.device,
+                         hidden=model.hidden)
+
+
+def federation_layout(model: ModelConfig, trainer: Trainer) -> str:
+    """The layout hash every frame carries: the model's tensors, and its body's hash."""
+    return layout_hash(trainer.layout, body=body_id(model))
 
 
 def role_transport(broker: BrokerConfig, *, fleet: str, role: m.Participant, participant: str,
-                   trainer: Trainer, client_id: str | None = None) -> MqttTransport:
+                   trainer: Trainer, model: ModelConfig,
+                   client_id: str | None = None) -> MqttTransport:
     """The MQTT transport of one participant, with its presence and the model's layout."""
     presence = m.Presence(fleet=fleet, sender=participant, round=0, iteration=0, role=role,
                           online=True)
     return MqttTransport(broker, client_id=client_id or participant, fleet=fleet,
-                         layout_hash=layout_hash(trainer.layout), presence=presence,
+                         layout_hash=federation_layout(model, trainer), presence=presence,
                          num_params=trainer.num_params)
 
 
@@ -132,12 +141,24 @@ class DeviceService:
         (none when the federation paces a replay) and keep its deployable model on disk."""
         cfg, mc = self.device, self.model
         trainer = model_trainer(mc, cfg.lr)
+        body = open_body(mc)
+        decoded = self.source.kind == "camera" or (  # frames OpenCV decodes: BGR
+            self.source.kind == "replay" and not self.source.path.endswith((".npz", ".npy")))
+        if body is not None and decoded and body.manifest.input_shape[0] == 3 and \
+                not self.source.rgb:
+            raise ConfigError("rgb", f"body {mc.body} takes RGB frames and OpenCV delivers BGR: "
+                              "set [source] rgb = true")
+        if body is not None:
+            log.info("device %s: body %s (%s) on %s, %d-d embeddings (%d bytes a buffered "
+                     "sample)", cfg.device_id, body.manifest.name, body.manifest.hash,
+                     body.runtime, body.manifest.embedding, body.manifest.bytes_per_sample)
         if self.service.emulate_step_s:
             trainer = PacedTrainer(trainer, self.service.emulate_step_s)
-        device = Device(cfg, trainer, num_classes=mc.num_classes, sample_shape=mc.input_shape,
+        device = Device(cfg, trainer, num_classes=mc.num_classes,
+                        sample_shape=head_input_shape(mc),
                         rng=np.random.default_rng(cfg.seed), inference=self.inference)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,
-                                   participant=cfg.device_id, trainer=trainer)
+                                   participant=cfg.device_id, trainer=trainer, model=mc)
         runner = RoleRunner(device, transport)
         if device.pipeline.noise:
             keep_privacy_ledger(device.upload, self.service.state_dir)
@@ -150,12 +171,13 @@ class DeviceService:
                                      num_classes=mc.num_classes,
                                      rng=np.random.default_rng(self.source.seed))
         if self.source.initial and isinstance(source, ReplaySource):
-            device.buffer.push(*source.read(self.source.initial))
+            x, y = source.read(self.source.initial)
+            device.buffer.push(body.embed(x) if body is not None else x, y)
         if self.source.per_iteration:
             if not isinstance(source, ReplaySource):
                 raise ConfigError("per_iteration", "federation-paced replay needs an array "
                                   "source")
-            pace_replay(runner, source, self.source.per_iteration)
+            pace_replay(runner, source, self.source.per_iteration, body=body)
             return runner, transport, keep
         pump = SourcePump(source, capacity=self.source.queue_size, drop_when_full=drops,
                           name=cfg.device_id).start()
@@ -166,6 +188,7 @@ class DeviceService:
                                      delay_max=src.label_delay_max)
         topic = predictions_topic(cfg.fleet, cfg.device_id)
         self.feed = feed = StreamFeed(device, pump, inference=self.inference, labels=self.labels,
+                                      body=body,
                                       publish=lambda doc: transport.publish_document(
                                           topic, doc, retain=False, qos=0))
         if src.label_topic:

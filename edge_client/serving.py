@@ -1,5 +1,7 @@
 """The device's stream loop: every sample a source delivers is predicted by the deployable
-model, published for the line, scored prequentially and, once labelled, trained on.
+model, published for the line, scored prequentially and, once labelled, trained on.  With a
+frozen body (``body.py``) each frame is embedded once, as it is drained: the head predicts
+from that embedding, and the embedding is what is buffered, parked for a label and trained on.
 
 :class:`StreamFeed` is the device service's hook.  Each loop turn it drains the source's
 pump; predicts the frames ``[inference]`` allows (``fps``, ``every``) in one batched
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import messages as m
+from .body import Body
 from .codec import decode, encode
 from .config import InferenceConfig
 from .device import Device
@@ -47,8 +50,9 @@ class StreamFeed:
     def __init__(self, device: Device, pump: SourcePump, *, inference: InferenceConfig,
                  labels: LiveLabels | None = None,
                  publish: Callable[[Prediction], None] | None = None,
-                 max_samples: int = 256) -> None:
+                 max_samples: int = 256, body: Body | None = None) -> None:
         self.device, self.pump, self.inference, self.labels = device, pump, inference, labels
+        self.body = body
         self.publish, self.max_samples = publish, max_samples
         self.counters = device.counters  # one set of metrics per device
         self._next_t = 0.0  # earliest capture time the fps cap lets through
@@ -70,6 +74,8 @@ class StreamFeed:
         if batch is None:
             self.pump.check()
             return []
+        if self.body is not None:  # once per frame: the prediction and the sample share it
+            batch = batch._replace(x=self.body.embed(batch.x))
         predicted = self._infer(batch)
         labelled = batch.y != UNLABELLED
         out: list[m.Message] = []

@@ -59,34 +59,65 @@ class ComputeProfile:
     name: str
     step_s: dict[str, float]
     source: str
+    # Seconds of a frozen body's forward per arriving frame, per body (docs/bodies.md).
+    body_s: dict[str, float] = field(default_factory=dict)
 
-    def step_seconds(self, model: str) -> float:
+    def step_seconds(self, model: str, input_shape: tuple[int, ...] = ()) -> float:
+        """A step's seconds; a model measured at ``input_shape`` (``"small_cnn@3x64x64"``)
+        is priced at that figure, else at the model's own (its default input)."""
+        sized = f"{model}@{'x'.join(map(str, input_shape))}"
+        if input_shape and sized in self.step_s:
+            return self.step_s[sized]
         if model not in self.step_s:
             raise ConfigError("profiles", f"profile {self.name!r} has no figure for model "
                               f"{model!r}; it knows {sorted(self.step_s)}")
         return self.step_s[model]
 
+    def body_seconds(self, body: str) -> float:
+        """A frame's trip through ``body`` ("none": 0)."""
+        if body == "none":
+            return 0.0
+        if body not in self.body_s:
+            raise ConfigError("profiles", f"profile {self.name!r} has no figure for body "
+                              f"{body!r}; it knows {sorted(self.body_s)}")
+        return self.body_s[body]
+
 
 def _scaled(name: str, base: ComputeProfile, factor: float, source: str) -> ComputeProfile:
-    return ComputeProfile(name, {k: v * factor for k, v in base.step_s.items()}, source)
+    return ComputeProfile(name, {k: v * factor for k, v in base.step_s.items()}, source,
+                          {k: v * factor for k, v in base.body_s.items()})
 
 
 # Measured on this project's CI host (one x86_64 core, docs/install-edge.md's probe table:
 # numpy MLP 0.4 ms, numpy small_cnn 21.1 ms, torch small_cnn 10.3 ms a step at batch 32).
-_X86_NUMPY = ComputeProfile("x86-numpy", {"softmax": 0.0002, "mlp": 0.0004,
-                                          "small_cnn": 0.0211}, "measured (install-edge.md)")
-_X86_TORCH = ComputeProfile("x86-torch", {"softmax": 0.0003, "mlp": 0.0005,
-                                          "small_cnn": 0.0103}, "measured (install-edge.md)")
+# "linear" is a body's head on 1,280 features (numpy 0.05 ms a step).  A body's forward runs
+# on ONNX Runtime on every CPU board (edge_client/body.py), one frame at a time as a camera
+# delivers them: EfficientNet-Lite0 at 3x64x64, 1.05 ms a frame on one core
+# (bench/body.py, docs/bodies.md).
+# The small CNN on camera frames (3x64x64) is priced at its 1x28x28 figure times the ratio
+# measured in one run on one core: torch 51.7 / 8.0 ms (6.5x), numpy 137.7 / 17.9 ms (7.7x).
+_BODIES_X86 = {"efficientnet-lite0": 0.00105}
+_X86_NUMPY = ComputeProfile("x86-numpy", {"softmax": 0.0002, "linear": 0.00005, "mlp": 0.0004,
+                                          "small_cnn": 0.0211, "small_cnn@3x64x64": 0.162},
+                            "measured (install-edge.md)", _BODIES_X86)
+_X86_TORCH = ComputeProfile("x86-torch", {"softmax": 0.0003, "linear": 0.0001, "mlp": 0.0005,
+                                          "small_cnn": 0.0103, "small_cnn@3x64x64": 0.0666},
+                            "measured (install-edge.md)", _BODIES_X86)
 PROFILES: dict[str, ComputeProfile] = {p.name: p for p in (
-    ComputeProfile("zero", {"softmax": 0.0, "mlp": 0.0, "small_cnn": 0.0},
-                   "no cost: the clockless simulator's order, with links priced"),
+    ComputeProfile("zero", {"softmax": 0.0, "linear": 0.0, "mlp": 0.0, "small_cnn": 0.0,
+                            "small_cnn@3x64x64": 0.0},
+                   "no cost: the clockless simulator's order, with links priced",
+                   {"efficientnet-lite0": 0.0}),
     _X86_NUMPY, _X86_TORCH,
     _scaled("pi4-numpy", _X86_NUMPY, PI4_OVER_HOST, "x86-numpy x PI4_OVER_HOST"),
     _scaled("pi4-torch", _X86_TORCH, PI4_OVER_HOST, "x86-torch x PI4_OVER_HOST"),
     # A small model on a Jetson's GPU is bound by kernel launches (about 30 for a step of the
     # small CNN at 10-20 us each on Orin, plus the host-device copies of a batch), not FLOPs.
-    ComputeProfile("jetson-orin-cuda", {"softmax": 0.0008, "mlp": 0.0010, "small_cnn": 0.0025},
-                   "estimate: launch-bound (docs/experiments.md)"),
+    ComputeProfile("jetson-orin-cuda", {"softmax": 0.0008, "linear": 0.0008, "mlp": 0.0010,
+                                        "small_cnn": 0.0025, "small_cnn@3x64x64": 0.004},
+                   "estimate: launch-bound (docs/experiments.md)",
+                   # about 60 kernels a frame at 10-20 us each, batch 1 (an estimate)
+                   {"efficientnet-lite0": 0.0012}),
 )}
 
 

@@ -7,7 +7,10 @@ Fashion-MNIST is read from the Debian package ``dataset-fashion-mnist``
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import io
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +19,8 @@ import numpy as np
 from edge_client.errors import ConfigError, SaflError
 
 __all__ = ["Dataset", "FASHION_MNIST_DIR", "load_dataset", "load_default",
-           "dirichlet_label_skew", "assign_groups", "safl_split"]
+           "dirichlet_label_skew", "assign_groups", "safl_split", "camera_frames",
+           "sample_photos", "as_camera", "embedded"]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -93,6 +97,67 @@ def load_default(root: Path = FASHION_MNIST_DIR) -> tuple[Dataset, str]:
         return _fashion_mnist(root), f"Fashion-MNIST from {root}"
     return _digits(), ("scikit-learn digits (Fashion-MNIST not found: "
                        "`sudo apt-get install dataset-fashion-mnist` to use it)")
+
+
+def camera_frames(images: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Grey images ``(n, H, W)`` in [0, 1] as a camera's source delivers them at ``shape``
+    ``(C, H', W')``: resized as ``[source] resize`` does (OpenCV, area), grey replicated to
+    every channel, float32 in [0, 1]."""
+    import cv2
+
+    c, h, w = shape
+    out = np.empty((len(images), c, h, w), np.float32)
+    for i, image in enumerate(images):
+        out[i] = cv2.resize(np.asarray(image, np.float32), (w, h), interpolation=cv2.INTER_AREA)
+    return out
+
+
+def sample_photos(shape: tuple[int, ...]) -> np.ndarray:
+    """scikit-learn's two bundled photos (a temple, a flower), centre-cropped square and
+    resized to ``shape``, float32 RGB in [0, 1]: real images a body is checked on."""
+    import cv2
+    from sklearn.datasets import load_sample_images
+
+    c, h, w = shape
+    out = []
+    for image in load_sample_images().images:
+        side = min(image.shape[:2])
+        top, left = (image.shape[0] - side) // 2, (image.shape[1] - side) // 2
+        crop = cv2.resize(image[top:top + side, left:left + side], (w, h),
+                          interpolation=cv2.INTER_AREA)
+        out.append(crop.transpose(2, 0, 1)[:c].astype(np.float32) / 255.0)
+    return np.stack(out)
+
+
+def as_camera(data: Dataset, shape: tuple[int, ...]) -> Dataset:
+    """``data`` as camera frames of ``shape`` (:func:`camera_frames`)."""
+    return dataclasses.replace(data, name=f"{data.name}@{'x'.join(map(str, shape))}",
+                               x_train=camera_frames(data.x_train, shape),
+                               x_test=camera_frames(data.x_test, shape))
+
+
+def embedded(data: Dataset, shape: tuple[int, ...], body, cache: Path) -> Dataset:
+    """``data`` as the body's embeddings of its camera frames at ``shape``, computed once per
+    dataset, shape and body hash and kept in ``cache`` (numpy's .npz, no pickle): a long run
+    with a body then costs the head's training only.  Frames are made and embedded a chunk at
+    a time, so 60,000 of them never sit in memory at 64x64."""
+    path = cache / f"{data.name}-{'x'.join(map(str, shape))}-{body.manifest.hash}.npz"
+    if path.exists():
+        with np.load(path, allow_pickle=False) as z:
+            x_train, x_test = z["x_train"], z["x_test"]
+    else:
+        def embed(images: np.ndarray) -> np.ndarray:
+            return np.concatenate([body.embed(camera_frames(images[i:i + 1000], shape))
+                                   for i in range(0, len(images), 1000)])
+        x_train, x_test = embed(data.x_train), embed(data.x_test)
+        cache.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        np.savez(buf, x_train=x_train, x_test=x_test)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_bytes(buf.getvalue())
+        os.replace(part, path)
+    return dataclasses.replace(data, name=f"{data.name}@{body.manifest.name}",
+                               x_train=x_train, x_test=x_test)
 
 
 def dirichlet_label_skew(y: np.ndarray, num_clients: int, alpha: float,

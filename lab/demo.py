@@ -28,7 +28,7 @@ from edge_client.errors import ConfigError, SaflError
 from edge_client.runner import StopFlag
 from edge_client.states import DeviceState
 
-from .datasets import assign_groups, dirichlet_label_skew, load_default
+from .datasets import assign_groups, dirichlet_label_skew, embedded, load_default
 from .report import Progress, format_table, plot_accuracy, summary_rows, write_metrics
 from .run_report import write_run_report
 from .simulation import FleetSpec, RunResult, Strategy, plan_fleet, run_federation
@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from aggregator.monitor import FleetHistory
 
 __all__ = ["demo_strategies", "run_demo", "DEFAULT_ROUNDS"]
+
+# A linear head on a body's embeddings: chosen on experiments/camera_body_linear.toml (seed 0,
+# 0.003 to 1.0; docs/bodies.md).
+BODY_LR = 0.01
 
 # Over the embedded broker every iteration crosses amqtt (pure Python): fewer rounds by default.
 DEFAULT_ROUNDS = {"local": 100, "mqtt": 20}
@@ -152,15 +156,26 @@ def _embedded_broker():
 
 
 def _fleet(rounds: int, seed: int, stations: int, devices_per_station: int, alpha: float,
-           lr: float):
-    """The demo's data and fleet: the same for every strategy, run or written out."""
+           lr: float, body: str = "none", body_dir: str = ""):
+    """The demo's data and fleet: the same for every strategy, run or written out.  With a
+    body the images become camera frames (3x64x64), embedded once by the body (cached), and
+    the model is a linear head on them (docs/bodies.md)."""
     data, note = load_default()
     print(f"dataset: {note}", file=sys.stderr)
+    model = "mlp"
+    if body != "none":
+        from edge_client.body import cache_home, default_body_dir, open_exported
+
+        shape = (3, 64, 64)
+        data = embedded(data, shape, open_exported(body_dir or default_body_dir(body, shape)),
+                        cache_home() / "embeddings")
+        model, lr = "linear", BODY_LR
     rng = np.random.default_rng(seed)
     n_dev = stations * devices_per_station
     spec = FleetSpec(partitions=tuple(dirichlet_label_skew(data.y_train, n_dev, alpha, rng)),
                      groups=tuple(assign_groups(n_dev, stations, rng)), rounds=rounds, lr=lr,
-                     seed=seed, arrivals_per_step=48, initial_samples=64)
+                     seed=seed, arrivals_per_step=48, initial_samples=64, model=model,
+                     body=body)
     return data, spec
 
 
@@ -192,11 +207,15 @@ def write_demo_fleet(folder: Path, *, broker: str, rounds: int = 20, seed: int =
 
 def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 0,
              stations: int = 2, devices_per_station: int = 6, alpha: float = 0.3,
-             lr: float = 0.1, bus: str = "mqtt", broker: str | None = None) -> list[RunResult]:
+             lr: float = 0.1, bus: str = "mqtt", broker: str | None = None,
+             body: str = "none", body_dir: str = "") -> list[RunResult]:
     """Run the demo, print its table, write metrics (CSV, JSON) and ``accuracy.png``.
 
     ``bus = "mqtt"`` runs every role as its own process over ``broker`` (the embedded
-    amqtt broker when None); ``bus = "local"`` runs them in this process.
+    amqtt broker when None); ``bus = "local"`` runs them in this process.  With a ``body``
+    (exported in ``body_dir``, by default the cache) the devices train a linear head on its
+    embeddings of the dataset's camera frames, which the lab computes once; over the broker
+    the device processes replay those embeddings.
     """
     if bus not in ("mqtt", "local"):
         raise ConfigError("bus", f"must be 'mqtt' or 'local', got {bus!r}")
@@ -213,11 +232,12 @@ def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 
         plotting = False
         print("matplotlib is not installed: the demo writes its CSV and JSON but no plot "
               "(pip install 'safl-edge[plot]' for accuracy.png)", file=sys.stderr)
-    data, spec = _fleet(rounds, seed, stations, devices_per_station, alpha, lr)
+    data, spec = _fleet(rounds, seed, stations, devices_per_station, alpha, lr, body, body_dir)
     where = "in this process" if bus == "local" else (
         f"one process per role over {broker or 'the embedded amqtt broker'}")
+    model = "MLP" if body == "none" else f"a linear head on {body}'s embeddings"
     print(f"fleet: {stations} stations x {devices_per_station} devices, Dirichlet({alpha}) label "
-          f"skew, MLP on numpy, {rounds} rounds, {where}", file=sys.stderr)
+          f"skew, {model} on numpy, {rounds} rounds, {where}", file=sys.stderr)
     out = out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
     if bus == "local":
         results = [run_federation(data, s, spec, Progress(s.name, rounds))

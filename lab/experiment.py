@@ -27,6 +27,7 @@ import numpy as np
 from aggregator.central_dp import MECHANISMS, CentralPrivacy, tree_sensitivity
 from aggregator.selection import blas_threads
 from aggregator.server_optimizers import SERVER_OPTIMIZERS
+from edge_client.body import BODY_MANIFEST, cache_home, default_body_dir, open_exported
 from edge_client.config import TrainingSettings, check_range, load_config
 from edge_client.errors import ConfigError
 from edge_client.privacy import noise_for_epsilon
@@ -34,8 +35,10 @@ from edge_client.privacy import noise_for_epsilon
 from .attacks import ATTACKS
 from .datasets import (
     Dataset,
+    as_camera,
     assign_groups,
     dirichlet_label_skew,
+    embedded,
     load_dataset,
     safl_split,
 )
@@ -119,6 +122,9 @@ class ExperimentConfig(RecipeSettings):
     target_accuracy: float = 0.7
     # Under a clock: the report's accuracy at this many virtual seconds (0: no column).
     at_virtual_s: float = 0.0
+    # The report's accuracy when the fleet had trained each of these many samples
+    # (interpolated between evaluations; () : no columns).
+    at_samples: tuple[int, ...] = ()
     # SAFL's temperature as a fraction of the run's rounds (replaces temperature_rounds when
     # > 0), so that a setting chosen on a short run means the same on a long one.
     temperature_fraction: float = 0.25  # chosen by experiments/sweep_safl.toml
@@ -134,10 +140,24 @@ class ExperimentConfig(RecipeSettings):
     # sample in this many before training (0: off).  A forward pass per prediction: at 10 the
     # reference runs take longer (docs/algorithms.md has the measured cost).
     prequential_every: int = 0
+    # The dataset as a camera delivers it (C, H, W): grey images resized and replicated to
+    # every channel (lab.datasets.camera_frames); () keeps the images as they are.
+    camera_shape: tuple[int, ...] = ()
+    # A frozen pretrained body before the model (docs/bodies.md), which is then the head: the
+    # dataset's camera frames are embedded once and cached, and the clock prices the body's
+    # forward per arriving frame.  body_dir: its export (default: the cache, which `safl
+    # experiment` fills).
+    body: str = "none"
+    body_dir: str = ""
+    hidden: int = 128  # the mlp's hidden units (an mlp head's, with a body)
 
     def __post_init__(self) -> None:
         if self.partition not in ("dirichlet", "safl"):
             raise ConfigError("partition", "must be 'dirichlet' or 'safl'")
+        if self.body != "none" and not self.camera_shape:
+            object.__setattr__(self, "camera_shape", (3, 64, 64))
+        if self.camera_shape and (len(self.camera_shape) != 3 or min(self.camera_shape) < 1):
+            raise ConfigError("camera_shape", f"must be (C, H, W), got {self.camera_shape}")
         for key in ("factories", "devices_per_factory", "super_node", "sync_period", "rounds",
                     "batch_size", "arrivals_per_step", "eval_samples", "eval_every"):
             check_range(key, getattr(self, key), 1)
@@ -201,7 +221,8 @@ def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> Flee
                      eval_every=cfg.eval_every,
                      share_trainers=True, attack=attack,
                      attackers=tuple(range(cfg.attackers)) if attack != "none" else (),
-                     prequential_every=cfg.prequential_every)
+                     prequential_every=cfg.prequential_every, body=cfg.body,
+                     hidden=cfg.hidden)
 
 
 # Privacy and update stages, per role, passed on only where set: a plain run keeps the cache
@@ -260,8 +281,22 @@ def _set(cfg: ExperimentConfig, *keys: str) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=2)
-def _dataset(name: str) -> Dataset:
-    return load_dataset(name)  # once per process, not once per strategy
+def _dataset(name: str, camera_shape: tuple[int, ...] = (), body: str = "none",
+             body_dir: str = "") -> Dataset:
+    """The run's data, once per process, not once per strategy: the images, or a camera's
+    frames of them, or a body's embeddings of those (cached on disk)."""
+    data = load_dataset(name)
+    if body == "none":
+        return as_camera(data, camera_shape) if camera_shape else data
+    folder = Path(body_dir) if body_dir else default_body_dir(body, camera_shape)
+    if not (folder / BODY_MANIFEST).exists():
+        raise ConfigError("body_dir", f"no exported body in {folder}: safl experiment exports "
+                          f"it, or run safl models export-body {body} --out {folder}")
+    return embedded(data, camera_shape, open_exported(folder), cache_home() / "embeddings")
+
+
+def experiment_data(cfg: ExperimentConfig) -> Dataset:
+    return _dataset(cfg.dataset, tuple(cfg.camera_shape), cfg.body, cfg.body_dir)
 
 
 @dataclass(frozen=True)
@@ -288,7 +323,7 @@ def run_task(task: RunTask) -> RunResult:
     if cfg.backend == "torch":
         import torch  # the lab may load torch; the device package never must
         torch.set_num_threads(task.threads)  # parallel jobs each get their share of the cores
-    data = _dataset(cfg.dataset)
+    data = experiment_data(cfg)
     # A torch run keeps numpy's BLAS on one thread: its BLAS work is the stations' small
     # selection problems, and OpenBLAS threads spinning beside torch's took FedGS from 0.28
     # to 0.45 s per 1,000 samples (bench/simulator.py).  A numpy run trains through BLAS.
@@ -332,7 +367,7 @@ def run_tasks(tasks: list[RunTask], jobs: int, ray: str | None,
 # Settings that shape no single run: the list of runs, the report, and the recipe knobs
 # (a run's recipe enters its cache key whole, as the Strategy it built).
 _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "target_accuracy",
-                           "at_virtual_s",
+                           "at_virtual_s", "at_samples",
                            "temperature_rounds", "temperature_fraction", "mix", "nu",
                            "merge_max_age", "prox_mu", "server_lr", "momentum",
                            "cloud_optimizer", "lr_decay_fraction", "lr_decay_rounds",
@@ -343,7 +378,8 @@ _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "ta
 # Keys that a run without them never had: left out of the cache key at their default.
 _OFF_UNLESS_SET = frozenset({*_DEVICE_KEYS, *_STATION_KEYS, *_CLOUD_KEYS, "central_dp_epsilon",
                              "central_dp_mechanism", "max_participations", "cloud_dp_epsilon",
-                             "local_dp_epsilon", "local_dp_clip"})
+                             "local_dp_epsilon", "local_dp_clip", "camera_shape", "body",
+                             "body_dir", "hidden"})
 _DEFAULT = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
 
 
@@ -486,7 +522,7 @@ def run_experiment(path: str | Path, *, out: Path | None = None, jobs: int = 1,
     run_tasks(todo, jobs, ray, finished)
     per_seed = [r for r in (done[t.key] for t in tasks) if r is not None]  # all done by now
     results = merge_seeds(per_seed)
-    rows = result_rows(per_seed, cfg.target_accuracy, cfg.at_virtual_s)
+    rows = result_rows(per_seed, cfg.target_accuracy, cfg.at_virtual_s, cfg.at_samples)
     write_csv(out / "results.csv", rows)
     write_metrics(results, out)
     title = f"{label}: {cfg.dataset}, {cfg.partition}"

@@ -182,7 +182,7 @@ class Factory:
         priced by its profile and link; the station's beside its broker, free)."""
         if self.links is None:
             return RoleRunner(role, self.bus, SIM_CLOCK)
-        port = self.links.port(role, values, self.plan.spec.model)
+        port = self.links.port(role, values, self.plan.spec)
         runner = RoleRunner(role, port, lambda: port.now)
         port.tick = runner.tick
         return runner
@@ -295,34 +295,37 @@ class _Links:
         return self.bus.publish_at(topic, model,
                                    self.down.arrival(sent, m.payload_nbytes(model)))
 
-    def port(self, role: Any, values: dict[str, Any] | None, model: str) -> Port:
+    def port(self, role: Any, values: dict[str, Any] | None, spec: FleetSpec) -> Port:
         if values is None:  # the station
             port = self.bus.port(role.id)
         else:
             port = self.bus.port(role.id, self.clock.device_link,
                                  rng=np.random.default_rng(self.seeds.spawn(1)[0]))
-            port.cost = _compute_cost(role, self.clock, values, model)
+            port.cost = _compute_cost(role, self.clock, values, spec.model, spec.body)
         port.wakeup = role.wakeup
         return port
 
 
-def _compute_cost(device: Device, clock: ClockConfig, values: dict[str, Any], model: str
-                  ) -> Callable[[], float]:
-    """What a device's handling cost, from what its counters say it did: samples trained,
-    held-out evaluations, predictions (each priced by its profile)."""
-    per_sample = PROFILES[values["_profile"]].step_seconds(model) / REFERENCE_BATCH
+def _compute_cost(device: Device, clock: ClockConfig, values: dict[str, Any], model: str,
+                  body: str = "none") -> Callable[[], float]:
+    """What a device's handling cost, from what its counters say it did: frames through its
+    body, samples trained, held-out evaluations, predictions (each priced by its profile)."""
+    profile = PROFILES[values["_profile"]]
+    per_sample = profile.step_seconds(model, device.buffer.sample_shape) / REFERENCE_BATCH
+    per_frame = profile.body_seconds(body)
     if values["_k"] in clock.slow_devices:
         per_sample *= clock.slow_factor
+        per_frame *= clock.slow_factor
     per_eval = per_sample * FORWARD_SHARE * device.config.holdout_capacity
     per_prediction = per_sample * FORWARD_SHARE
-    counters = device.counters
-    seen = [0, 0, 0]
+    counters, buffer = device.counters, device.buffer
+    seen = [0, 0, 0, 0]
 
     def cost() -> float:
         now = [counters["samples_trained"], counters["local_evaluations"],
-               counters["predictions"]]
+               counters["predictions"], buffer.samples_seen]
         spent = ((now[0] - seen[0]) * per_sample + (now[1] - seen[1]) * per_eval
-                 + (now[2] - seen[2]) * per_prediction)
+                 + (now[2] - seen[2]) * per_prediction + (now[3] - seen[3]) * per_frame)
         seen[:] = now
         return spent
     return cost
@@ -402,7 +405,7 @@ def trainer_maker(spec: FleetSpec, sample_shape: tuple[int, ...], num_classes: i
         return build_trainer(spec.model, backend=backend, input_shape=sample_shape,
                              num_classes=num_classes, lr=spec.lr, seed=spec.seed,
                              artifacts=spec.artifacts, expected_layout_hash=layout,
-                             device=spec.torch_device)
+                             device=spec.torch_device, hidden=spec.hidden)
     return make
 
 

@@ -77,6 +77,14 @@ class FleetSpec:
     # Virtual time (lab/clock.py): the devices' boards and every link, priced; None: no
     # clock (every message arrives at once, no deadline fires, as before).
     clock: ClockConfig | None = None
+    # The frozen body the devices' frames pass before the model (the data are its embeddings
+    # already): the clock prices its forward on every arriving frame.
+    body: str = "none"
+    # Where set (an exported body's folder), launched devices run the body themselves on the
+    # frames they replay: the data's training samples are frames, its test samples the
+    # body's embeddings (the cloud scores the head).  Unset, the data are embeddings already.
+    body_dir: str = ""
+    hidden: int = 128  # the mlp's hidden units
 
     def __post_init__(self) -> None:
         check_batched_steps(self.batched_steps, self.clock is not None)

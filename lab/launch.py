@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_client.body import load_body_manifest
 from edge_client.config import toml_text
 from edge_client.errors import SaflError
 
@@ -49,7 +50,11 @@ def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpe
     np.savez(test, x=data.x_test[:spec.eval_samples], y=data.y_test[:spec.eval_samples])
 
     def model(backend: str) -> dict[str, Any]:
+        body = {"body": spec.body, "body_dir": spec.body_dir,
+                "input_shape": load_body_manifest(spec.body_dir).input_shape} \
+            if spec.body_dir else {}
         return {"name": spec.model, "backend": backend, "input_shape": data.sample_shape,
+                **({"hidden": spec.hidden} if spec.hidden != 128 else {}), **body,
                 "num_classes": data.num_classes, "seed": spec.seed,
                 "artifacts": spec.artifacts or ""}
 
@@ -82,19 +87,20 @@ def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpe
         path.write_text(toml_text({"device": public_settings(values),
                                    "model": model(values["_backend"]),
                                    "source": source, "broker": broker(did),
-                                   **_rehearsed(spec, values)}))
+                                   **_rehearsed(spec, values, data.sample_shape)}))
         paths[did] = path
     paths["_test"] = test
     return paths
 
 
-def _rehearsed(spec: FleetSpec, values: dict[str, Any]) -> dict[str, Any]:
+def _rehearsed(spec: FleetSpec, values: dict[str, Any],
+               shape: tuple[int, ...] = ()) -> dict[str, Any]:
     """A clocked fleet's device trains at its profile's pace (slowed as the clock slows it)
     and predicts as the simulated one does (one sample in ``prequential_every``, kept on the
     board), so that the processes rehearse the fleet the simulation priced."""
     if spec.clock is None:
         return {}
-    step_s = PROFILES[values["_profile"]].step_seconds(spec.model)
+    step_s = PROFILES[values["_profile"]].step_seconds(spec.model, shape)
     if values["_k"] in spec.clock.slow_devices:
         step_s *= spec.clock.slow_factor
     return {"service": {"emulate_step_s": step_s},

@@ -54,7 +54,8 @@ def run_experiments(configs: list[Path], *, out: Path | None, jobs: int, full: b
             cfg, results, folder = run_experiment(config, out=folder_out, jobs=jobs, full=full,
                                                   attack=attack, fresh=fresh,
                                                   finished_only=finished_only, ray=ray)
-            rows = result_rows(results, cfg.target_accuracy, cfg.at_virtual_s)
+            rows = result_rows(results, cfg.target_accuracy, cfg.at_virtual_s,
+                               cfg.at_samples)
             claims = assess_claims(results, cfg.target_accuracy) if attack == "none" else []
             for c in claims:
                 print(f"{c.verdict:>15}: {c.claim} ({c.evidence})")

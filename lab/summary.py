@@ -183,11 +183,30 @@ def epsilon_column(runs: list[RunResult]) -> dict[str, float]:
     return out
 
 
-def result_rows(results: list[RunResult], target: float, at_virtual_s: float = 0.0
-                ) -> list[dict[str, Any]]:
+def accuracy_at_samples(rows: Sequence[Mapping[str, Any]], samples: int) -> float:
+    """The accuracy when the fleet had trained ``samples``, interpolated linearly between the
+    evaluations either side (NaN past the run's end)."""
+    done = [float(r["samples"]) for r in rows]
+    if samples > done[-1] + 1e-9:
+        return NAN
+    return float(np.interp(samples, done, [float(r["accuracy"]) for r in rows]))
+
+
+def _samples_columns(runs: list[RunResult], at_samples: Sequence[int]) -> dict[str, Any]:
+    """The accuracy at each of ``at_samples`` trained fleet-wide (mean, sd over seeds)."""
+    out: dict[str, Any] = {}
+    for n in at_samples:
+        at, at_sd = mean_sd([accuracy_at_samples(r.rows, n) for r in runs])
+        out |= {f"accuracy_at_{n / 1000:g}k": at, f"accuracy_at_{n / 1000:g}k_sd": at_sd}
+    return out
+
+
+def result_rows(results: list[RunResult], target: float, at_virtual_s: float = 0.0,
+                at_samples: Sequence[int] = ()) -> list[dict[str, Any]]:
     """One row per strategy for ``results.csv``: mean and sample sd over seeds of the
     accuracy (mean of the last evaluations), samples to a sustained ``target`` (``never``
-    when some seed did not hold it), device-local accuracy, virtual time, traffic."""
+    when some seed did not hold it), the accuracy at ``at_samples`` trained, device-local
+    accuracy, virtual time, traffic."""
     out = []
     for name, runs in by_strategy(results).items():
         sums = [run_summary(r, target, at_virtual_s) for r in runs]
@@ -205,6 +224,7 @@ def result_rows(results: list[RunResult], target: float, at_virtual_s: float = 0
                                                if held == len(runs)
                                                else f"never ({len(runs) - held}/{len(runs)})"),
                     "local_q1": lq1, "local_q1_sd": lq1_sd, "worst10_q1": w10,
+                    **_samples_columns(runs, at_samples),
                     "local_end": lend, **_prequential_columns(sums),
                     "samples": int(np.mean([s["samples"] for s in sums])),
                     **_virtual_time_columns(sums, target, at_virtual_s),

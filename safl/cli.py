@@ -40,7 +40,12 @@ def _demo(args: argparse.Namespace) -> int:
         raise ConfigError("broker", "--broker runs the fleet over MQTT; drop --bus local")
     # SIGTERM unwinds like Ctrl-C, so the demo stops its role processes and its broker.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    run_demo(rounds=args.rounds, out=args.out, seed=args.seed, bus=bus, broker=args.broker)
+    body_dir = ""
+    if args.body != "none":
+        from safl.bodies import ensure_body
+        body_dir = str(ensure_body(args.body, (3, 64, 64)))
+    run_demo(rounds=args.rounds, out=args.out, seed=args.seed, bus=bus, broker=args.broker,
+             body=args.body, body_dir=body_dir)
     return 0
 
 
@@ -63,6 +68,21 @@ def _export(args: argparse.Namespace) -> int:
                                 input_shape=shape, force=args.force)
     print(f"exported {manifest.model}: {manifest.num_params} parameters, input "
           f"{manifest.input_shape}, layout {manifest.layout_hash} -> {args.out}")
+    return 0
+
+
+def _export_body(args: argparse.Namespace) -> int:
+    from safl.bodies import export_checked
+
+    shape = tuple(int(d) for d in args.input_shape.split(","))
+    if len(shape) != 3:
+        raise ConfigError("input-shape", f"a body takes frames (C,H,W), got {args.input_shape}")
+    manifest = export_checked(args.name, args.out, shape)
+    import json
+    checked = json.loads((Path(args.out) / "body.json").read_text())["checked_against_torch"]
+    print(f"exported body {manifest.name} (hash {manifest.hash}): frames {manifest.input_shape}"
+          f" -> {manifest.embedding} features -> {args.out}"
+          + "".join(f"; {k}: relative error {v:.1e} against torch" for k, v in checked.items()))
     return 0
 
 
@@ -127,9 +147,21 @@ def _monitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_bodies(configs: list[Path], full: bool = False) -> None:
+    """Export (and check) the body an experiment file names, once, before its runs."""
+    from lab.experiment import load_experiment
+    from safl.bodies import ensure_body
+
+    for config in configs:
+        cfg = load_experiment(config, full)
+        if cfg.body != "none":
+            ensure_body(cfg.body, tuple(cfg.camera_shape), cfg.body_dir)
+
+
 def _experiment(args: argparse.Namespace) -> int:
     from lab.results import run_experiments
 
+    _export_bodies(args.configs, args.full)
     run_experiments(args.configs, out=args.out, jobs=args.jobs, full=args.full,
                     fresh=args.fresh, finished_only=args.finished_only, report=args.report,
                     ray=args.ray)
@@ -146,6 +178,7 @@ def _report(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from lab.sweep import run_sweep
 
+    _export_bodies([args.config])
     run_sweep(args.config, out=args.out, jobs=args.jobs, report=args.report, ray=args.ray)
     return 0
 
@@ -208,6 +241,9 @@ def _add_demo(sub) -> None:
     demo.add_argument("--out", type=Path, default=None, help="output folder "
                       "(default runs/<timestamp>)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--body", default="none", metavar="NAME",
+                      help="a frozen pretrained body (efficientnet-lite0): the devices train a "
+                      "linear head on its embeddings of camera frames (docs/bodies.md)")
     demo.add_argument("--fleet-out", type=Path, default=None, metavar="DIR",
                       help="write the SAFL+FedGS fleet's files (absolute paths, README with "
                       "the commands) to DIR and start nothing")
@@ -335,6 +371,12 @@ def _add_models(sub) -> None:
                         help="comma-separated sample shape, e.g. 3,64,64 (default per model)")
     export.add_argument("--force", action="store_true", help="overwrite a non-empty folder")
     export.set_defaults(run=_export)
+    body = models.add_parser("export-body", help="write a frozen pretrained body as an ONNX "
+                             "inference graph and its manifest (docs/bodies.md)")
+    body.add_argument("name", help="efficientnet-lite0, package.module:factory, or FILE.onnx")
+    body.add_argument("--out", type=Path, required=True, help="the body's folder")
+    body.add_argument("--input-shape", default="3,64,64", help="the frames it takes, C,H,W")
+    body.set_defaults(run=_export_body)
     listing = models.add_parser("list", help="the zoo's models and their default input shapes")
     listing.set_defaults(run=_models_list)
 

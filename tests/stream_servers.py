@@ -117,7 +117,8 @@ class Line:
 
     def __init__(self, images: np.ndarray, targets: np.ndarray, classes: tuple[int, ...], *,
                  topic: str, publish, item_s: float = 1.0, labels_per_item: int = 3,
-                 variants: int = 3, seed: int = 0) -> None:
+                 variants: int = 3, seed: int = 0, smooth: bool = False) -> None:
+        self.smooth = smooth
         self.images, self.targets, self.classes = images, targets, classes
         self.topic, self.publish_fn, self.item_s = topic, publish, item_s
         self.labels_per_item, self.variants = labels_per_item, variants
@@ -132,8 +133,14 @@ class Line:
     def _picture(self, label: int) -> np.ndarray:
         # A product type looks much the same every time: a few exemplars per class.
         pool = np.flatnonzero(self.targets == label)[:self.variants]
-        digit = self.images[self.rng.choice(pool)].reshape(8, 8)
-        big = np.kron(digit, np.ones((HEIGHT // 8, WIDTH // 8)))  # what the camera sees
+        image = self.images[self.rng.choice(pool)]
+        side = int(np.sqrt(image.size))
+        if self.smooth:  # a photographed item: no pixel blocks for the JPEG encoder to ring at
+            import cv2
+            big = cv2.resize(image.reshape(side, side).astype(np.float32), (WIDTH, HEIGHT),
+                             interpolation=cv2.INTER_CUBIC)
+        else:
+            big = np.kron(image.reshape(side, side), np.ones((HEIGHT // side, WIDTH // side)))
         return np.repeat(np.clip(big * 255, 0, 255).astype(np.uint8)[:, :, None], 3, axis=2)
 
     def _next_item(self, start: float) -> None:

@@ -58,7 +58,8 @@ class Federation:
     """Mosquitto, the cloud, a station and a camera device, each its own process."""
 
     def __init__(self, tmp: Path, uri: str, *, promote: str = "not_worse", window: int = 100,
-                 hostile: tuple[Path, float] | None = None) -> None:
+                 hostile: tuple[Path, float] | None = None, model: str = MODEL,
+                 frames: str = 'grayscale = true\nresize = [8, 8]\n', lr: float = 0.5) -> None:
         acl = acl_lines(FLEET, {STATION: [DEVICE]}) + [
             f"user line-{STATION}", f"topic write line/{STATION}/#", "",
             f"user {DEVICE}", f"topic read line/{STATION}/#", ""]
@@ -68,16 +69,16 @@ class Federation:
         self.metrics_port, self.jsonl = free_port(), tmp / "predictions.jsonl"
         files = {
             "cloud": f'[cloud]\nfleet = "{FLEET}"\nstations = ["{STATION}"]\nrounds = 10000\n'
-                     + MODEL + _broker_table(url, "cloud"),
+                     + model + _broker_table(url, "cloud"),
             "station": f'[station]\nfleet = "{FLEET}"\nstation_id = "{STATION}"\n'
                        f'devices = ["{DEVICE}"]\nsuper_node_size = 1\nrand_per_group = 0\n'
                        'sync_period = 2\nbatch_size = 8\niteration_timeout = 10.0\n'
-                       + MODEL + _broker_table(url, STATION),
+                       + model + _broker_table(url, STATION),
             "device": f'[device]\nfleet = "{FLEET}"\ndevice_id = "{DEVICE}"\n'
-                      f'station = "{STATION}"\nbatch_size = 8\nmin_batch = 8\nlr = 0.5\n'
+                      f'station = "{STATION}"\nbatch_size = 8\nmin_batch = 8\nlr = {lr}\n'
                       'mix = 1.0\n'
-                      + MODEL + f'[source]\nkind = "camera"\nuri = "{uri}"\n'
-                      f'label_topic = "{LABELS}"\ngrayscale = true\nresize = [8, 8]\n'
+                      + model + f'[source]\nkind = "camera"\nuri = "{uri}"\n'
+                      f'label_topic = "{LABELS}"\n' + frames +
                       'retries = 10\nbackoff = 0.2\ntimeout = 5.0\n'
                       f'[inference]\njsonl = "{self.jsonl}"\nwindow = {window}\n'
                       # one shadow score in 2 iterations, not 10: this federation's
@@ -135,14 +136,15 @@ class Federation:
         self.broker.stop()
 
 
-def _run(tmp_path, digits, kind: str, seconds: float, outage_at: float | None, **federation):
+def _run(tmp_path, digits, kind: str, seconds: float, outage_at: float | None,
+         smooth: bool = False, **federation):
     server = StreamServer(kind, free_port(), tmp_path / f"{kind}.log")
     # ffmpeg listens only once it runs: the device starts after it (a camera that boots late
     # is the outage's case, tested below), else its first backoff eats the run.
     time.sleep(2.0)
     fed = Federation(tmp_path, server.uri, **federation)
     line = Line(digits.x_train, digits.y_train, CLASSES, topic=LABELS,
-                publish=fed.publish_label, seed=1)
+                publish=fed.publish_label, seed=1, smooth=smooth)
     samples, outage = [], None
     try:
         line.run([server])
@@ -267,3 +269,38 @@ def test_a_station_turned_bad_does_not_reach_a_guarded_line(tmp_path, digits, pr
     else:
         assert not final.get("safl_promotions_refused_total")
         assert end <= at_attack - 0.2, (at_attack, end)
+
+
+@pytest.mark.skipif(not have_ffmpeg(), reason="ffmpeg is installed by .ci/run")
+def test_an_mjpeg_camera_with_a_pretrained_body_learns_from_live_labels(tmp_path, digits):
+    """The same line and camera with EfficientNet-Lite0 on the device (ONNX Runtime) and a
+    linear head federated: each frame embedded once, predicted and, once labelled, trained on."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    from safl.bodies import export_checked
+
+    body = tmp_path / "body"
+    export_checked("efficientnet-lite0", body, (3, 64, 64))
+    model = ('[model]\nname = "linear"\ninput_shape = [3, 64, 64]\nnum_classes = 4\n'
+             f'body = "efficientnet-lite0"\nbody_dir = "{body}"\n')
+    seconds = 50.0
+    fed, line, samples, final, _, start, log = _run(
+        # Items filmed, not pixel blocks: JPEG rings at a blocky 8x8 digit's edges, which
+        # moves its embedding 3x as far as another exemplar of its class (docs/bodies.md).
+        tmp_path, digits, "mjpeg", seconds, None, smooth=True, model=model,
+        lr=0.05,
+        frames="rgb = true\nresize = [64, 64]\n")
+    preds, rate, joined, sent = _report("mjpeg+body", fed, line, samples, final, start, seconds)
+    assert "body efficientnet-lite0" in log and "onnxruntime" in log
+    assert rate >= 0.6 * FPS and joined >= 0.6 * sent
+    early, end = _learned(samples, final)
+    # 0.75 measured (0.47 at 10 s): 15 federated steps of 8 frames in 50 s; chance is 0.25
+    assert end >= 0.65, (early, end)
+    out = tmp_path / "line.onnx"
+    subprocess.run([sys.executable, "-m", "edge_client", "export", "--config",
+                    str(tmp_path / "device.toml"), "--out", str(out)], check=True)
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(str(out))
+    meta = session.get_modelmeta().custom_metadata_map
+    assert meta["safl.input_shape"] == "3,64,64" and "efficientnet-lite0" in meta["safl.body"]
+    frame = np.random.default_rng(0).random((1, 3, 64, 64), dtype=np.float32)
+    assert session.run(None, {session.get_inputs()[0].name: frame})[0].shape == (1, 4)

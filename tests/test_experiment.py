@@ -312,3 +312,20 @@ def test_reports_tell_lost_replies_from_trimmed_claims():
             RunResult("fedgs", [], {"rejected.update_norm": 1, "received_updates": 99}, 1.0)]
     assert per_run(runs, "rejected.") == 2 and per_run(runs, "clipped.") == 12
 
+
+
+def test_the_accuracy_at_a_sample_count_is_read_between_evaluations():
+    from lab.simulation import RunResult
+    from lab.summary import accuracy_at_samples, result_rows
+
+    rows = [{"round": r, "samples": s, "accuracy": a, "local_mean": float("nan"),
+             "local_worst10": float("nan"), "uploads": 0, "skips": 0, "bytes_device_up": 0,
+             "bytes_station_up": 0}
+            for r, (s, a) in enumerate([(0, 0.1), (10000, 0.5), (30000, 0.9)])]
+    assert accuracy_at_samples(rows, 20000) == pytest.approx(0.7)
+    assert accuracy_at_samples(rows, 10000) == pytest.approx(0.5)
+    assert accuracy_at_samples(rows, 40000) != accuracy_at_samples(rows, 40000)  # NaN: past it
+    runs = [RunResult("fedgs", rows, {}, 1.0), RunResult("fedgs", [
+        {**r, "accuracy": r["accuracy"] + 0.1} for r in rows], {}, 1.0)]
+    row = result_rows(runs, 0.8, at_samples=(20000,))[0]
+    assert row["accuracy_at_20k"] == pytest.approx(0.75) and row["accuracy_at_20k_sd"] > 0

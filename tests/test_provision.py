@@ -206,3 +206,24 @@ def test_listening_addresses_are_checked_at_their_edges(tmp_path, line, ok):
     else:
         with pytest.raises(ConfigError, match=line.split(" = ")[0]):
             load_fleet_file(path)
+
+
+def test_a_fleet_with_a_body_gives_every_role_the_body_and_its_cameras_rgb(tmp_path):
+    ports = {"cloud": free_port(), "st0": free_port()}
+    path = tmp_path / "fleet.toml"
+    body = tmp_path / "body"
+    path.write_text(FLEET.format(**ports).replace(
+        'name = "mlp"\n', f'name = "linear"\nbody = "efficientnet-lite0"\n'
+        f'body_dir = "{body}"\n'))
+    out = tmp_path / "fleet"
+    provision(path, out)
+    cfg = load_role_file(out / "devices" / "cam1" / "device.toml", DEVICE_TABLES, {})
+    assert cfg["model"] == _station(out)["model"]
+    assert cfg["model"].body == "efficientnet-lite0" and cfg["model"].body_dir == str(body)
+    assert cfg["source"].rgb and not cfg["source"].grayscale
+    # Without a body the same camera is decoded as OpenCV gives it, as before.
+    lined = tmp_path / "plain.toml"
+    lined.write_text(FLEET.format(**ports))
+    provision(lined, tmp_path / "plain")
+    assert not load_role_file(tmp_path / "plain" / "devices" / "cam1" / "device.toml",
+                              DEVICE_TABLES, {})["source"].rgb

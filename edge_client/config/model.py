@@ -34,6 +34,11 @@ class ModelConfig:
     device: str = "auto"  # torch: "auto" (CUDA where available), "cpu", "cuda" or "cuda:N"
     # Your own torch model, "package.module:factory" (docs/own-model.md): used instead of name.
     module: str = ""
+    # A frozen pretrained body before the model (docs/bodies.md): "none", "efficientnet-lite0"
+    # or "package.module:factory"; the model (name) is then the head, trained on its embeddings.
+    body: str = "none"
+    body_dir: str = ""  # the folder `safl models export-body` wrote (the same on every role)
+    hidden: int = 128  # the mlp's hidden units (the mlp head's, with a body)
 
     def __post_init__(self) -> None:
         if self.backend not in ("numpy", "torch", "ort"):
@@ -53,3 +58,9 @@ class ModelConfig:
         if not self.input_shape or min(self.input_shape) < 1:
             raise ConfigError("input_shape", f"must be positive sizes, got {self.input_shape}")
         check_range("num_classes", self.num_classes, 2)
+        check_range("hidden", self.hidden, 1)
+        if self.body != "none" and not self.body_dir:
+            raise ConfigError("body_dir", f"body {self.body!r} needs the folder `safl models "
+                              "export-body` wrote (the same on every role)")
+        if self.body_dir and self.body == "none":
+            raise ConfigError("body", "body_dir is set but body is 'none': name the body")

@@ -23,6 +23,7 @@ class PreprocessSettings:
     crop: tuple[int, ...] = ()
     resize: tuple[int, ...] = ()
     grayscale: bool = False  # convert frames to one grey channel
+    rgb: bool = False  # colour frames in RGB order, as a pretrained body takes them (else BGR)
     scale: float = 1.0 / 255.0
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()

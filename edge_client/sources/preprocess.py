@@ -41,6 +41,8 @@ class Preprocess(PreprocessSettings):
             image = cv2.resize(image, tuple(self.resize), interpolation=cv2.INTER_AREA)
         if self.grayscale and image.ndim == 3:
             image = cv2.cvtColor(image, cv2.COLOR_BGR2GRAY)
+        elif self.rgb and image.ndim == 3:
+            image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
         out = image.astype(np.float32) * np.float32(self.scale)
         out = out[None] if out.ndim == 2 else out.transpose(2, 0, 1)
         if self.mean:

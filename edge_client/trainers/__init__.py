@@ -22,7 +22,8 @@ BACKENDS = ("numpy", "torch", "ort")
 def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int, ...] = (),
                   num_classes: int = 0, lr: float, seed: int = 0,
                   artifacts: str | Path | None = None,
-                  expected_layout_hash: str | None = None, device: str = "auto") -> Trainer:
+                  expected_layout_hash: str | None = None, device: str = "auto",
+                  hidden: int = 128) -> Trainer:
     """Build a trainer for a zoo model on the chosen backend.
 
     ``numpy`` and ``torch`` build the model from ``input_shape`` and
@@ -30,6 +31,7 @@ def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int,
     whose layout hash differs from ``expected_layout_hash`` is refused.  ``device``
     places the torch backend's model (``auto``: CUDA where available); numpy runs on
     the CPU, and so does ORT, whose training build has only the CPU execution provider.
+    ``hidden`` sizes the ``mlp``'s hidden layer.
     """
     if device != "auto" and device != "cpu" and backend != "torch":
         raise ConfigError("device", f"{device!r} needs the torch backend: the {backend} "
@@ -44,11 +46,11 @@ def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int,
     if backend == "numpy":
         from .numpy_backend import build
         trainer = build(model, input_shape=tuple(input_shape), num_classes=num_classes, lr=lr,
-                        seed=seed)
+                        seed=seed, hidden=hidden)
     elif backend == "torch":
         from .torch_backend import build as build_torch
         trainer = build_torch(model, input_shape=tuple(input_shape), num_classes=num_classes,
-                              lr=lr, seed=seed, device=device)
+                              lr=lr, seed=seed, device=device, hidden=hidden)
     else:
         raise ConfigError("backend", f"must be one of {BACKENDS}, got {backend!r}")
     if expected_layout_hash and layout_hash(trainer.layout) != expected_layout_hash:

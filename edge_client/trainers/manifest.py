@@ -24,9 +24,11 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 
 
-def layout_hash(layout: Sequence[tuple[str, Sequence[int]]]) -> str:
-    """SHA-256 (first 16 hex digits) of the ordered tensor names and shapes."""
-    canon = json.dumps([[name, list(shape)] for name, shape in layout], separators=(",", ":"))
+def layout_hash(layout: Sequence[tuple[str, Sequence[int]]], body: str = "") -> str:
+    """SHA-256 (first 16 hex digits) of the ordered tensor names and shapes, and of the
+    frozen body's hash where the model is a head on one (``edge_client/body.py``)."""
+    tensors = [[name, list(shape)] for name, shape in layout]
+    canon = json.dumps([*tensors, ["body", body]] if body else tensors, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 

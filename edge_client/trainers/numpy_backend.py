@@ -1,8 +1,8 @@
 """Numpy trainers with hand-written gradients, so a device runs on numpy alone.
 
-Softmax regression and a one-hidden-layer MLP.  Parameters live in one flat
-float32 vector; tensors are views into it, laid out as torch's ``nn.Linear``
-would be (``weight`` (out, in) then ``bias``), so vectors cross backends.
+Softmax regression (``linear``, also called ``softmax``) and a one-hidden-layer MLP.
+Parameters live in one flat float32 vector; tensors are views into it, laid out as torch's
+``nn.Linear`` would be (``weight`` (out, in) then ``bias``), so vectors cross backends.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class NumpyTrainer(FlatParameters):
 
 def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: float,
           seed: int, hidden: int = 128) -> Trainer:
-    """``softmax`` (regression), ``mlp`` (one hidden layer, ReLU), or a CNN of the zoo
+    """``linear`` (softmax regression), ``mlp`` (one hidden layer, ReLU), or a CNN of the zoo
     (``numpy_cnn``)."""
     if model in CNN_MODELS:
         return build_cnn(model, input_shape=input_shape, num_classes=num_classes, lr=lr,
@@ -86,9 +86,9 @@ def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: flo
 
 def _build(model: str, d: int, num_classes: int, *, lr: float, seed: int,
            hidden: int) -> NumpyTrainer:
-    if model == "softmax":
+    if model in ("linear", "softmax"):
         return NumpyTrainer([d, num_classes], lr=lr, seed=seed, names=["fc"])
     if model == "mlp":
         return NumpyTrainer([d, hidden, num_classes], lr=lr, seed=seed, names=["fc1", "fc2"])
-    raise ConfigError("model", "numpy backend offers 'softmax', 'mlp', 'small_cnn', "
+    raise ConfigError("model", "numpy backend offers 'linear', 'mlp', 'small_cnn', "
                       f"'femnist_cnn' and 'camera_cnn', not {model!r}")

@@ -10,9 +10,11 @@ writes it.  Plain ``onnxruntime``, which has aarch64 wheels, runs the result.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from ..body import BODY_FILE, BodyManifest
 from ..errors import ArtifactError
 from ..files import write_atomic
 from .base import Trainer
@@ -25,8 +27,10 @@ OPSET = 17  # ONNX Runtime 1.19 (training) and every plain onnxruntime since rea
 
 def export_onnx(trainer: Trainer, weights: np.ndarray, out: str | Path, *,
                 input_shape: tuple[int, ...], num_classes: int, model_round: int,
-                model_name: str = "") -> Path:
-    """Write ``weights`` as ``trainer``'s model to ``out`` (atomically) and return it."""
+                model_name: str = "", body: BodyManifest | None = None) -> Path:
+    """Write ``weights`` as ``trainer``'s model to ``out`` (atomically) and return it.  With a
+    ``body`` the file is one graph, frames through the body into the head, so the line's
+    application needs no safl and makes one call a frame."""
     try:
         import onnx
     except ImportError as exc:
@@ -36,13 +40,39 @@ def export_onnx(trainer: Trainer, weights: np.ndarray, out: str | Path, *,
     if render is None:
         raise ArtifactError(f"{type(trainer).__name__} cannot render its model as ONNX")
     model = onnx.load_from_string(render(np.asarray(weights, dtype=np.float32)))
+    if body is not None:
+        model = _body_then_head(onnx, body, model)
     meta = {"safl.input_shape": ",".join(map(str, input_shape)),
             "safl.num_classes": str(num_classes), "safl.model_round": str(model_round),
             "safl.layout": layout_hash(trainer.layout), "safl.model": model_name,
-            "safl.output": "logits (softmax them for confidences)"}
+            "safl.output": "logits (softmax them for confidences)",
+            **({"safl.body": f"{body.name} {body.hash}"} if body is not None else {})}
     del model.metadata_props[:]
     for key, value in meta.items():
         model.metadata_props.add(key=key, value=value)
     out = Path(out)
     write_atomic(out, model.SerializeToString())
     return out
+
+
+def _body_then_head(onnx: Any, body: BodyManifest, head: Any) -> Any:
+    """One graph: the body's ``embedding`` feeds the head's ``input``; the frames are the
+    input, named ``input`` as a bare head's is."""
+    from onnx import compose
+
+    first = onnx.load(str(body.folder / BODY_FILE))
+    body_out = first.graph.output[0].name
+    head_in = head.graph.input[0].name
+    opset = max(o.version for o in first.opset_import if o.domain in ("", "ai.onnx"))
+    head = onnx.version_converter.convert_version(head, opset) if max(
+        o.version for o in head.opset_import if o.domain in ("", "ai.onnx")) != opset else head
+    head.ir_version = first.ir_version
+    merged = compose.merge_models(first, head, io_map=[(body_out, head_in)],
+                                  prefix2="head.")
+    out = merged.graph.output[0]
+    for node in merged.graph.node:  # the head's output keeps the name a bare head's has
+        node.output[:] = [head.graph.output[0].name if o == out.name else o
+                          for o in node.output]
+    out.name = head.graph.output[0].name
+    onnx.checker.check_model(merged)
+    return merged

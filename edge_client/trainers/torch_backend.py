@@ -22,10 +22,11 @@ from .zoo import build_module
 __all__ = ["TorchTrainer", "build", "resolve_device", "module_to_onnx"]
 
 
-def module_to_onnx(module: torch.nn.Module, *, training: bool = False) -> bytes:
-    """The module as an ONNX graph (batch-dynamic ``input`` -> ``logits``): the artifacts'
-    graphs (``models``) and a device's exported model."""
-    shape = input_shape_of(module)
+def module_to_onnx(module: torch.nn.Module, *, training: bool = False, output: str = "logits",
+                   input_shape: tuple[int, ...] | None = None) -> bytes:
+    """The module as an ONNX graph (batch-dynamic ``input`` -> ``output``): the artifacts'
+    graphs (``models``), a device's exported model and a frozen body (``embedding``)."""
+    shape = input_shape or input_shape_of(module)
     dummy = torch.zeros(2, *shape, device=next(module.parameters()).device)
     buf = io.BytesIO()
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
@@ -33,9 +34,10 @@ def module_to_onnx(module: torch.nn.Module, *, training: bool = False) -> bytes:
     # artifacts and the manifest's layout rely on.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is deliberate
+        warnings.filterwarnings("ignore", "Constant folding", UserWarning)  # a body's slices
         torch.onnx.export(module, (dummy,), cast(Any, buf), input_names=["input"],
-                          output_names=["logits"],
-                          dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                          output_names=[output],
+                          dynamic_axes={"input": {0: "batch"}, output: {0: "batch"}},
                           opset_version=OPSET, dynamo=False, training=mode,
                           do_constant_folding=not training, export_params=True)
     return buf.getvalue()
@@ -222,8 +224,9 @@ class TorchTrainer:
 
 
 def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: float,
-          seed: int, device: str = "auto") -> TorchTrainer:
+          seed: int, device: str = "auto", hidden: int = 128) -> TorchTrainer:
     # Initial weights are drawn on the CPU, so they are the same whatever the device.
     torch.manual_seed(seed)
-    module = build_module(model, input_shape=input_shape, num_classes=num_classes)
+    module = build_module(model, input_shape=input_shape, num_classes=num_classes,
+                          hidden=hidden)
     return TorchTrainer(module, lr=lr, device=device)

@@ -7,7 +7,9 @@ Imported only by the torch backend and by ``models`` (artifact export): torch is
 
 The zoo, with names matching the numpy backend:
 
-- ``mlp``: one hidden layer of 128, parameter for parameter the numpy backend's MLP;
+- ``linear``: softmax regression (``fc``), the numpy backend's ``linear``: a body's usual head;
+- ``mlp``: one hidden layer (``[model] hidden``, 128), parameter for parameter the numpy
+  backend's MLP;
 - ``small_cnn``: ~114k parameters for 28x28 grayscale;
 - ``femnist_cnn``: the FedGS reference CNN (conv32 5x5, pool, conv64 5x5, pool, dense 2048,
   dense classes);
@@ -42,6 +44,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.input_shape = (in_features,)
+        self.fc = nn.Linear(in_features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.flatten(1))
 
 
 class ConvNet(nn.Module):
@@ -90,6 +102,7 @@ def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 MODELS: dict[str, Factory] = {
+    "linear": lambda shape, classes: Linear(math.prod(shape), classes),
     "mlp": lambda shape, classes: MLP(math.prod(shape), classes),
     "small_cnn": lambda shape, classes: ConvNet(_image_shape(shape), classes,
                                                 channels=(16, 32), dense=64),
@@ -99,7 +112,7 @@ MODELS: dict[str, Factory] = {
 }
 
 DEFAULT_INPUT: dict[str, tuple[int, ...]] = {
-    "mlp": (28, 28), "small_cnn": (1, 28, 28), "femnist_cnn": (1, 28, 28),
+    "linear": (28, 28), "mlp": (28, 28), "small_cnn": (1, 28, 28), "femnist_cnn": (1, 28, 28),
     "camera_cnn": (3, 64, 64),
 }
 
@@ -131,9 +144,13 @@ def _import_factory(spec: str) -> Factory:
     return target
 
 
-def build_module(name: str, *, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def build_module(name: str, *, input_shape: tuple[int, ...], num_classes: int,
+                 hidden: int = 128) -> nn.Module:
     """Instantiate a registered model, or a user's ``"package.module:factory"``."""
-    if name in MODELS:
+    factory: Factory
+    if name == "mlp" and hidden != 128:
+        factory = lambda shape, classes: MLP(math.prod(shape), classes, hidden)  # noqa: E731
+    elif name in MODELS:
         factory = MODELS[name]
     elif is_module_spec(name):
         factory = _import_factory(name)

@@ -1,0 +1,265 @@
+"""Frozen bodies on the device: a pretrained feature extractor that turns each frame into an
+embedding once, at ingest, for a small federated head to predict from and train on.
+
+An exported body is a folder (``safl models export-body``): ``body.onnx``, an inference graph
+taking frames ``(n, C, H, W)`` in [0, 1] with its normalisation inside, and ``body.json``, the
+manifest naming it, its input shape, its embedding size, the file's SHA-256 and a probe (the
+embedding of a fixed frame).  The body's hash covers all of them and enters the federation's
+layout hash: a device whose body differs from the federation's refuses its models as the
+wrong layout, and they refuse its updates.
+
+A body runs on ONNX Runtime (any distribution with ``InferenceSession``: plain
+``onnxruntime`` on a Raspberry Pi, the training build on x86) or, with the torch backend and a
+registered or importable factory, on torch (CUDA on a Jetson).  Either way the probe is
+checked at start-up, so a body that computes something else is refused.  Nothing here imports
+torch unless the torch runtime is chosen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ArtifactError, ConfigError, ShapeError
+
+__all__ = ["BODY_FILE", "BODY_MANIFEST", "BodyManifest", "Body", "probe_frames",
+           "load_body_manifest", "body_manifest", "head_input_shape", "open_body", "body_id",
+           "PROBE_TOLERANCE", "cache_home", "default_body_dir", "open_exported"]
+
+BODY_FILE = "body.onnx"
+BODY_MANIFEST = "body.json"
+BODY_VERSION = 1
+PROBE_TOLERANCE = 1e-4  # relative, on the probe's embedding: ORT against torch, or a rebuild
+CHUNK = 64  # frames per forward pass: bounds the body's activations on a 1 GB board
+
+
+def cache_home() -> Path:
+    """Where safl keeps what it derives on this machine (exported bodies, embedded datasets):
+    ``$SAFL_CACHE``, else ``~/.cache/safl``."""
+    return Path(os.environ.get("SAFL_CACHE") or "~/.cache/safl").expanduser()
+
+
+def default_body_dir(name: str, input_shape: tuple[int, ...]) -> Path:
+    """The folder the lab and ``safl demo`` export body ``name`` at ``input_shape`` to."""
+    return cache_home() / "bodies" / (re.sub(r"[^\w.-]", "_", name) + "-"
+                                      + "x".join(map(str, input_shape)))
+
+
+def probe_frames(input_shape: tuple[int, ...], n: int = 2) -> np.ndarray:
+    """Fixed frames in [0, 1] (smooth gradients and stripes) whose embeddings identify a body."""
+    c, h, w = input_shape
+    yy, xx = np.meshgrid(np.linspace(0, 1, h), np.linspace(0, 1, w), indexing="ij")
+    out = np.empty((n, c, h, w), np.float32)
+    for i in range(n):
+        for ch in range(c):
+            out[i, ch] = 0.5 + 0.5 * np.sin((i + 1) * 6 * xx + (ch + 1) * 4 * yy)
+    return out
+
+
+@dataclass(frozen=True)
+class BodyManifest:
+    """What ``body.json`` says of an exported body (see the module)."""
+
+    name: str
+    input_shape: tuple[int, int, int]
+    embedding: int
+    onnx_sha256: str
+    probe: tuple[tuple[float, ...], ...]  # the embeddings of probe_frames(input_shape)
+    factory: str = ""  # the torch definition, where there is one (registry name or spec)
+    normalisation: str = "(x - 0.5) / 0.5, inside the graph"
+    folder: Path = Path()
+
+    @property
+    def hash(self) -> str:
+        """16 hex digits naming the body: its file, shape, embedding and probe."""
+        canon = json.dumps([self.name, list(self.input_shape), self.embedding, self.onnx_sha256,
+                            self.normalisation], separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    @property
+    def bytes_per_sample(self) -> int:
+        """What one buffered sample costs: its float32 embedding, not its frame."""
+        return 4 * self.embedding
+
+    def to_json(self, **extra: Any) -> dict[str, Any]:
+        return {"body_version": BODY_VERSION, "name": self.name, "hash": self.hash,
+                "input_shape": list(self.input_shape), "embedding": self.embedding,
+                "input": "float32 frames (n, C, H, W) in [0, 1]",
+                "normalisation": self.normalisation, "file": BODY_FILE,
+                "onnx_sha256": self.onnx_sha256, "factory": self.factory,
+                "probe": [list(p) for p in self.probe], **extra}
+
+
+def load_body_manifest(folder: str | Path) -> BodyManifest:
+    """Read and check an exported body's manifest; :class:`ArtifactError` says what is wrong."""
+    folder = Path(folder)
+    try:
+        raw = json.loads((folder / BODY_MANIFEST).read_text())
+        shape = tuple(int(d) for d in raw["input_shape"])
+        manifest = BodyManifest(
+            name=str(raw["name"]), input_shape=shape, embedding=int(raw["embedding"]),  # type: ignore[arg-type]
+            onnx_sha256=str(raw["onnx_sha256"]), factory=str(raw.get("factory", "")),
+            normalisation=str(raw["normalisation"]),
+            probe=tuple(tuple(float(v) for v in p) for p in raw["probe"]), folder=folder)
+    except FileNotFoundError as exc:
+        raise ArtifactError(f"no exported body in {folder} (no {BODY_MANIFEST}): run safl "
+                            "models export-body NAME --out DIR") from exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ArtifactError(f"{folder / BODY_MANIFEST} is not a body manifest: {exc!r}") from exc
+    if len(shape) != 3 or min(shape) < 1 or manifest.embedding < 1:
+        raise ArtifactError(f"{folder / BODY_MANIFEST}: input_shape must be (C, H, W) and "
+                            "embedding positive")
+    if raw.get("hash") != manifest.hash:
+        raise ArtifactError(f"{folder / BODY_MANIFEST} says hash {raw.get('hash')}, its "
+                            f"contents hash to {manifest.hash}: edited by hand?")
+    return manifest
+
+
+def body_manifest(model: Any) -> BodyManifest | None:
+    """The manifest of the body a ``[model]`` table names (None for ``body = "none"``)."""
+    if model.body == "none":
+        return None
+    manifest = load_body_manifest(model.body_dir)
+    if model.body not in (manifest.name, manifest.factory):
+        raise ConfigError("body", f"{model.body_dir} holds body {manifest.name!r}, the "
+                          f"configuration names {model.body!r}")
+    if tuple(model.input_shape) != manifest.input_shape:
+        raise ConfigError("input_shape", f"the body takes frames of {manifest.input_shape}, "
+                          f"[model] input_shape is {tuple(model.input_shape)}")
+    return manifest
+
+
+def body_id(model: Any) -> str:
+    """The body's hash, for the federation's layout hash ("" without a body)."""
+    manifest = body_manifest(model)
+    return manifest.hash if manifest is not None else ""
+
+
+def head_input_shape(model: Any) -> tuple[int, ...]:
+    """What the federated model takes: the body's embedding, else the frame itself."""
+    manifest = body_manifest(model)
+    return (manifest.embedding,) if manifest is not None else tuple(model.input_shape)
+
+
+class Body:
+    """A frozen body, ready to embed frames (see the module); build with :func:`open_body`."""
+
+    def __init__(self, manifest: BodyManifest, runtime: str, forward: Any) -> None:
+        self.manifest, self.runtime, self._forward = manifest, runtime, forward
+        self.frames = 0  # embedded so far
+
+    def embed(self, frames: np.ndarray) -> np.ndarray:
+        """``(n, D)`` float32 embeddings of ``frames`` ``(n, C, H, W)`` in [0, 1]."""
+        x = np.asarray(frames, dtype=np.float32)
+        if x.shape[1:] != self.manifest.input_shape:
+            raise ShapeError(f"the body takes frames of {self.manifest.input_shape}, got "
+                             f"{x.shape[1:]}")
+        if not len(x):
+            return np.zeros((0, self.manifest.embedding), np.float32)
+        out = np.concatenate([self._forward(np.ascontiguousarray(x[i:i + CHUNK]))
+                              for i in range(0, len(x), CHUNK)]).astype(np.float32, copy=False)
+        self.frames += len(x)
+        return out
+
+    def check_probe(self) -> float:
+        """The largest relative error on the probe against the manifest; raises past
+        :data:`PROBE_TOLERANCE`."""
+        want = np.asarray(self.manifest.probe, dtype=np.float64)
+        got = self.embed(probe_frames(self.manifest.input_shape, len(want)))
+        self.frames -= len(want)
+        err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
+        if not err <= PROBE_TOLERANCE:
+            raise ArtifactError(f"body {self.manifest.name} on {self.runtime} computes other "
+                                f"embeddings than its manifest records (relative error "
+                                f"{err:.2e} > {PROBE_TOLERANCE:g}): a different body")
+        return err
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _ort_forward(manifest: BodyManifest, threads: int) -> Any:
+    path = manifest.folder / BODY_FILE
+    try:
+        actual = _file_sha256(path)
+    except OSError as exc:
+        raise ArtifactError(f"cannot read the body's graph {path}: {exc.strerror}") from exc
+    if actual != manifest.onnx_sha256:
+        raise ArtifactError(f"{path} has SHA-256 {actual[:16]}..., its manifest "
+                            f"{manifest.onnx_sha256[:16]}...: not the exported body")
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise ArtifactError("a body on ONNX Runtime needs onnxruntime: pip install "
+                            "'safl-edge[body]'") from exc
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    return lambda x: session.run(None, {name: x})[0]
+
+
+def _torch_forward(manifest: BodyManifest, device: str) -> Any:
+    import torch
+
+    from .trainers.bodies import build_body_module
+
+    where = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    module = build_body_module(manifest.factory, manifest.input_shape).to(where)
+
+    def forward(x: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return module(torch.from_numpy(x).to(where)).cpu().numpy()
+    return forward
+
+
+def _on_cuda(model: Any) -> bool:
+    if model.backend != "torch" or model.device == "cpu":
+        return False
+    if model.device != "auto":
+        return True
+    import torch
+    return bool(torch.cuda.is_available())
+
+
+def open_body(model: Any, *, threads: int = 0) -> Body | None:
+    """The body a ``[model]`` table names, probe-checked (None without one).  It runs on
+    torch where the model trains on CUDA (a Jetson) and the body has a torch definition; on a
+    CPU, ONNX Runtime is faster than torch's eager forward (0.9 against 12 ms a 64x64 frame
+    here, docs/bodies.md), so every CPU board runs it there, with ``threads`` (0: its
+    default)."""
+    manifest = body_manifest(model)
+    if manifest is None:
+        return None
+    if manifest.factory and _on_cuda(model):
+        body = Body(manifest, f"torch ({model.device})", _torch_forward(manifest, model.device))
+        body.check_probe()
+        return body
+    return open_exported(manifest.folder, threads=threads)
+
+
+def open_exported(folder: str | Path, *, threads: int = 0) -> Body:
+    """An exported body on ONNX Runtime, probe-checked (the lab embeds datasets with it)."""
+    manifest = load_body_manifest(folder)
+    body = Body(manifest, "onnxruntime", _ort_forward(manifest, threads))
+    body.check_probe()
+    return body
+
+
+def frame_bytes(shape: tuple[int, ...]) -> int:
+    """What one buffered raw frame costs, beside :attr:`BodyManifest.bytes_per_sample`."""
+    return 4 * math.prod(shape)

@@ -1,0 +1,340 @@
+"""Frozen pretrained bodies: the export and its checks, the body's hash in the federation's
+layout, one forward per frame at ingest, the exported body-plus-head graph, the lab's
+embedding cache and the clock's price for a body (docs/bodies.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+import pytest
+from test_inference import _Frames
+
+from edge_client import messages as m
+from edge_client.admission import Admission
+from edge_client.body import (
+    BODY_FILE,
+    BODY_MANIFEST,
+    Body,
+    load_body_manifest,
+    open_body,
+    open_exported,
+    probe_frames,
+)
+from edge_client.cli import main as device_main
+from edge_client.codec import encode
+from edge_client.config import DeviceConfig, InferenceConfig, ModelConfig
+from edge_client.device import Device
+from edge_client.errors import ArtifactError, ConfigError
+from edge_client.serving import StreamFeed, save_deployable
+from edge_client.sources.pump import SourcePump
+from edge_client.topics import station_model_topic
+
+pytest.importorskip("torch")
+pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+TINY = (3, 16, 16)
+TINY_BODY = '''
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    """A body as a user writes one: frames in [0, 1] -> 8 features, normalised inside."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv((x - 0.5) / 0.5))).mean(dim=(2, 3))
+
+
+def make(input_shape):
+    return Tiny()
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A user's own body (``package.module:factory``), exported: its folder."""
+    from models.body import export_body
+
+    where = tmp_path_factory.mktemp("tiny_module")
+    (where / "tiny_bodies.py").write_text(TINY_BODY)
+    sys.path.insert(0, str(where))
+    folder = tmp_path_factory.mktemp("tiny_body")
+    frames = np.random.default_rng(0).random((6, *TINY), dtype=np.float32)
+    export_body("tiny_bodies:make", folder, input_shape=TINY, check_frames={"noise": frames})
+    yield folder
+    sys.path.remove(str(where))
+
+
+@pytest.fixture(scope="module")
+def lite0(tmp_path_factory):
+    """EfficientNet-Lite0 exported as ``safl models export-body`` does, checked on real frames."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    pytest.importorskip("sklearn")
+    from safl.bodies import export_checked
+
+    folder = tmp_path_factory.mktemp("lite0")
+    export_checked("efficientnet-lite0", folder, (3, 64, 64))
+    return folder
+
+
+def _model(folder, **kw) -> ModelConfig:
+    manifest = load_body_manifest(folder)
+    return ModelConfig(name=kw.pop("name", "linear"), body=manifest.factory,
+                       body_dir=str(folder), input_shape=manifest.input_shape, **kw)
+
+
+def test_the_pretrained_body_exports_checked_against_torch_on_real_frames(lite0, tmp_path):
+    from lab.datasets import FASHION_MNIST_DIR
+    from safl.bodies import export_checked
+
+    doc = json.loads((lite0 / BODY_MANIFEST).read_text())
+    checked = doc["checked_against_torch"]
+    assert "scikit-learn photos" in checked
+    if (FASHION_MNIST_DIR / "t10k-images-idx3-ubyte.gz").exists():
+        assert "Fashion-MNIST frames" in checked
+    assert all(v <= 1e-4 for v in checked.values()), checked
+    assert doc["embedding"] == 1280 and doc["input_shape"] == [3, 64, 64]
+    # The same body exported again is the same body: the hash names it, not the export.
+    again = export_checked("efficientnet-lite0", tmp_path / "again", (3, 64, 64))
+    assert again.hash == doc["hash"] == load_body_manifest(lite0).hash
+    # Its features tell the two photos apart (a temple, a flower): the weights are real.
+    from lab.datasets import sample_photos
+    emb = open_exported(lite0).embed(sample_photos((3, 64, 64)))
+    assert emb.shape == (2, 1280) and np.abs(emb[0] - emb[1]).max() > 1.0
+
+
+def test_a_body_that_is_not_the_exported_one_is_refused(tiny, tmp_path):
+    import shutil
+
+    folder = tmp_path / "body"
+    shutil.copytree(tiny, folder)
+    assert open_exported(folder).check_probe() <= 1e-6
+    # A graph that is not the manifest's file.
+    graph = (folder / BODY_FILE).read_bytes()
+    (folder / BODY_FILE).write_bytes(graph + b"\0")
+    with pytest.raises(ArtifactError, match="SHA-256"):
+        open_exported(folder)
+    (folder / BODY_FILE).write_bytes(graph)
+    # A manifest edited by hand.
+    doc = json.loads((folder / BODY_MANIFEST).read_text())
+    (folder / BODY_MANIFEST).write_text(json.dumps({**doc, "embedding": 9}))
+    with pytest.raises(ArtifactError, match="hash"):
+        open_exported(folder)
+    # A consistent manifest whose probe another body computed: the graph computes otherwise.
+    manifest = load_body_manifest(tiny)
+    other = type(manifest)(**{**vars(manifest), "probe": tuple(
+        tuple(2 * v for v in p) for p in manifest.probe)})
+    (folder / BODY_MANIFEST).write_text(json.dumps(other.to_json()))
+    with pytest.raises(ArtifactError, match="other embeddings"):
+        open_exported(folder)
+
+
+def test_the_body_is_part_of_the_federation_layout(tiny, lite0):
+    from edge_client.service import federation_layout, model_trainer
+
+    plain = ModelConfig(name="linear", input_shape=(8,))
+    with_tiny = _model(tiny)
+    t_plain, t_tiny = model_trainer(plain, 0.1), model_trainer(with_tiny, 0.1)
+    assert t_plain.layout == t_tiny.layout  # the same head on 8 features ...
+    ours = federation_layout(with_tiny, t_tiny)
+    assert ours != federation_layout(plain, t_plain)  # ... is another federation with a body
+    lite = _model(lite0)
+    assert model_trainer(lite, 0.1).num_params == 1280 * 10 + 10
+    # A device of the tiny body refuses the model of a federation without it.
+    device = Admission(fleet="f", layout_hash=ours, num_params=t_tiny.num_params,
+                       max_message=1 << 20, reassembly_memory=1 << 22, chunk_timeout=10.0)
+    model = m.StationModel(fleet="f", sender="s0", round=0, iteration=0,
+                           weights=np.zeros(t_plain.num_params, np.float32))
+    frame = encode(model, layout_hash=federation_layout(plain, t_plain))
+    refused = device.admit(station_model_topic("f", "s0"), frame, 0.0)
+    assert isinstance(refused, m.Refusal) and refused.reason == "wrong_layout"
+    assert device.counters["rejected.wrong_layout"] == 1
+    accepted = device.admit(station_model_topic("f", "s0"), encode(model, layout_hash=ours), 0.0)
+    assert isinstance(accepted, m.StationModel)
+
+
+class _Counting(Body):
+    """The tiny body, counting its forward calls and the frames in each."""
+
+    def __init__(self, body: Body) -> None:
+        super().__init__(body.manifest, body.runtime, body._forward)
+        self.calls: list[int] = []
+
+    def embed(self, frames):
+        self.calls.append(len(frames))
+        return super().embed(frames)
+
+
+def test_each_frame_is_embedded_once_for_its_prediction_and_its_training(tiny, digits):
+    from edge_client.service import model_trainer
+    from edge_client.sources import LiveLabels
+
+    cfg = _model(tiny)
+    body = _Counting(open_body(cfg))
+    trainer = model_trainer(cfg, 0.1)
+    dev = Device(DeviceConfig(device_id="d0", station="s0", batch_size=4), trainer,
+                 num_classes=10, sample_shape=(8,), rng=np.random.default_rng(0),
+                 inference=InferenceConfig(max_batch=64))
+    dev.handle(m.StationModel(fleet="default", sender="s0", round=0, iteration=0,
+                              weights=trainer.get_flat()), 0.0)
+    frames = np.random.default_rng(1).random((12, *TINY), dtype=np.float32)
+    # Eight labelled frames, four waiting for their label from the line.
+    now = time.time()
+    items = [(frames[i], i % 10 if i < 8 else None, i, now + 0.01 * i) for i in range(12)]
+    pump = SourcePump(_Frames(items), capacity=13).start()
+    pump.finished.wait(5)
+    labels = LiveLabels(10, window=60.0, delay_max=60.0)
+    feed = StreamFeed(dev, pump, inference=dev.inference, labels=labels, body=body)
+    feed(0.0)
+    assert body.calls == [12]  # one forward pass, every frame in it once
+    assert dev.buffer.samples_seen == 8 and dev.counters["predictions"] == 12
+    stored = dev.buffer._train.take(0, 8)[0]
+    assert dev.buffer.sample_shape == (8,)  # embeddings are buffered, not frames
+    np.testing.assert_allclose(stored, open_body(cfg).embed(frames[:8]), rtol=1e-6)
+    # A label for a parked frame trains on its embedding, with no second forward pass.
+    feed.on_label(json.dumps({"label": 3, "t": now + 0.095}).encode(), 0.0)
+    assert dev.buffer.samples_seen == 9 and body.calls == [12]
+
+
+def test_the_export_is_one_graph_from_frames_through_the_body_and_head(tiny, tmp_path):
+    from edge_client.service import federation_layout, model_trainer
+
+    cfg = _model(tiny, seed=3)
+    trainer = model_trainer(cfg, 0.1)
+    weights = np.random.default_rng(2).normal(0, 0.5, trainer.num_params).astype(np.float32)
+    dev = Device(DeviceConfig(device_id="cam1", station="s0"), trainer, num_classes=10,
+                 sample_shape=(8,), rng=np.random.default_rng(0), inference=InferenceConfig())
+    dev.handle(m.StationModel(fleet="default", sender="s0", round=4, iteration=9,
+                              weights=weights), 0.0)
+    state = tmp_path / "state"
+    save_deployable(state, dev, federation_layout(cfg, trainer))
+    toml = tmp_path / "dev.toml"
+    toml.write_text('[device]\ndevice_id = "cam1"\nstation = "s0"\n'
+                    f'[model]\nname = "linear"\ninput_shape = {list(TINY)}\nseed = 3\n'
+                    f'body = "tiny_bodies:make"\nbody_dir = "{tiny}"\n'
+                    f'[source]\nkind = "synthetic"\n[service]\nstate_dir = "{state}"\n')
+    out = tmp_path / "line.onnx"
+    assert device_main(["export", "--config", str(toml), "--out", str(out)]) == 0
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    frames = np.random.default_rng(3).random((5, *TINY), dtype=np.float32)
+    (logits,) = session.run(None, {session.get_inputs()[0].name: frames})
+    assert session.get_outputs()[0].name == "logits"
+    want = trainer.logits(open_body(cfg).embed(frames), weights)
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-5)
+    import onnx
+    meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert meta["safl.body"].endswith(load_body_manifest(tiny).hash)
+    assert meta["safl.input_shape"] == "3,16,16"
+
+
+def test_a_body_misconfigured_is_refused_with_the_key_named(tiny, tmp_path):
+    with pytest.raises(ConfigError, match="body_dir"):
+        ModelConfig(name="linear", body="efficientnet-lite0", input_shape=(3, 64, 64))
+    with pytest.raises(ConfigError, match="holds body"):
+        open_body(ModelConfig(name="linear", body="efficientnet-lite0", body_dir=str(tiny),
+                              input_shape=TINY))
+    with pytest.raises(ConfigError, match="input_shape"):
+        open_body(ModelConfig(name="linear", body="tiny_bodies:make", body_dir=str(tiny),
+                              input_shape=(3, 32, 32)))
+    with pytest.raises(ArtifactError, match="export-body"):
+        open_body(ModelConfig(name="linear", body="x", body_dir=str(tmp_path),
+                              input_shape=TINY))
+    # A camera delivers BGR; a pretrained body takes RGB.
+    from edge_client.config import BrokerConfig, SourceConfig
+    from edge_client.service import DeviceService
+    service = DeviceService(device=DeviceConfig(device_id="d0", station="s0"),
+                            broker=BrokerConfig(),
+                            model=_model(tiny), source=SourceConfig(
+                                kind="camera", uri="http://127.0.0.1:9/x.mjpg",
+                                resize=(16, 16), label_topic="line/s0/labels"))
+    with pytest.raises(ConfigError, match="rgb"):
+        service.build()
+
+
+def test_numpy_and_torch_heads_share_a_layout_and_the_hidden_size():
+    from edge_client.trainers import build_trainer, layout_hash
+
+    for name, hidden, params in (("linear", 128, 1280 * 10 + 10),
+                                 ("mlp", 32, 1280 * 32 + 32 + 32 * 10 + 10)):
+        heads = [build_trainer(name, backend=b, input_shape=(1280,), num_classes=10, lr=0.1,
+                               hidden=hidden) for b in ("numpy", "torch")]
+        assert {h.num_params for h in heads} == {params}
+        assert layout_hash(heads[0].layout) == layout_hash(heads[1].layout)
+
+
+def test_the_lab_embeds_a_dataset_once_per_body_and_reuses_it(tiny, digits, tmp_path):
+    from lab.datasets import camera_frames, embedded
+
+    body = _Counting(open_exported(tiny))
+    first = embedded(digits, TINY, body, tmp_path)
+    assert first.x_train.shape == (len(digits.y_train), 8) and first.sample_shape == (8,)
+    assert sum(body.calls) == len(digits.y_train) + len(digits.y_test)
+    again = embedded(digits, TINY, body, tmp_path)  # from the cache: no forward pass
+    assert sum(body.calls) == len(digits.y_train) + len(digits.y_test)
+    np.testing.assert_array_equal(first.x_test, again.x_test)
+    np.testing.assert_allclose(first.x_test[:5], body.embed(camera_frames(
+        digits.x_test[:5], TINY)), rtol=1e-6)
+    assert [p.suffix for p in tmp_path.iterdir()] == [".npz"]  # no pickle, no part left
+
+
+def test_the_clock_prices_the_body_on_every_arriving_frame():
+    from lab.clock import PI4_OVER_HOST, PROFILES
+
+    x86, pi4 = PROFILES["x86-numpy"], PROFILES["pi4-numpy"]
+    assert pi4.body_seconds("efficientnet-lite0") == pytest.approx(
+        PI4_OVER_HOST * x86.body_seconds("efficientnet-lite0"))
+    assert x86.body_seconds("none") == 0.0
+    with pytest.raises(ConfigError, match="no figure for body"):
+        x86.body_seconds("resnet50")
+
+
+def test_a_clocked_run_with_a_body_spends_the_body_per_frame(digits):
+    from lab.clock import ClockConfig
+    from lab.datasets import assign_groups, dirichlet_label_skew
+    from lab.experiment import ExperimentConfig
+    from lab.simulation import FleetSpec, run_federation
+    from lab.strategies import build_strategy
+
+    settings = ExperimentConfig(name="t", factories=1, devices_per_factory=3, super_node=2,
+                                rand_per_group=0, sync_period=2, rounds=2).settings
+    rng = np.random.default_rng(0)
+    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(digits.y_train, 3, 1.0, rng)),
+                     groups=tuple(assign_groups(3, 1, rng)), rounds=2, model="linear",
+                     eval_samples=100, clock=ClockConfig(profiles=(("pi4-numpy", 1.0),)))
+    virtual = {}
+    for body in ("none", "efficientnet-lite0"):
+        import dataclasses
+        result = run_federation(digits, build_strategy("fedgs", settings),
+                                dataclasses.replace(spec, body=body))
+        virtual[body] = result.rows[-1]["virtual_s"]
+    assert virtual["efficientnet-lite0"] > virtual["none"] + 0.1, virtual
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()",
+                    reason="needs a CUDA GPU (a Jetson, or the device machine)")
+def test_on_cuda_the_body_runs_on_torch_and_agrees_with_its_export(tiny):
+    cfg = _model(tiny, backend="torch", device="cuda")
+    body = open_body(cfg)
+    assert body.runtime.startswith("torch")
+    frames = probe_frames(TINY, 4)
+    np.testing.assert_allclose(body.embed(frames), open_exported(tiny).embed(frames),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_a_cnn_on_camera_frames_is_priced_at_their_size():
+    from lab.clock import PROFILES
+
+    torch_pi = PROFILES["pi4-torch"]
+    assert torch_pi.step_seconds("small_cnn", (3, 64, 64)) > \
+        5 * torch_pi.step_seconds("small_cnn", (1, 28, 28))
+    assert torch_pi.step_seconds("linear", (1280,)) == torch_pi.step_seconds("linear")
