@@ -6,16 +6,18 @@ What a Raspberry Pi user does, done here under emulation (``qemu-user-static`` t
 1. build (once, then cached) an arm64 Debian bookworm root filesystem from Debian's packages
    with ``mmdebstrap``;
 2. in it, make one venv per board backend and ``pip install`` the wheel ``make wheel`` built,
-   with the ``torch`` extra in one (it must resolve to PyPI's CPU-only aarch64 torch) and the
-   ``ort`` extra in the other (it must install nothing: no aarch64 wheel exists);
+   with the ``torch`` extra in one (it must resolve to PyPI's CPU-only aarch64 torch), the
+   ``ort`` extra in another (it must install nothing: no aarch64 wheel exists) and the
+   ``body`` extra in a third (ONNX Runtime's inference build, and no torch);
 3. ask each venv's ``safl-device backends`` what it can run;
 4. time training steps of the numpy MLP, the numpy CNN and torch's CNN inside it;
 5. run two fleets on Fashion-MNIST (a station, the cloud and Mosquitto, with a login per
    participant, on the host, over loopback, which the chroot shares) in which two devices
    are emulated arm64 processes: numpy MLP devices, then a numpy and a torch ``small_cnn``
-   device in one mixed fleet.  It
+   device in one mixed fleet; then a fleet of four emulated body-plus-head devices (camera
+   frames through EfficientNet-Lite0 on ONNX Runtime, a linear head on numpy).  It
    asserts that every round completes, that the emulated devices uploaded, and that the global
-   model learns; it records each device's peak RSS and step time.
+   model learns; it records each device's peak RSS and step time, and the body's ms a frame.
 
 It prints a table and writes ``aarch64.json`` to ``--out``.  Where it cannot run (not root,
 no ``binfmt_misc``, no qemu) it says why and exits 0 with SKIPPED: CI installs what it needs.
@@ -52,7 +54,8 @@ PACKAGES = ("python3", "python3-venv", "python3-pip", "ca-certificates")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "safl-edge"
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
 QEMU_RULE = Path("/usr/lib/binfmt.d/qemu-aarch64.conf")  # Debian's qemu-user-static
-VENVS = {"numpy": ("/opt/safl-numpy", "ort"), "torch": ("/opt/safl-torch", "torch")}
+VENVS = {"numpy": ("/opt/safl-numpy", "ort"), "torch": ("/opt/safl-torch", "torch"),
+         "body": ("/opt/safl-body", "body")}
 # The Raspberry Pi 4's core.  qemu's default CPU ("max") offers SVE, and OpenBLAS then picks
 # SVE kernels that qemu runs 20x slower than NEON (a 32x784 by 784x128 matmul: 402 ms
 # against 19 ms), which no Pi or Jetson has.
@@ -80,7 +83,22 @@ print(json.dumps({"step_ms": 1e3 * statistics.median(times),
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 PROBES = [("numpy-mlp", "mlp", "numpy", "28,28"), ("numpy-cnn", "small_cnn", "numpy", "1,28,28"),
-          ("torch-cnn", "small_cnn", "torch", "1,28,28")]
+          ("torch-cnn", "small_cnn", "torch", "1,28,28"),
+          ("body-linear-head", "linear", "body", "1280")]
+# The body's forward on one frame, as a camera delivers them (ONNX Runtime, no torch).
+BODY_PROBE = r"""
+import json, resource, statistics, sys, time
+import numpy as np
+from edge_client.body import open_exported
+body = open_exported(sys.argv[1])
+frame = np.random.default_rng(0).random((1, *body.manifest.input_shape), dtype=np.float32)
+body.embed(frame)
+times = []
+for _ in range(int(sys.argv[2])):
+    s = time.perf_counter(); body.embed(frame); times.append(time.perf_counter() - s)
+print(json.dumps({"frame_ms": 1e3 * statistics.median(times),
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
 
 
 class Skip(Exception):
@@ -170,8 +188,13 @@ def mounted(rootfs: Path, shared: Path):
         subprocess.run(["umount", "-l", target], capture_output=True)
     mounts = []
     try:
+        # The host's CPU topology hidden under /sys: ONNX Runtime 1.32's cpuinfo, emulated,
+        # dies of SIGSEGV reading the x86 host's there (import onnxruntime, every QEMU_CPU).
+        # Without it, it and torch's say they could not parse it and run.
         for source, target, args in (("proc", "proc", ["-t", "proc"]),
                                      ("/dev", "dev", ["--rbind"]), ("/sys", "sys", ["--rbind"]),
+                                     ("none", "sys/devices/system/cpu",
+                                      ["-t", "tmpfs", "-o", "size=1m,ro"]),
                                      (str(shared), str(shared).lstrip("/"), ["--bind"])):
             (rootfs / target).mkdir(parents=True, exist_ok=True)
             run(["mount", *args, source, str(rootfs / target)])
@@ -227,6 +250,9 @@ def check_install(found: dict[str, dict], backends: dict[str, list[dict]]) -> No
     ort = [p for p in found["numpy"]["packages"] if p.lower().startswith(("onnx", "torch"))]
     if ort:
         raise CheckFailed(f"the ort extra installed {ort} on aarch64")
+    body = [p.lower().split("==")[0] for p in found["body"]["packages"]]
+    if "onnxruntime" not in body or any(p.startswith("torch") for p in body):
+        raise CheckFailed(f"the body extra on aarch64 must give onnxruntime and no torch: {body}")
     usable = {venv: {b["backend"]: b for b in rows} for venv, rows in backends.items()}
     if not (usable["numpy"]["numpy"]["usable"] and usable["torch"]["torch"]["usable"]):
         raise CheckFailed(f"safl-device backends: {backends}")
@@ -240,7 +266,8 @@ def step_probes(rootfs: Path, steps: int) -> list[dict]:
     """Step time and peak RSS per backend, in the guest and, the same code, on the host."""
     rows = []
     for name, model, backend, shape in PROBES:
-        venv = VENVS["torch" if backend == "torch" else "numpy"][0]
+        venv = VENVS[backend if backend in VENVS else "numpy"][0]
+        backend = "numpy" if backend == "body" else backend
         row = {"probe": name}
         for where, cmd in (("aarch64", guest(rootfs, f"{venv}/bin/python", "-c", STEP_PROBE)),
                            ("host", [sys.executable, "-c", STEP_PROBE])):
@@ -252,6 +279,21 @@ def step_probes(rootfs: Path, steps: int) -> list[dict]:
         log(f"{name}: {row['aarch64_step_ms']:.1f} ms/step emulated "
             f"({row['host_step_ms']:.1f} on the host), {row['aarch64_rss_mb']:.0f} MB peak")
     return rows
+
+
+def body_probe(rootfs: Path, folder: Path, frames: int) -> dict:
+    """The body's ms a frame and peak RSS in the body venv, and the same code on the host."""
+    row: dict = {"probe": "body efficientnet-lite0 (a frame)"}
+    for where, cmd in (("aarch64", guest(rootfs, f"{VENVS['body'][0]}/bin/python", "-c",
+                                         BODY_PROBE)),
+                       ("host", [sys.executable, "-c", BODY_PROBE])):
+        out = run([*cmd, str(folder), str(frames)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                  timeout=1800)
+        figures = json.loads(out.stdout.strip().splitlines()[-1])
+        row.update({f"{where}_{k}": round(v, 2) for k, v in figures.items()})
+    log(f"body: {row['aarch64_frame_ms']:.0f} ms a frame emulated ({row['host_frame_ms']:.1f} "
+        f"on the host), {row['aarch64_rss_mb']:.0f} MB peak")
+    return row
 
 
 # --- the fleets -----------------------------------------------------------------------------
@@ -276,7 +318,14 @@ FLEETS = {  # name: model, backends in turn, emulated devices (number -> venv), 
     "mlp": ("mlp", ("numpy",), {0: "numpy", 1: "numpy"}, 20),
     # Emulated, a CNN step takes about 2 s, and each one-step iteration waits for it.
     "cnn": ("small_cnn", ("numpy", "torch"), {0: "numpy", 1: "torch"}, 10),
+    # Camera frames (3x64x64) through EfficientNet-Lite0 on ONNX Runtime, a linear head on
+    # numpy: the body venv has no torch.  Every device is emulated: each embeds every frame
+    # that arrives (8 an iteration, 0.25-0.9 s each), and two host devices would run the
+    # federation past them faster than they embed.
+    "body": ("linear", ("numpy",), {0: "body", 1: "body", 2: "body", 3: "body"}, 4),
 }
+# A camera holds no recording; the replay here does (49 KB a frame): kept to about 300 a device.
+BODY_SHAPE, BODY_TRAIN, BODY_TEST = (3, 64, 64), 1200, 2000
 
 
 def run_fleet(name: str, rootfs: Path, folder: Path, broker: str, credentials) -> dict:
@@ -290,10 +339,17 @@ def run_fleet(name: str, rootfs: Path, folder: Path, broker: str, credentials) -
 
     model, backends, emulated, rounds = FLEETS[name]
     data, note = load_default()
+    body: dict = {}
+    if name == "body":
+        data, body = _camera_data(data, folder / "body")
     rng = np.random.default_rng(0)
     spec = FleetSpec(partitions=tuple(dirichlet_label_skew(data.y_train, 4, 1.0, rng)),
                      groups=(np.arange(4),), rounds=rounds, model=model, backends=backends,
-                     lr=0.1, seed=0, arrivals_per_step=48, initial_samples=64)
+                     lr=0.05 if body else 0.1, seed=0,
+                     # Emulated, a frame costs the body 0.25-0.9 s: 8 a step keeps an
+                     # emulated device's iteration within the station's deadline.
+                     arrivals_per_step=8 if body else 48, initial_samples=32 if body else 64,
+                     eval_samples=BODY_TEST if body else None, **body)
     strategy = next(s for s in demo_strategies(rounds=rounds, factories=1)
                     if s.name == "safl+fedgs")
     ids = {k: f"dev{k:03d}" for k in emulated}
@@ -336,6 +392,22 @@ def run_fleet(name: str, rootfs: Path, folder: Path, broker: str, credentials) -
     return result
 
 
+def _camera_data(data, folder: Path):
+    """A slice of the dataset as camera frames for the devices to embed themselves, its test
+    set embedded for the cloud (which scores the head), and the body's FleetSpec fields."""
+    import dataclasses
+
+    from edge_client.body import open_exported
+    from lab.datasets import camera_frames
+
+    body = open_exported(folder)
+    frames = camera_frames(data.x_train[:BODY_TRAIN], BODY_SHAPE)
+    test = body.embed(camera_frames(data.x_test[:BODY_TEST], BODY_SHAPE))
+    data = dataclasses.replace(data, x_train=frames, y_train=data.y_train[:BODY_TRAIN],
+                               x_test=test, y_test=data.y_test[:BODY_TEST])
+    return data, {"body": "efficientnet-lite0", "body_dir": str(folder)}
+
+
 def _finished(text: str, did: str) -> tuple[dict, dict]:
     """The counters and gauges of the device's last line ("device X finished: {...} {...}")."""
     marker = f"device {did} finished: "
@@ -374,6 +446,10 @@ def report(result: dict) -> str:
         rss = cnn["numpy-cnn"][f"{where}_rss_mb"] / cnn["torch-cnn"][f"{where}_rss_mb"]
         lines.append(f"\nnumpy small_cnn against torch's on {where}: {ratio:.2f}x the step "
                      f"time, {rss:.2f}x the peak RSS")
+    b = result["body"]
+    lines.append(f"\n{b['probe']}: {b['aarch64_frame_ms']:.1f} ms emulated, "
+                 f"{b['host_frame_ms']:.2f} ms on the host, {b['aarch64_rss_mb']:.0f} MB peak "
+                 "RSS emulated")
     # The fleets' step times are each device's last one, with the whole fleet (and qemu)
     # sharing the machine's cores: the probes above are the idle figures.
     lines += ["", "| fleet | device | where | backend | uploads | last step ms, loaded | "
@@ -397,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, default=CACHE, help="where the root filesystem is kept")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "aarch64")
     p.add_argument("--steps", type=int, default=10, help="timed steps per probe")
+    p.add_argument("--fleets", nargs="*", default=list(FLEETS), choices=list(FLEETS),
+                   help="the fleets to run (default: all)")
     args = p.parse_args(argv)
     started = time.monotonic()
     # A terminated check still unmounts /proc, /dev, /sys and the run folder from the chroot.
@@ -421,10 +499,16 @@ def main(argv: list[str] | None = None) -> int:
                                                 "--json")).stdout)
                         for b, v in VENVS.items()}
             check_install(found, backends)
+            # In a child: the probes' peak RSS (ru_maxrss survives fork and exec) must not
+            # start from this process's torch.
+            run([sys.executable, "-m", "safl", "models", "export-body", "efficientnet-lite0",
+                 "--out", str(args.out / "body"),
+                 "--input-shape", ",".join(map(str, BODY_SHAPE))], timeout=900)
             result = {"machine": platform.machine(), "install": found, "backends": backends,
-                      "probes": step_probes(rootfs, args.steps), "fleets": []}
+                      "probes": step_probes(rootfs, args.steps), "fleets": [],
+                      "body": body_probe(rootfs, args.out / "body", args.steps)}
             with mosquitto(args.out) as (broker, credentials):
-                for name in FLEETS:
+                for name in args.fleets:
                     result["fleets"].append(run_fleet(name, rootfs, args.out, broker,
                                                       credentials))
     except CheckFailed as exc:
