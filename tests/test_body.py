@@ -338,3 +338,19 @@ def test_a_cnn_on_camera_frames_is_priced_at_their_size():
     assert torch_pi.step_seconds("small_cnn", (3, 64, 64)) > \
         5 * torch_pi.step_seconds("small_cnn", (1, 28, 28))
     assert torch_pi.step_seconds("linear", (1280,)) == torch_pi.step_seconds("linear")
+
+
+def test_a_users_own_onnx_body_is_copied_probed_and_named_by_its_file(tiny, tmp_path):
+    from models.body import export_body
+
+    own = tmp_path / "line_features.onnx"
+    own.write_bytes((tiny / BODY_FILE).read_bytes())
+    manifest = export_body(str(own), tmp_path / "exported")
+    assert manifest.name == "line_features" and manifest.input_shape == TINY
+    assert manifest.factory == ""  # no torch definition: it runs on ONNX Runtime everywhere
+    cfg = ModelConfig(name="linear", body="line_features", body_dir=str(tmp_path / "exported"),
+                      input_shape=TINY, backend="torch", device="cuda")
+    body = open_body(cfg)
+    assert body.runtime == "onnxruntime"
+    np.testing.assert_allclose(body.embed(probe_frames(TINY)), open_exported(tiny).embed(
+        probe_frames(TINY)), rtol=1e-6)
