@@ -17,6 +17,7 @@ cache, as ``safl experiment`` does):
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -33,7 +34,7 @@ def _per_call(fn, n: int) -> float:
 def main() -> None:
     import torch
 
-    from edge_client.body import default_body_dir, frame_bytes, open_exported
+    from edge_client.body import default_body_dir, open_exported
     from edge_client.trainers import build_trainer
     from edge_client.trainers.bodies import build_body_module
     from safl.bodies import ensure_body
@@ -70,7 +71,7 @@ def main() -> None:
     for what, seconds in rows:
         print(f"{what:<44} {seconds * 1e3:>8.3f} {seconds / cnn_step:>11.3f}")
     print(f"\n{'bytes':<44} {'value':>10} {'x frame/CNN':>12}")
-    sample, frame = body.manifest.bytes_per_sample, frame_bytes(shape)
+    sample, frame = body.manifest.bytes_per_sample, 4 * math.prod(shape)  # float32
     print(f"{'a buffered sample: embedding (float32)':<44} {sample:>10,} {sample / frame:>12.3f}")
     print(f"{'a buffered sample: frame (float32)':<44} {frame:>10,} {1.0:>12.3f}")
     for name, head in heads.items():

@@ -17,11 +17,12 @@ torch unless the torch runtime is chosen.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ from .errors import ArtifactError, ConfigError, ShapeError
 
 __all__ = ["BODY_FILE", "BODY_MANIFEST", "BodyManifest", "Body", "probe_frames",
            "load_body_manifest", "body_manifest", "head_input_shape", "open_body", "body_id",
-           "PROBE_TOLERANCE", "cache_home", "default_body_dir", "open_exported"]
+           "PROBE_TOLERANCE", "cache_home", "default_body_dir", "open_exported", "ort_forward",
+           "embed_in_chunks"]
 
 BODY_FILE = "body.onnx"
 BODY_MANIFEST = "body.json"
@@ -85,6 +87,11 @@ class BodyManifest:
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     @property
+    def graph(self) -> Path:
+        """The body's ONNX graph."""
+        return self.folder / BODY_FILE
+
+    @property
     def bytes_per_sample(self) -> int:
         """What one buffered sample costs: its float32 embedding, not its frame."""
         return 4 * self.embedding
@@ -99,8 +106,20 @@ class BodyManifest:
 
 
 def load_body_manifest(folder: str | Path) -> BodyManifest:
-    """Read and check an exported body's manifest; :class:`ArtifactError` says what is wrong."""
+    """Read and check an exported body's manifest; :class:`ArtifactError` says what is wrong.
+    Read once per version of the file: a role's start-up asks for it several times (its
+    trainer's input, the layout hash, the body itself)."""
     folder = Path(folder)
+    try:
+        st = (folder / BODY_MANIFEST).stat()
+        stamp = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = (-1, -1)  # _read_manifest says why
+    return _read_manifest(folder, stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_manifest(folder: Path, stamp: tuple[int, int]) -> BodyManifest:
     try:
         raw = json.loads((folder / BODY_MANIFEST).read_text())
         shape = tuple(int(d) for d in raw["input_shape"])
@@ -152,9 +171,9 @@ def head_input_shape(model: Any) -> tuple[int, ...]:
 class Body:
     """A frozen body, ready to embed frames (see the module); build with :func:`open_body`."""
 
-    def __init__(self, manifest: BodyManifest, runtime: str, forward: Any) -> None:
+    def __init__(self, manifest: BodyManifest, runtime: str,
+                 forward: Callable[[np.ndarray], np.ndarray]) -> None:
         self.manifest, self.runtime, self._forward = manifest, runtime, forward
-        self.frames = 0  # embedded so far
 
     def embed(self, frames: np.ndarray) -> np.ndarray:
         """``(n, D)`` float32 embeddings of ``frames`` ``(n, C, H, W)`` in [0, 1]."""
@@ -164,17 +183,13 @@ class Body:
                              f"{x.shape[1:]}")
         if not len(x):
             return np.zeros((0, self.manifest.embedding), np.float32)
-        out = np.concatenate([self._forward(np.ascontiguousarray(x[i:i + CHUNK]))
-                              for i in range(0, len(x), CHUNK)]).astype(np.float32, copy=False)
-        self.frames += len(x)
-        return out
+        return embed_in_chunks(self._forward, x)
 
     def check_probe(self) -> float:
         """The largest relative error on the probe against the manifest; raises past
         :data:`PROBE_TOLERANCE`."""
         want = np.asarray(self.manifest.probe, dtype=np.float64)
         got = self.embed(probe_frames(self.manifest.input_shape, len(want)))
-        self.frames -= len(want)
         err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
         if not err <= PROBE_TOLERANCE:
             raise ArtifactError(f"body {self.manifest.name} on {self.runtime} computes other "
@@ -191,15 +206,15 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _ort_forward(manifest: BodyManifest, threads: int) -> Any:
-    path = manifest.folder / BODY_FILE
-    try:
-        actual = _file_sha256(path)
-    except OSError as exc:
-        raise ArtifactError(f"cannot read the body's graph {path}: {exc.strerror}") from exc
-    if actual != manifest.onnx_sha256:
-        raise ArtifactError(f"{path} has SHA-256 {actual[:16]}..., its manifest "
-                            f"{manifest.onnx_sha256[:16]}...: not the exported body")
+def embed_in_chunks(forward: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
+    """``forward`` over ``x`` :data:`CHUNK` frames at a time, float32 (the device's embedding,
+    and the export's checks against torch)."""
+    return np.concatenate([forward(np.ascontiguousarray(x[i:i + CHUNK]))
+                           for i in range(0, len(x), CHUNK)]).astype(np.float32, copy=False)
+
+
+def ort_forward(path: str | Path, threads: int = 0) -> Callable[[np.ndarray], np.ndarray]:
+    """An ONNX Runtime session on the graph at ``path``, as a function of a batch of frames."""
     try:
         import onnxruntime as ort
     except ImportError as exc:
@@ -213,12 +228,30 @@ def _ort_forward(manifest: BodyManifest, threads: int) -> Any:
     return lambda x: session.run(None, {name: x})[0]
 
 
-def _torch_forward(manifest: BodyManifest, device: str) -> Any:
+def _checked_ort_forward(manifest: BodyManifest, threads: int) -> Callable[[np.ndarray],
+                                                                           np.ndarray]:
+    path = manifest.graph
+    try:
+        actual = _file_sha256(path)
+    except OSError as exc:
+        raise ArtifactError(f"cannot read the body's graph {path}: {exc.strerror}") from exc
+    if actual != manifest.onnx_sha256:
+        raise ArtifactError(f"{path} has SHA-256 {actual[:16]}..., its manifest "
+                            f"{manifest.onnx_sha256[:16]}...: not the exported body")
+    return ort_forward(path, threads)
+
+
+def _cuda_forward(manifest: BodyManifest, device: str
+                  ) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The body on torch where ``device`` resolves to a CUDA device, else None."""
     import torch
 
     from .trainers.bodies import build_body_module
+    from .trainers.torch_backend import resolve_device
 
-    where = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    where = resolve_device(device)
+    if where.type != "cuda":
+        return None
     module = build_body_module(manifest.factory, manifest.input_shape).to(where)
 
     def forward(x: np.ndarray) -> np.ndarray:
@@ -227,39 +260,28 @@ def _torch_forward(manifest: BodyManifest, device: str) -> Any:
     return forward
 
 
-def _on_cuda(model: Any) -> bool:
-    if model.backend != "torch" or model.device == "cpu":
-        return False
-    if model.device != "auto":
-        return True
-    import torch
-    return bool(torch.cuda.is_available())
-
-
 def open_body(model: Any, *, threads: int = 0) -> Body | None:
     """The body a ``[model]`` table names, probe-checked (None without one).  It runs on
     torch where the model trains on CUDA (a Jetson) and the body has a torch definition; on a
-    CPU, ONNX Runtime is faster than torch's eager forward (0.9 against 12 ms a 64x64 frame
-    here, docs/bodies.md), so every CPU board runs it there, with ``threads`` (0: its
-    default)."""
+    CPU, ONNX Runtime is faster than torch's eager forward (1.05 against 2.8-4.3 ms a 64x64
+    frame on one core, ``bench/body.py``), so every CPU board runs it there, with ``threads``
+    (0: its default)."""
     manifest = body_manifest(model)
     if manifest is None:
         return None
-    if manifest.factory and _on_cuda(model):
-        body = Body(manifest, f"torch ({model.device})", _torch_forward(manifest, model.device))
-        body.check_probe()
-        return body
-    return open_exported(manifest.folder, threads=threads)
+    on_gpu = _cuda_forward(manifest, model.device) if (
+        manifest.factory and model.backend == "torch" and model.device != "cpu") else None
+    if on_gpu is None:
+        return open_exported(manifest.folder, threads=threads)
+    body = Body(manifest, f"torch ({model.device})", on_gpu)
+    body.check_probe()
+    return body
 
 
 def open_exported(folder: str | Path, *, threads: int = 0) -> Body:
     """An exported body on ONNX Runtime, probe-checked (the lab embeds datasets with it)."""
     manifest = load_body_manifest(folder)
-    body = Body(manifest, "onnxruntime", _ort_forward(manifest, threads))
+    body = Body(manifest, "onnxruntime", _checked_ort_forward(manifest, threads))
     body.check_probe()
     return body
 
-
-def frame_bytes(shape: tuple[int, ...]) -> int:
-    """What one buffered raw frame costs, beside :attr:`BodyManifest.bytes_per_sample`."""
-    return 4 * math.prod(shape)

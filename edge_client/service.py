@@ -142,10 +142,8 @@ class DeviceService:
         cfg, mc = self.device, self.model
         trainer = model_trainer(mc, cfg.lr)
         body = open_body(mc)
-        decoded = self.source.kind == "camera" or (  # frames OpenCV decodes: BGR
-            self.source.kind == "replay" and not self.source.path.endswith((".npz", ".npy")))
-        if body is not None and decoded and body.manifest.input_shape[0] == 3 and \
-                not self.source.rgb:
+        if body is not None and self.source.decoded and body.manifest.input_shape[0] == 3 \
+                and not self.source.rgb:
             raise ConfigError("rgb", f"body {mc.body} takes RGB frames and OpenCV delivers BGR: "
                               "set [source] rgb = true")
         if body is not None:

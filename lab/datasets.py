@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from edge_client.errors import ConfigError, SaflError
 
 __all__ = ["Dataset", "FASHION_MNIST_DIR", "load_dataset", "load_default",
            "dirichlet_label_skew", "assign_groups", "safl_split", "camera_frames",
-           "sample_photos", "as_camera", "embedded"]
+           "sample_photos", "as_camera", "embedded", "through_body", "body_folder"]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -151,13 +150,35 @@ def embedded(data: Dataset, shape: tuple[int, ...], body, cache: Path) -> Datase
                                    for i in range(0, len(images), 1000)])
         x_train, x_test = embed(data.x_train), embed(data.x_test)
         cache.mkdir(parents=True, exist_ok=True)
-        buf = io.BytesIO()
-        np.savez(buf, x_train=x_train, x_test=x_test)
         part = path.with_suffix(f".{os.getpid()}.part")
-        part.write_bytes(buf.getvalue())
+        with open(part, "wb") as fh:  # a file object: np.savez adds no suffix to it
+            np.savez(fh, x_train=x_train, x_test=x_test)
         os.replace(part, path)
     return dataclasses.replace(data, name=f"{data.name}@{body.manifest.name}",
                                x_train=x_train, x_test=x_test)
+
+
+def through_body(data: Dataset, shape: tuple[int, ...], body: str, body_dir: str = ""
+                 ) -> Dataset:
+    """``data`` as body ``body``'s cached embeddings of its camera frames at ``shape``; the
+    body comes from ``body_dir``, else from the cache ``safl experiment`` and ``safl demo``
+    export it to."""
+    from edge_client.body import cache_home, open_exported
+
+    folder = body_folder(body, shape, body_dir)
+    return embedded(data, shape, open_exported(folder), cache_home() / "embeddings")
+
+
+def body_folder(body: str, shape: tuple[int, ...], body_dir: str = "") -> Path:
+    """Where the lab finds body ``body`` exported at ``shape``: ``body_dir``, else the cache;
+    a :class:`ConfigError` naming the command that exports it where it is not."""
+    from edge_client.body import BODY_MANIFEST, default_body_dir
+
+    folder = Path(body_dir) if body_dir else default_body_dir(body, shape)
+    if not (folder / BODY_MANIFEST).exists():
+        raise ConfigError("body_dir", f"no exported body in {folder}: safl experiment exports "
+                          f"it, or run safl models export-body {body} --out {folder}")
+    return folder
 
 
 def dirichlet_label_skew(y: np.ndarray, num_clients: int, alpha: float,

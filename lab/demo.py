@@ -28,7 +28,7 @@ from edge_client.errors import ConfigError, SaflError
 from edge_client.runner import StopFlag
 from edge_client.states import DeviceState
 
-from .datasets import assign_groups, dirichlet_label_skew, embedded, load_default
+from .datasets import assign_groups, dirichlet_label_skew, load_default, through_body
 from .report import Progress, format_table, plot_accuracy, summary_rows, write_metrics
 from .run_report import write_run_report
 from .simulation import FleetSpec, RunResult, Strategy, plan_fleet, run_federation
@@ -164,12 +164,7 @@ def _fleet(rounds: int, seed: int, stations: int, devices_per_station: int, alph
     print(f"dataset: {note}", file=sys.stderr)
     model = "mlp"
     if body != "none":
-        from edge_client.body import cache_home, default_body_dir, open_exported
-
-        shape = (3, 64, 64)
-        data = embedded(data, shape, open_exported(body_dir or default_body_dir(body, shape)),
-                        cache_home() / "embeddings")
-        model, lr = "linear", BODY_LR
+        data, model, lr = through_body(data, (3, 64, 64), body, body_dir), "linear", BODY_LR
     rng = np.random.default_rng(seed)
     n_dev = stations * devices_per_station
     spec = FleetSpec(partitions=tuple(dirichlet_label_skew(data.y_train, n_dev, alpha, rng)),

@@ -27,7 +27,7 @@ import numpy as np
 from aggregator.central_dp import MECHANISMS, CentralPrivacy, tree_sensitivity
 from aggregator.selection import blas_threads
 from aggregator.server_optimizers import SERVER_OPTIMIZERS
-from edge_client.body import BODY_MANIFEST, cache_home, default_body_dir, open_exported
+from edge_client.body import load_body_manifest
 from edge_client.config import TrainingSettings, check_range, load_config
 from edge_client.errors import ConfigError
 from edge_client.privacy import noise_for_epsilon
@@ -37,10 +37,11 @@ from .datasets import (
     Dataset,
     as_camera,
     assign_groups,
+    body_folder,
     dirichlet_label_skew,
-    embedded,
     load_dataset,
     safl_split,
+    through_body,
 )
 from .engine import SimulationConfig
 from .report import Progress, format_table, plot_accuracy, write_csv, write_metrics
@@ -288,11 +289,7 @@ def _dataset(name: str, camera_shape: tuple[int, ...] = (), body: str = "none",
     data = load_dataset(name)
     if body == "none":
         return as_camera(data, camera_shape) if camera_shape else data
-    folder = Path(body_dir) if body_dir else default_body_dir(body, camera_shape)
-    if not (folder / BODY_MANIFEST).exists():
-        raise ConfigError("body_dir", f"no exported body in {folder}: safl experiment exports "
-                          f"it, or run safl models export-body {body} --out {folder}")
-    return embedded(data, camera_shape, open_exported(folder), cache_home() / "embeddings")
+    return through_body(data, camera_shape, body, body_dir)
 
 
 def experiment_data(cfg: ExperimentConfig) -> Dataset:
@@ -398,6 +395,9 @@ class _RunCache:
         self.fleet = repr({k: v for k, v in sorted(vars(cfg).items())
                            if k not in _NOT_RUN_KEYS
                            and (k not in _OFF_UNLESS_SET or v != _DEFAULT[k])})
+        if cfg.body != "none":  # a body exported again into the same folder is another body
+            folder = body_folder(cfg.body, tuple(cfg.camera_shape), cfg.body_dir)
+            self.fleet += f"|body-{load_body_manifest(folder).hash}"
         self.fresh = fresh
 
     def _key(self, name: str, seed: int, attack: str) -> str:

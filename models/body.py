@@ -20,7 +20,15 @@ import numpy as np
 import onnx
 import torch
 
-from edge_client.body import BODY_FILE, BODY_MANIFEST, PROBE_TOLERANCE, BodyManifest, probe_frames
+from edge_client.body import (
+    BODY_FILE,
+    BODY_MANIFEST,
+    PROBE_TOLERANCE,
+    BodyManifest,
+    embed_in_chunks,
+    ort_forward,
+    probe_frames,
+)
 from edge_client.errors import ArtifactError
 from edge_client.files import write_atomic
 from edge_client.trainers.bodies import build_body_module
@@ -38,19 +46,13 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def _ort_embed(path: Path, frames: np.ndarray) -> np.ndarray:
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    return np.concatenate([session.run(None, {name: frames[i:i + 32]})[0]
-                           for i in range(0, len(frames), 32)])
+    return embed_in_chunks(ort_forward(path), frames)
 
 
 def _torch_embed(module: torch.nn.Module, frames: np.ndarray) -> np.ndarray:
     module.eval()  # the exporter may have left it in training mode
     with torch.no_grad():
-        return np.concatenate([module(torch.from_numpy(frames[i:i + 32])).numpy()
-                               for i in range(0, len(frames), 32)])
+        return embed_in_chunks(lambda x: module(torch.from_numpy(x)).numpy(), frames)
 
 
 def _onnx_input_shape(path: Path) -> tuple[int, int, int]:

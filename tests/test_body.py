@@ -354,3 +354,49 @@ def test_a_users_own_onnx_body_is_copied_probed_and_named_by_its_file(tiny, tmp_
     assert body.runtime == "onnxruntime"
     np.testing.assert_allclose(body.embed(probe_frames(TINY)), open_exported(tiny).embed(
         probe_frames(TINY)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("error, accepted", [(0.9e-4, True), (1.1e-4, False)])
+def test_the_probe_is_held_to_its_tolerance_at_its_edge(tiny, tmp_path, error, accepted):
+    import shutil
+
+    from edge_client.body import PROBE_TOLERANCE
+
+    folder = tmp_path / "body"
+    shutil.copytree(tiny, folder)
+    manifest = load_body_manifest(tiny)
+    want = np.asarray(manifest.probe)
+    # One coordinate moved by error x the probe's largest magnitude: relative error = error.
+    moved = want.copy()
+    moved.flat[0] += error * np.abs(want).max()
+    edited = type(manifest)(**{**vars(manifest), "probe": tuple(map(tuple, moved.tolist()))})
+    (folder / BODY_MANIFEST).write_text(json.dumps(edited.to_json()))
+    if accepted:
+        assert open_exported(folder).check_probe() <= PROBE_TOLERANCE
+    else:
+        with pytest.raises(ArtifactError, match="other embeddings"):
+            open_exported(folder)
+
+
+def test_a_head_needs_a_hidden_unit():
+    ModelConfig(name="mlp", input_shape=(8,), hidden=1)
+    with pytest.raises(ConfigError, match="hidden"):
+        ModelConfig(name="mlp", input_shape=(8,), hidden=0)
+
+
+def test_a_cached_run_is_not_reused_for_another_body_in_the_same_folder(tiny, tmp_path):
+    import shutil
+
+    from lab.experiment import ExperimentConfig, _RunCache
+    from models.body import export_body
+
+    folder = tmp_path / "body"
+    shutil.copytree(tiny, folder)
+    cfg = ExperimentConfig(name="t", body="tiny_bodies:make", body_dir=str(folder),
+                           camera_shape=TINY, model="linear")
+    before = _RunCache(tmp_path, cfg, False)._key("fedgs", 0, "none")
+    assert _RunCache(tmp_path, cfg, False)._key("fedgs", 0, "none") == before
+    own = tmp_path / "other.onnx"
+    own.write_bytes((tiny / BODY_FILE).read_bytes())
+    export_body(str(own), folder)  # exported again into the same folder: another hash
+    assert _RunCache(tmp_path, cfg, False)._key("fedgs", 0, "none") != before

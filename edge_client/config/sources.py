@@ -83,6 +83,11 @@ class SourceConfig(PreprocessSettings):
         return self.kind == "camera" or (
             self.kind == "replay" and Path(self.path).suffix.lower() in VIDEO_SUFFIXES)
 
+    @property
+    def decoded(self) -> bool:
+        """Frames OpenCV decodes (BGR, through ``Preprocess``): a camera, a video, images."""
+        return self.is_video or (self.kind == "replay" and Path(self.path).is_dir())
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.kind not in SOURCE_KINDS:

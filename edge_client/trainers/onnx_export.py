@@ -10,11 +10,10 @@ writes it.  Plain ``onnxruntime``, which has aarch64 wheels, runs the result.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..body import BODY_FILE, BodyManifest
 from ..errors import ArtifactError
 from ..files import write_atomic
 from .base import Trainer
@@ -22,12 +21,26 @@ from .manifest import layout_hash
 
 __all__ = ["export_onnx", "OPSET"]
 
+
+class FrozenBody(Protocol):
+    """What the export needs of a body's manifest (``edge_client/body.py``, which imports
+    the trainers, so not imported here)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def hash(self) -> str: ...
+
+    @property
+    def graph(self) -> Path: ...
+
 OPSET = 17  # ONNX Runtime 1.19 (training) and every plain onnxruntime since read it
 
 
 def export_onnx(trainer: Trainer, weights: np.ndarray, out: str | Path, *,
                 input_shape: tuple[int, ...], num_classes: int, model_round: int,
-                model_name: str = "", body: BodyManifest | None = None) -> Path:
+                model_name: str = "", body: FrozenBody | None = None) -> Path:
     """Write ``weights`` as ``trainer``'s model to ``out`` (atomically) and return it.  With a
     ``body`` the file is one graph, frames through the body into the head, so the line's
     application needs no safl and makes one call a frame."""
@@ -55,12 +68,12 @@ def export_onnx(trainer: Trainer, weights: np.ndarray, out: str | Path, *,
     return out
 
 
-def _body_then_head(onnx: Any, body: BodyManifest, head: Any) -> Any:
+def _body_then_head(onnx: Any, body: FrozenBody, head: Any) -> Any:
     """One graph: the body's ``embedding`` feeds the head's ``input``; the frames are the
     input, named ``input`` as a bare head's is."""
     from onnx import compose
 
-    first = onnx.load(str(body.folder / BODY_FILE))
+    first = onnx.load(str(body.graph))
     body_out = first.graph.output[0].name
     head_in = head.graph.input[0].name
     opset = max(o.version for o in first.opset_import if o.domain in ("", "ai.onnx"))
