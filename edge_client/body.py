@@ -13,6 +13,10 @@ A body runs on ONNX Runtime (any distribution with ``InferenceSession``: plain
 registered or importable factory, on torch (CUDA on a Jetson).  Either way the probe is
 checked at start-up, so a body that computes something else is refused.  Nothing here imports
 torch unless the torch runtime is chosen.
+
+Where the body's last blocks train (``[model] train_body_blocks``), the device's body is the
+frozen prefix before them, on torch: a frame is still embedded once, into the activation the
+trained blocks take, and that is the buffered sample.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from typing import Any
 import numpy as np
 
 from .errors import ArtifactError, ConfigError, ShapeError
+from .trainers.base import BodyTail
 
 __all__ = ["BODY_FILE", "BODY_MANIFEST", "BodyManifest", "Body", "probe_frames",
            "load_body_manifest", "body_manifest", "head_input_shape", "open_body", "body_id",
            "PROBE_TOLERANCE", "cache_home", "default_body_dir", "open_exported", "ort_forward",
-           "embed_in_chunks"]
+           "embed_in_chunks", "body_tail"]
 
 BODY_FILE = "body.onnx"
 BODY_MANIFEST = "body.json"
@@ -162,8 +167,25 @@ def body_id(model: Any) -> str:
     return manifest.hash if manifest is not None else ""
 
 
+def body_tail(model: Any) -> BodyTail | None:
+    """The body's blocks that train with the head (None where the body stays frozen)."""
+    blocks = getattr(model, "train_body_blocks", 0)
+    manifest = body_manifest(model) if blocks else None
+    if manifest is None:
+        return None
+    if not manifest.factory:
+        raise ConfigError("train_body_blocks", f"body {manifest.name} was exported from an "
+                          "ONNX file and has no torch definition to train")
+    return BodyTail(manifest.factory, manifest.input_shape, blocks)
+
+
 def head_input_shape(model: Any) -> tuple[int, ...]:
-    """What the federated model takes: the body's embedding, else the frame itself."""
+    """What the federated model takes: the body's embedding (or, where its last blocks
+    train, the activation before them), else the frame itself."""
+    tail = body_tail(model)
+    if tail is not None:
+        from .trainers.bodies import prefix_shape
+        return prefix_shape(*tail)
     manifest = body_manifest(model)
     return (manifest.embedding,) if manifest is not None else tuple(model.input_shape)
 
@@ -172,24 +194,45 @@ class Body:
     """A frozen body, ready to embed frames (see the module); build with :func:`open_body`."""
 
     def __init__(self, manifest: BodyManifest, runtime: str,
-                 forward: Callable[[np.ndarray], np.ndarray]) -> None:
+                 forward: Callable[[np.ndarray], np.ndarray], *,
+                 out_shape: tuple[int, ...] = (), blocks: int = 0,
+                 whole: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         self.manifest, self.runtime, self._forward = manifest, runtime, forward
+        # A prefix (blocks > 0) makes activations of out_shape; ``whole`` is then the full
+        # body with its pretrained tail, which the probe checks.
+        self.out_shape = out_shape or (manifest.embedding,)
+        self.blocks, self._whole = blocks, whole or forward
+
+    @property
+    def key(self) -> str:
+        """Names what :meth:`embed` computes: the body's hash, and where it is cut."""
+        return self.manifest.hash + (f"-tail{self.blocks}" if self.blocks else "")
+
+    @property
+    def bytes_per_sample(self) -> int:
+        """What one buffered sample costs (float32)."""
+        return 4 * int(np.prod(self.out_shape))
 
     def embed(self, frames: np.ndarray) -> np.ndarray:
-        """``(n, D)`` float32 embeddings of ``frames`` ``(n, C, H, W)`` in [0, 1]."""
+        """``(n, *out_shape)`` float32 embeddings of ``frames`` ``(n, C, H, W)`` in [0, 1]."""
+        return self._run(self._forward, frames, self.out_shape)
+
+    def _run(self, forward: Callable[[np.ndarray], np.ndarray], frames: np.ndarray,
+             out_shape: tuple[int, ...]) -> np.ndarray:
         x = np.asarray(frames, dtype=np.float32)
         if x.shape[1:] != self.manifest.input_shape:
             raise ShapeError(f"the body takes frames of {self.manifest.input_shape}, got "
                              f"{x.shape[1:]}")
         if not len(x):
-            return np.zeros((0, self.manifest.embedding), np.float32)
-        return embed_in_chunks(self._forward, x)
+            return np.zeros((0, *out_shape), np.float32)
+        return embed_in_chunks(forward, x)
 
     def check_probe(self) -> float:
         """The largest relative error on the probe against the manifest; raises past
         :data:`PROBE_TOLERANCE`."""
         want = np.asarray(self.manifest.probe, dtype=np.float64)
-        got = self.embed(probe_frames(self.manifest.input_shape, len(want)))
+        got = self._run(self._whole, probe_frames(self.manifest.input_shape, len(want)),
+                        (self.manifest.embedding,))
         err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
         if not err <= PROBE_TOLERANCE:
             raise ArtifactError(f"body {self.manifest.name} on {self.runtime} computes other "
@@ -241,18 +284,10 @@ def _checked_ort_forward(manifest: BodyManifest, threads: int) -> Callable[[np.n
     return ort_forward(path, threads)
 
 
-def _cuda_forward(manifest: BodyManifest, device: str
-                  ) -> Callable[[np.ndarray], np.ndarray] | None:
-    """The body on torch where ``device`` resolves to a CUDA device, else None."""
+def _torch_forward(module: Any, where: Any) -> Callable[[np.ndarray], np.ndarray]:
     import torch
 
-    from .trainers.bodies import build_body_module
-    from .trainers.torch_backend import resolve_device
-
-    where = resolve_device(device)
-    if where.type != "cuda":
-        return None
-    module = build_body_module(manifest.factory, manifest.input_shape).to(where)
+    module = module.to(where)
 
     def forward(x: np.ndarray) -> np.ndarray:
         with torch.no_grad():
@@ -260,15 +295,49 @@ def _cuda_forward(manifest: BodyManifest, device: str
     return forward
 
 
+def _cuda_forward(manifest: BodyManifest, device: str
+                  ) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The body on torch where ``device`` resolves to a CUDA device, else None."""
+    from .trainers.bodies import build_body_module
+    from .trainers.torch_backend import resolve_device
+
+    where = resolve_device(device)
+    if where.type != "cuda":
+        return None
+    return _torch_forward(build_body_module(manifest.factory, manifest.input_shape), where)
+
+
+def _prefix(manifest: BodyManifest, tail: BodyTail, device: str) -> Body:
+    """The frozen prefix before the blocks that train, on torch (where the model trains)."""
+    import torch
+
+    from .trainers.bodies import split_body
+    from .trainers.torch_backend import resolve_device
+
+    where = resolve_device(device)
+    prefix, pretrained_tail = split_body(*tail)
+    whole = torch.nn.Sequential(prefix, pretrained_tail).eval()
+    forward = _torch_forward(prefix, where)
+    out_shape = tuple(forward(np.zeros((1, *manifest.input_shape), np.float32)).shape[1:])
+    return Body(manifest, f"torch ({where})", forward, out_shape=out_shape,
+                blocks=tail.blocks, whole=_torch_forward(whole, where))
+
+
 def open_body(model: Any, *, threads: int = 0) -> Body | None:
     """The body a ``[model]`` table names, probe-checked (None without one).  It runs on
     torch where the model trains on CUDA (a Jetson) and the body has a torch definition; on a
     CPU, ONNX Runtime is faster than torch's eager forward (1.05 against 2.8-4.3 ms a 64x64
     frame on one core, ``bench/body.py``), so every CPU board runs it there, with ``threads``
-    (0: its default)."""
+    (0: its default).  Where the body's last blocks train, it is the prefix before them, on
+    torch on the model's device."""
     manifest = body_manifest(model)
     if manifest is None:
         return None
+    tail = body_tail(model)
+    if tail is not None:
+        body = _prefix(manifest, tail, model.device)
+        body.check_probe()
+        return body
     on_gpu = _cuda_forward(manifest, model.device) if (
         manifest.factory and model.backend == "torch" and model.device != "cpu") else None
     if on_gpu is None:
@@ -278,10 +347,14 @@ def open_body(model: Any, *, threads: int = 0) -> Body | None:
     return body
 
 
-def open_exported(folder: str | Path, *, threads: int = 0) -> Body:
-    """An exported body on ONNX Runtime, probe-checked (the lab embeds datasets with it)."""
+def open_exported(folder: str | Path, *, threads: int = 0, blocks: int = 0) -> Body:
+    """An exported body on ONNX Runtime, probe-checked (the lab embeds datasets with it); with
+    ``blocks``, its prefix before its last ``blocks`` blocks, on torch's CPU."""
     manifest = load_body_manifest(folder)
-    body = Body(manifest, "onnxruntime", _checked_ort_forward(manifest, threads))
+    if blocks:
+        body = _prefix(manifest, BodyTail(manifest.factory, manifest.input_shape, blocks), "cpu")
+    else:
+        body = Body(manifest, "onnxruntime", _checked_ort_forward(manifest, threads))
     body.check_probe()
     return body
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import messages as m
-from .body import body_id, head_input_shape, open_body
+from .body import body_id, body_tail, head_input_shape, open_body
 from .config import (
     BrokerConfig,
     DeviceConfig,
@@ -72,11 +72,11 @@ def load_role_file(path: str | Path | None, tables: dict[str, type],
 def model_trainer(model: ModelConfig, lr: float) -> Trainer:
     """The trainer a role's ``[model]`` table describes (stations and the cloud use it for the
     layout, the initial weights and evaluation, never for SGD).  With a body it is the
-    head, on the body's embeddings."""
+    head, on the body's embeddings, or the body's last blocks and the head."""
     return build_trainer(model.spec, backend=model.backend, input_shape=head_input_shape(model),
                          num_classes=model.num_classes, lr=lr, seed=model.seed,
                          artifacts=model.artifacts or None, device=model.device,
-                         hidden=model.hidden)
+                         hidden=model.hidden, tail=body_tail(model))
 
 
 def federation_layout(model: ModelConfig, trainer: Trainer) -> str:
@@ -147,9 +147,10 @@ class DeviceService:
             raise ConfigError("rgb", f"body {mc.body} takes RGB frames and OpenCV delivers BGR: "
                               "set [source] rgb = true")
         if body is not None:
-            log.info("device %s: body %s (%s) on %s, %d-d embeddings (%d bytes a buffered "
-                     "sample)", cfg.device_id, body.manifest.name, body.manifest.hash,
-                     body.runtime, body.manifest.embedding, body.manifest.bytes_per_sample)
+            log.info("device %s: body %s (%s) on %s, embeddings of %s (%d bytes a buffered "
+                     "sample)%s", cfg.device_id, body.manifest.name, body.manifest.hash,
+                     body.runtime, body.out_shape, body.bytes_per_sample,
+                     f", its last {body.blocks} block(s) training" if body.blocks else "")
         if self.service.emulate_step_s:
             trainer = PacedTrainer(trainer, self.service.emulate_step_s)
         device = Device(cfg, trainer, num_classes=mc.num_classes,

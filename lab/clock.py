@@ -96,16 +96,23 @@ def _scaled(name: str, base: ComputeProfile, factor: float, source: str) -> Comp
 # (bench/body.py, docs/bodies.md).
 # The small CNN on camera frames (3x64x64) is priced at its 1x28x28 figure times the ratio
 # measured in one run on one core: torch 51.7 / 8.0 ms (6.5x), numpy 137.7 / 17.9 ms (7.7x).
+# EfficientNet-Lite0's last block(s) and a linear head training on torch ([model]
+# train_body_blocks, 1,030,410 and 1,506,570 parameters): 18.0-21.6 and 45.6-48.8 ms a step
+# of 32 on one core, measured beside another job (docs/bodies.md).
 _BODIES_X86 = {"efficientnet-lite0": 0.00105}
+_TUNED_X86_TORCH = {"efficientnet-lite0[-1:]+linear": 0.019,
+                    "efficientnet-lite0[-2:]+linear": 0.047}
 _X86_NUMPY = ComputeProfile("x86-numpy", {"softmax": 0.0002, "linear": 0.00005, "mlp": 0.0004,
                                           "small_cnn": 0.0211, "small_cnn@3x64x64": 0.162},
                             "measured (install-edge.md)", _BODIES_X86)
 _X86_TORCH = ComputeProfile("x86-torch", {"softmax": 0.0003, "linear": 0.0001, "mlp": 0.0005,
-                                          "small_cnn": 0.0103, "small_cnn@3x64x64": 0.0666},
+                                          "small_cnn": 0.0103, "small_cnn@3x64x64": 0.0666,
+                                          **_TUNED_X86_TORCH},
                             "measured (install-edge.md)", _BODIES_X86)
 PROFILES: dict[str, ComputeProfile] = {p.name: p for p in (
     ComputeProfile("zero", {"softmax": 0.0, "linear": 0.0, "mlp": 0.0, "small_cnn": 0.0,
-                            "small_cnn@3x64x64": 0.0},
+                            "small_cnn@3x64x64": 0.0,
+                            **{k: 0.0 for k in _TUNED_X86_TORCH}},
                    "no cost: the clockless simulator's order, with links priced",
                    {"efficientnet-lite0": 0.0}),
     _X86_NUMPY, _X86_TORCH,
@@ -113,8 +120,11 @@ PROFILES: dict[str, ComputeProfile] = {p.name: p for p in (
     _scaled("pi4-torch", _X86_TORCH, PI4_OVER_HOST, "x86-torch x PI4_OVER_HOST"),
     # A small model on a Jetson's GPU is bound by kernel launches (about 30 for a step of the
     # small CNN at 10-20 us each on Orin, plus the host-device copies of a batch), not FLOPs.
+    # A tuned body's block and head: about 60 kernels a step (forward, backward, update).
     ComputeProfile("jetson-orin-cuda", {"softmax": 0.0008, "linear": 0.0008, "mlp": 0.0010,
-                                        "small_cnn": 0.0025, "small_cnn@3x64x64": 0.004},
+                                        "small_cnn": 0.0025, "small_cnn@3x64x64": 0.004,
+                                        "efficientnet-lite0[-1:]+linear": 0.003,
+                                        "efficientnet-lite0[-2:]+linear": 0.0045},
                    "estimate: launch-bound (docs/experiments.md)",
                    # about 60 kernels a frame at 10-20 us each, batch 1 (an estimate)
                    {"efficientnet-lite0": 0.0012}),

@@ -140,7 +140,7 @@ def embedded(data: Dataset, shape: tuple[int, ...], body, cache: Path) -> Datase
     dataset, shape and body hash and kept in ``cache`` (numpy's .npz, no pickle): a long run
     with a body then costs the head's training only.  Frames are made and embedded a chunk at
     a time, so 60,000 of them never sit in memory at 64x64."""
-    path = cache / f"{data.name}-{'x'.join(map(str, shape))}-{body.manifest.hash}.npz"
+    path = cache / f"{data.name}-{'x'.join(map(str, shape))}-{body.key}.npz"
     if path.exists():
         with np.load(path, allow_pickle=False) as z:
             x_train, x_test = z["x_train"], z["x_test"]
@@ -158,15 +158,17 @@ def embedded(data: Dataset, shape: tuple[int, ...], body, cache: Path) -> Datase
                                x_train=x_train, x_test=x_test)
 
 
-def through_body(data: Dataset, shape: tuple[int, ...], body: str, body_dir: str = ""
-                 ) -> Dataset:
-    """``data`` as body ``body``'s cached embeddings of its camera frames at ``shape``; the
-    body comes from ``body_dir``, else from the cache ``safl experiment`` and ``safl demo``
-    export it to."""
+def through_body(data: Dataset, shape: tuple[int, ...], body: str, body_dir: str = "",
+                 blocks: int = 0) -> Dataset:
+    """``data`` as body ``body``'s cached embeddings of its camera frames at ``shape`` (or,
+    where its last ``blocks`` blocks train, the activations before them); the body comes
+    from ``body_dir``, else from the cache ``safl experiment`` and ``safl demo`` export it
+    to."""
     from edge_client.body import cache_home, open_exported
 
     folder = body_folder(body, shape, body_dir)
-    return embedded(data, shape, open_exported(folder), cache_home() / "embeddings")
+    return embedded(data, shape, open_exported(folder, blocks=blocks),
+                    cache_home() / "embeddings")
 
 
 def body_folder(body: str, shape: tuple[int, ...], body_dir: str = "") -> Path:

@@ -31,6 +31,7 @@ from edge_client.body import load_body_manifest
 from edge_client.config import TrainingSettings, check_range, load_config
 from edge_client.errors import ConfigError
 from edge_client.privacy import noise_for_epsilon
+from edge_client.trainers import BodyTail
 
 from .attacks import ATTACKS
 from .datasets import (
@@ -151,6 +152,9 @@ class ExperimentConfig(RecipeSettings):
     body: str = "none"
     body_dir: str = ""
     hidden: int = 128  # the mlp's hidden units (an mlp head's, with a body)
+    # The body's last blocks that train with the head (torch; the data are then the
+    # activations before them, cached as the embeddings are).
+    train_body_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.partition not in ("dirichlet", "safl"):
@@ -159,6 +163,10 @@ class ExperimentConfig(RecipeSettings):
             object.__setattr__(self, "camera_shape", (3, 64, 64))
         if self.camera_shape and (len(self.camera_shape) != 3 or min(self.camera_shape) < 1):
             raise ConfigError("camera_shape", f"must be (C, H, W), got {self.camera_shape}")
+        check_range("train_body_blocks", self.train_body_blocks, 0)
+        if self.train_body_blocks and (self.body == "none" or self.backend != "torch"):
+            raise ConfigError("train_body_blocks", "training a body's blocks needs a body and "
+                              "backend = 'torch'")
         for key in ("factories", "devices_per_factory", "super_node", "sync_period", "rounds",
                     "batch_size", "arrivals_per_step", "eval_samples", "eval_every"):
             check_range(key, getattr(self, key), 1)
@@ -223,7 +231,7 @@ def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> Flee
                      share_trainers=True, attack=attack,
                      attackers=tuple(range(cfg.attackers)) if attack != "none" else (),
                      prequential_every=cfg.prequential_every, body=cfg.body,
-                     hidden=cfg.hidden)
+                     hidden=cfg.hidden, tail=_tail(cfg))
 
 
 # Privacy and update stages, per role, passed on only where set: a plain run keeps the cache
@@ -283,17 +291,26 @@ def _set(cfg: ExperimentConfig, *keys: str) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=2)
 def _dataset(name: str, camera_shape: tuple[int, ...] = (), body: str = "none",
-             body_dir: str = "") -> Dataset:
+             body_dir: str = "", blocks: int = 0) -> Dataset:
     """The run's data, once per process, not once per strategy: the images, or a camera's
     frames of them, or a body's embeddings of those (cached on disk)."""
     data = load_dataset(name)
     if body == "none":
         return as_camera(data, camera_shape) if camera_shape else data
-    return through_body(data, camera_shape, body, body_dir)
+    return through_body(data, camera_shape, body, body_dir, blocks)
 
 
 def experiment_data(cfg: ExperimentConfig) -> Dataset:
-    return _dataset(cfg.dataset, tuple(cfg.camera_shape), cfg.body, cfg.body_dir)
+    return _dataset(cfg.dataset, tuple(cfg.camera_shape), cfg.body, cfg.body_dir,
+                    cfg.train_body_blocks)
+
+
+def _tail(cfg: ExperimentConfig) -> BodyTail | None:
+    if not cfg.train_body_blocks:
+        return None
+    folder = body_folder(cfg.body, tuple(cfg.camera_shape), cfg.body_dir)
+    manifest = load_body_manifest(folder)
+    return BodyTail(manifest.factory, manifest.input_shape, cfg.train_body_blocks)
 
 
 @dataclass(frozen=True)
@@ -376,7 +393,7 @@ _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "ta
 _OFF_UNLESS_SET = frozenset({*_DEVICE_KEYS, *_STATION_KEYS, *_CLOUD_KEYS, "central_dp_epsilon",
                              "central_dp_mechanism", "max_participations", "cloud_dp_epsilon",
                              "local_dp_epsilon", "local_dp_clip", "camera_shape", "body",
-                             "body_dir", "hidden"})
+                             "body_dir", "hidden", "train_body_blocks"})
 _DEFAULT = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
 
 

@@ -301,7 +301,7 @@ class _Links:
         else:
             port = self.bus.port(role.id, self.clock.device_link,
                                  rng=np.random.default_rng(self.seeds.spawn(1)[0]))
-            port.cost = _compute_cost(role, self.clock, values, spec.model, spec.body)
+            port.cost = _compute_cost(role, self.clock, values, spec.priced_model, spec.body)
         port.wakeup = role.wakeup
         return port
 
@@ -405,7 +405,7 @@ def trainer_maker(spec: FleetSpec, sample_shape: tuple[int, ...], num_classes: i
         return build_trainer(spec.model, backend=backend, input_shape=sample_shape,
                              num_classes=num_classes, lr=spec.lr, seed=spec.seed,
                              artifacts=spec.artifacts, expected_layout_hash=layout,
-                             device=spec.torch_device, hidden=spec.hidden)
+                             device=spec.torch_device, hidden=spec.hidden, tail=spec.tail)
     return make
 
 

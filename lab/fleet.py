@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.config import DeviceConfig, TrainingSettings
+from edge_client.trainers import BodyTail
 
 from .clock import ClockConfig, assign_profiles, check_batched_steps
 
@@ -85,9 +86,19 @@ class FleetSpec:
     # body's embeddings (the cloud scores the head).  Unset, the data are embeddings already.
     body_dir: str = ""
     hidden: int = 128  # the mlp's hidden units
+    # The body's last blocks that train with the head ([model] train_body_blocks): the data
+    # are then the activations before them, and the model is those blocks and the head.
+    tail: BodyTail | None = None
 
     def __post_init__(self) -> None:
         check_batched_steps(self.batched_steps, self.clock is not None)
+
+    @property
+    def priced_model(self) -> str:
+        """The model as the clock's profiles name it: with a body's blocks training,
+        ``"efficientnet-lite0[-1:]+linear"`` (its last block and the head)."""
+        return f"{self.tail.body}[-{self.tail.blocks}:]+{self.model}" if self.tail \
+            else self.model
 
 
 def device_id(k: int) -> str:

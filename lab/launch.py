@@ -51,7 +51,8 @@ def write_fleet(run_dir: Path, data: Dataset, strategy: Strategy, spec: FleetSpe
 
     def model(backend: str) -> dict[str, Any]:
         body = {"body": spec.body, "body_dir": spec.body_dir,
-                "input_shape": load_body_manifest(spec.body_dir).input_shape} \
+                "input_shape": load_body_manifest(spec.body_dir).input_shape,
+                **({"train_body_blocks": spec.tail.blocks} if spec.tail else {})} \
             if spec.body_dir else {}
         return {"name": spec.model, "backend": backend, "input_shape": data.sample_shape,
                 **({"hidden": spec.hidden} if spec.hidden != 128 else {}), **body,

@@ -5,12 +5,12 @@ embedding cache and the clock's price for a body (docs/bodies.md)."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import numpy as np
 import pytest
 from test_inference import _Frames
+from user_bodies import exported_device_model, exported_user_body
 
 from edge_client import messages as m
 from edge_client.admission import Admission
@@ -23,12 +23,11 @@ from edge_client.body import (
     open_exported,
     probe_frames,
 )
-from edge_client.cli import main as device_main
 from edge_client.codec import encode
 from edge_client.config import DeviceConfig, InferenceConfig, ModelConfig
 from edge_client.device import Device
 from edge_client.errors import ArtifactError, ConfigError
-from edge_client.serving import StreamFeed, save_deployable
+from edge_client.serving import StreamFeed
 from edge_client.sources.pump import SourcePump
 from edge_client.topics import station_model_topic
 
@@ -63,16 +62,7 @@ def make(input_shape):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A user's own body (``package.module:factory``), exported: its folder."""
-    from models.body import export_body
-
-    where = tmp_path_factory.mktemp("tiny_module")
-    (where / "tiny_bodies.py").write_text(TINY_BODY)
-    sys.path.insert(0, str(where))
-    folder = tmp_path_factory.mktemp("tiny_body")
-    frames = np.random.default_rng(0).random((6, *TINY), dtype=np.float32)
-    export_body("tiny_bodies:make", folder, input_shape=TINY, check_frames={"noise": frames})
-    yield folder
-    sys.path.remove(str(where))
+    yield from exported_user_body(tmp_path_factory, "tiny_bodies", TINY_BODY, "make", TINY)
 
 
 @pytest.fixture(scope="module")
@@ -207,28 +197,15 @@ def test_each_frame_is_embedded_once_for_its_prediction_and_its_training(tiny, d
 
 
 def test_the_export_is_one_graph_from_frames_through_the_body_and_head(tiny, tmp_path):
-    from edge_client.service import federation_layout, model_trainer
+    from edge_client.service import model_trainer
 
     cfg = _model(tiny, seed=3)
     trainer = model_trainer(cfg, 0.1)
     weights = np.random.default_rng(2).normal(0, 0.5, trainer.num_params).astype(np.float32)
-    dev = Device(DeviceConfig(device_id="cam1", station="s0"), trainer, num_classes=10,
-                 sample_shape=(8,), rng=np.random.default_rng(0), inference=InferenceConfig())
-    dev.handle(m.StationModel(fleet="default", sender="s0", round=4, iteration=9,
-                              weights=weights), 0.0)
-    state = tmp_path / "state"
-    save_deployable(state, dev, federation_layout(cfg, trainer))
-    toml = tmp_path / "dev.toml"
-    toml.write_text('[device]\ndevice_id = "cam1"\nstation = "s0"\n'
-                    f'[model]\nname = "linear"\ninput_shape = {list(TINY)}\nseed = 3\n'
-                    f'body = "tiny_bodies:make"\nbody_dir = "{tiny}"\n'
-                    f'[source]\nkind = "synthetic"\n[service]\nstate_dir = "{state}"\n')
-    out = tmp_path / "line.onnx"
-    assert device_main(["export", "--config", str(toml), "--out", str(out)]) == 0
-    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     frames = np.random.default_rng(3).random((5, *TINY), dtype=np.float32)
-    (logits,) = session.run(None, {session.get_inputs()[0].name: frames})
-    assert session.get_outputs()[0].name == "logits"
+    logits, out = exported_device_model(
+        tmp_path, cfg, trainer, weights, f'name = "linear"\ninput_shape = {list(TINY)}\n'
+        f'seed = 3\nbody = "tiny_bodies:make"\nbody_dir = "{tiny}"\n', frames)
     want = trainer.logits(open_body(cfg).embed(frames), weights)
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-5)
     import onnx

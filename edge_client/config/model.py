@@ -39,6 +39,9 @@ class ModelConfig:
     body: str = "none"
     body_dir: str = ""  # the folder `safl models export-body` wrote (the same on every role)
     hidden: int = 128  # the mlp's hidden units (the mlp head's, with a body)
+    # Fine-tuning (docs/bodies.md): the body's last N blocks train and federate with the head
+    # (torch backend only; 0: the body stays frozen).
+    train_body_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in ("numpy", "torch", "ort"):
@@ -64,3 +67,10 @@ class ModelConfig:
                               "export-body` wrote (the same on every role)")
         if self.body_dir and self.body == "none":
             raise ConfigError("body", "body_dir is set but body is 'none': name the body")
+        check_range("train_body_blocks", self.train_body_blocks, 0)
+        if self.train_body_blocks and self.body == "none":
+            raise ConfigError("train_body_blocks", "needs a body (body = 'none')")
+        if self.train_body_blocks and self.backend != "torch":
+            raise ConfigError("train_body_blocks", f"a body's blocks train on torch only, "
+                              f"backend is {self.backend!r} (a board without torch trains "
+                              "the head on the frozen body: train_body_blocks = 0)")

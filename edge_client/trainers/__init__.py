@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ArtifactError, ConfigError
-from .base import Trainer, proximal_step
+from .base import BodyTail, Trainer, proximal_step
 from .manifest import layout_hash
 
-__all__ = ["Trainer", "build_trainer", "proximal_step", "layout_hash", "BACKENDS"]
+__all__ = ["Trainer", "BodyTail", "build_trainer", "proximal_step", "layout_hash", "BACKENDS"]
 
 BACKENDS = ("numpy", "torch", "ort")
 
@@ -23,7 +23,7 @@ def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int,
                   num_classes: int = 0, lr: float, seed: int = 0,
                   artifacts: str | Path | None = None,
                   expected_layout_hash: str | None = None, device: str = "auto",
-                  hidden: int = 128) -> Trainer:
+                  hidden: int = 128, tail: BodyTail | None = None) -> Trainer:
     """Build a trainer for a zoo model on the chosen backend.
 
     ``numpy`` and ``torch`` build the model from ``input_shape`` and
@@ -31,8 +31,14 @@ def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int,
     whose layout hash differs from ``expected_layout_hash`` is refused.  ``device``
     places the torch backend's model (``auto``: CUDA where available); numpy runs on
     the CPU, and so does ORT, whose training build has only the CPU execution provider.
-    ``hidden`` sizes the ``mlp``'s hidden layer.
+    ``hidden`` sizes the ``mlp``'s hidden layer.  ``tail`` (torch only) puts a body's
+    last blocks before the model, which is then their head; ``input_shape`` is what the
+    body's frozen prefix makes of a frame.
     """
+    if tail is not None and backend != "torch":
+        raise ConfigError("train_body_blocks", f"training a body's blocks needs backend = "
+                          f"'torch', not {backend!r} (the numpy and ort backends train a head "
+                          "on a frozen body)")
     if device != "auto" and device != "cpu" and backend != "torch":
         raise ConfigError("device", f"{device!r} needs the torch backend: the {backend} "
                           "backend trains on the CPU only")
@@ -50,7 +56,7 @@ def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int,
     elif backend == "torch":
         from .torch_backend import build as build_torch
         trainer = build_torch(model, input_shape=tuple(input_shape), num_classes=num_classes,
-                              lr=lr, seed=seed, device=device, hidden=hidden)
+                              lr=lr, seed=seed, device=device, hidden=hidden, tail=tail)
     else:
         raise ConfigError("backend", f"must be one of {BACKENDS}, got {backend!r}")
     if expected_layout_hash and layout_hash(trainer.layout) != expected_layout_hash:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import ConfigError, ShapeError
 
-__all__ = ["Trainer", "check_flat", "proximal_step"]
+__all__ = ["Trainer", "BodyTail", "check_flat", "proximal_step"]
+
+
+class BodyTail(NamedTuple):
+    """A body's last ``blocks`` blocks that train with the head (``[model]
+    train_body_blocks``): the body's torch definition and the frames it takes."""
+
+    body: str  # the registry name or "package.module:factory"
+    frame_shape: tuple[int, ...]
+    blocks: int
 
 
 @runtime_checkable

@@ -43,7 +43,8 @@ def export_onnx(trainer: Trainer, weights: np.ndarray, out: str | Path, *,
                 model_name: str = "", body: FrozenBody | None = None) -> Path:
     """Write ``weights`` as ``trainer``'s model to ``out`` (atomically) and return it.  With a
     ``body`` the file is one graph, frames through the body into the head, so the line's
-    application needs no safl and makes one call a frame."""
+    application needs no safl and makes one call a frame (a trainer whose body's last blocks
+    trained renders that graph itself)."""
     try:
         import onnx
     except ImportError as exc:
@@ -53,7 +54,7 @@ def export_onnx(trainer: Trainer, weights: np.ndarray, out: str | Path, *,
     if render is None:
         raise ArtifactError(f"{type(trainer).__name__} cannot render its model as ONNX")
     model = onnx.load_from_string(render(np.asarray(weights, dtype=np.float32)))
-    if body is not None:
+    if body is not None and not getattr(trainer, "renders_body", False):
         model = _body_then_head(onnx, body, model)
     meta = {"safl.input_shape": ",".join(map(str, input_shape)),
             "safl.num_classes": str(num_classes), "safl.model_round": str(model_round),

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, ShapeError
-from .base import check_flat
+from .base import BodyTail, check_flat
 from .onnx_export import OPSET
 from .zoo import build_module
 
@@ -87,6 +87,11 @@ class TorchTrainer:
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self._params)
+
+    @property
+    def renders_body(self) -> bool:
+        """True where :meth:`inference_onnx` already has the body in it (a tuned body)."""
+        return hasattr(self.module, "deployable")
 
     def get_flat(self) -> np.ndarray:
         # torch.cat already made a new tensor; its numpy view is the caller's to keep.
@@ -210,7 +215,9 @@ class TorchTrainer:
         self.set_flat(weights)
         try:
             self.module.eval()
-            return module_to_onnx(self.module)
+            # A tuned body's model is exported with its frozen prefix: frames to logits.
+            deployable = getattr(self.module, "deployable", None)
+            return module_to_onnx(deployable() if deployable else self.module)
         finally:
             self.set_flat(own)
 
@@ -224,9 +231,19 @@ class TorchTrainer:
 
 
 def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: float,
-          seed: int, device: str = "auto", hidden: int = 128) -> TorchTrainer:
+          seed: int, device: str = "auto", hidden: int = 128,
+          tail: BodyTail | None = None) -> TorchTrainer:
     # Initial weights are drawn on the CPU, so they are the same whatever the device.
     torch.manual_seed(seed)
-    module = build_module(model, input_shape=input_shape, num_classes=num_classes,
-                          hidden=hidden)
+    if tail is None:
+        module = build_module(model, input_shape=input_shape, num_classes=num_classes,
+                              hidden=hidden)
+        return TorchTrainer(module, lr=lr, device=device)
+    from .bodies import tuned_module
+
+    module = tuned_module(tail.body, tail.frame_shape, tail.blocks, lambda shape: build_module(
+        model, input_shape=shape, num_classes=num_classes, hidden=hidden))
+    if module.input_shape != tuple(input_shape):
+        raise ShapeError(f"the body's last {tail.blocks} block(s) take {module.input_shape}, "
+                         f"the model was given {tuple(input_shape)}")
     return TorchTrainer(module, lr=lr, device=device)
