@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -256,8 +257,10 @@ def embed_in_chunks(forward: Callable[[np.ndarray], np.ndarray], x: np.ndarray) 
                            for i in range(0, len(x), CHUNK)]).astype(np.float32, copy=False)
 
 
-def ort_forward(path: str | Path, threads: int = 0) -> Callable[[np.ndarray], np.ndarray]:
-    """An ONNX Runtime session on the graph at ``path``, as a function of a batch of frames."""
+def ort_forward(path: str | Path | bytes, threads: int = 0
+                ) -> Callable[[np.ndarray], np.ndarray]:
+    """An ONNX Runtime session on the graph at ``path`` (or the graph itself), as a function
+    of a batch of frames."""
     try:
         import onnxruntime as ort
     except ImportError as exc:
@@ -266,7 +269,8 @@ def ort_forward(path: str | Path, threads: int = 0) -> Callable[[np.ndarray], np
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    graph = path if isinstance(path, bytes) else str(path)
+    session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     return lambda x: session.run(None, {name: x})[0]
 
@@ -307,20 +311,26 @@ def _cuda_forward(manifest: BodyManifest, device: str
     return _torch_forward(build_body_module(manifest.factory, manifest.input_shape), where)
 
 
-def _prefix(manifest: BodyManifest, tail: BodyTail, device: str) -> Body:
-    """The frozen prefix before the blocks that train, on torch (where the model trains)."""
-    import torch
+def _prefix(manifest: BodyManifest, tail: BodyTail, device: str, threads: int = 0) -> Body:
+    """The frozen prefix before the blocks that train: on the GPU, in torch; on a CPU, on
+    ONNX Runtime where it is installed (exported from torch at start-up, in memory: 2 against
+    8 ms a 64x64 frame on one core).  The probe runs the pretrained tail on its output, so
+    it checks the path the frames take."""
 
     from .trainers.bodies import split_body
-    from .trainers.torch_backend import resolve_device
+    from .trainers.torch_backend import module_to_onnx, resolve_device
 
     where = resolve_device(device)
     prefix, pretrained_tail = split_body(*tail)
-    whole = torch.nn.Sequential(prefix, pretrained_tail).eval()
-    forward = _torch_forward(prefix, where)
+    forward, runtime = _torch_forward(prefix, where), f"torch ({where})"
+    if where.type == "cpu" and importlib.util.find_spec("onnxruntime") is not None:
+        forward = ort_forward(module_to_onnx(prefix, output="activation",
+                                             input_shape=manifest.input_shape), threads)
+        runtime = "onnxruntime"
+    run_tail = _torch_forward(pretrained_tail.eval(), where)
     out_shape = tuple(forward(np.zeros((1, *manifest.input_shape), np.float32)).shape[1:])
-    return Body(manifest, f"torch ({where})", forward, out_shape=out_shape,
-                blocks=tail.blocks, whole=_torch_forward(whole, where))
+    return Body(manifest, runtime, forward, out_shape=out_shape, blocks=tail.blocks,
+                whole=lambda x: run_tail(forward(x)))
 
 
 def open_body(model: Any, *, threads: int = 0) -> Body | None:
@@ -328,14 +338,14 @@ def open_body(model: Any, *, threads: int = 0) -> Body | None:
     torch where the model trains on CUDA (a Jetson) and the body has a torch definition; on a
     CPU, ONNX Runtime is faster than torch's eager forward (1.05 against 2.8-4.3 ms a 64x64
     frame on one core, ``bench/body.py``), so every CPU board runs it there, with ``threads``
-    (0: its default).  Where the body's last blocks train, it is the prefix before them, on
-    torch on the model's device."""
+    (0: its default).  Where the body's last blocks train, it is the prefix before them
+    (:func:`_prefix`)."""
     manifest = body_manifest(model)
     if manifest is None:
         return None
     tail = body_tail(model)
     if tail is not None:
-        body = _prefix(manifest, tail, model.device)
+        body = _prefix(manifest, tail, model.device, threads)
         body.check_probe()
         return body
     on_gpu = _cuda_forward(manifest, model.device) if (
@@ -349,10 +359,11 @@ def open_body(model: Any, *, threads: int = 0) -> Body | None:
 
 def open_exported(folder: str | Path, *, threads: int = 0, blocks: int = 0) -> Body:
     """An exported body on ONNX Runtime, probe-checked (the lab embeds datasets with it); with
-    ``blocks``, its prefix before its last ``blocks`` blocks, on torch's CPU."""
+    ``blocks``, its prefix before its last ``blocks`` blocks."""
     manifest = load_body_manifest(folder)
     if blocks:
-        body = _prefix(manifest, BodyTail(manifest.factory, manifest.input_shape, blocks), "cpu")
+        body = _prefix(manifest, BodyTail(manifest.factory, manifest.input_shape, blocks), "cpu",
+                       threads)
     else:
         body = Body(manifest, "onnxruntime", _checked_ort_forward(manifest, threads))
     body.check_probe()

@@ -93,7 +93,8 @@ def tiny(tmp_path_factory):
 
 
 def _model(folder, blocks=1, **kw) -> ModelConfig:
-    return ModelConfig(name="linear", backend="torch", device="cpu",
+    kw.setdefault("device", "cpu")
+    return ModelConfig(name="linear", backend="torch",
                        body="split_bodies:make", body_dir=str(folder), input_shape=TINY,
                        train_body_blocks=blocks, **kw)
 
@@ -149,7 +150,7 @@ def test_a_device_embeds_each_frame_once_into_the_activation_before_the_trained_
 
     cfg = _model(tiny, blocks=1)
     body = open_body(cfg)
-    assert body.runtime.startswith("torch") and body.blocks == 1
+    assert body.runtime == "onnxruntime" and body.blocks == 1  # the prefix, exported on a CPU
     assert head_input_shape(cfg) == body.out_shape == (8, 16, 16)
     assert body.bytes_per_sample == 4 * 8 * 16 * 16
     assert body.key == load_body_manifest(tiny).hash + "-tail1"
@@ -278,3 +279,21 @@ def test_the_clock_prices_a_tuned_body_where_torch_runs_it():
             PROFILES[board].step_seconds("linear")
     with pytest.raises(ConfigError, match="no figure for model"):
         PROFILES["pi4-numpy"].step_seconds(spec.priced_model)
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()",
+                    reason="needs a CUDA GPU (a Jetson, or the device machine)")
+def test_on_cuda_the_prefix_and_the_tuned_blocks_run_on_the_gpu_and_agree_with_the_cpu(tiny):
+    from edge_client.service import model_trainer
+
+    gpu, cpu = _model(tiny, blocks=1, device="cuda"), _model(tiny, blocks=1)
+    body = open_body(gpu)
+    assert body.runtime.startswith("torch (cuda")
+    frames = _frames(8)
+    x = body.embed(frames)
+    np.testing.assert_allclose(x, open_body(cpu).embed(frames), rtol=1e-4, atol=1e-5)
+    on_gpu, on_cpu = model_trainer(gpu, 0.1), model_trainer(cpu, 0.1)
+    y = np.arange(8) % 10
+    on_gpu.train_step(x, y)
+    on_cpu.train_step(x, y)
+    np.testing.assert_allclose(on_gpu.get_flat(), on_cpu.get_flat(), rtol=1e-3, atol=1e-5)
