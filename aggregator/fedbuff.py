@@ -193,6 +193,7 @@ class BufferedStation(Station):
 
     def _refused_reply(self, device: str, now: float) -> list[m.Message]:
         """A refused update, or a refused frame: its place is free, it sits out a while."""
+        self.counters["refused_updates"] += 1
         self.seating.refused(device, self.iteration)
         if self._in_flight.pop(device, None) is not None:
             self.sync.members = tuple(sorted(self._in_flight))

@@ -65,6 +65,7 @@ class InternalSync:
 
     def refused(self, device: str) -> None:
         self.replies[device] = Reply.REFUSED
+        self.counters["refused_updates"] += 1  # its reasons are the admission's rejected.*
 
     def take(self) -> Fold:
         """The iteration's fold, to release; a plain one stays in its place."""

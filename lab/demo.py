@@ -16,10 +16,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,7 +30,14 @@ from edge_client.runner import StopFlag
 from edge_client.states import DeviceState
 
 from .datasets import assign_groups, dirichlet_label_skew, load_default, through_body
-from .report import Progress, format_table, plot_accuracy, summary_rows, write_metrics
+from .report import (
+    FATES_NOTE,
+    Progress,
+    format_table,
+    plot_accuracy,
+    summary_rows,
+    write_metrics,
+)
 from .run_report import write_run_report
 from .simulation import FleetSpec, RunResult, Strategy, plan_fleet, run_federation
 
@@ -88,6 +96,11 @@ def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
     def total(docs, section, key):
         return sum(getattr(d, section).get(key, 0) for d in docs)
 
+    # What each device says it sent and what its station says became of it (reply_fates).
+    counters: Counter[str] = Counter()
+    docs: list[Any] = [*stations, *(found.devices[d] for d in devices if d in found.devices)]
+    for doc in docs:
+        counters.update({k: int(v) for k, v in doc.counters.items()})
     result_rows = [{"strategy": strategy.name, **row} for row in rows]
     result_rows[-1].update(
         uploads=total(stations, "counters", "received_updates"),
@@ -96,7 +109,7 @@ def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
         bytes_device_down=total(stations, "transport", "bytes_out"),
         bytes_station_up=cloud_transport.get("bytes_in", 0),
         bytes_station_down=cloud_transport.get("bytes_out", 0))
-    return RunResult(strategy.name, result_rows, {}, time.perf_counter() - started,
+    return RunResult(strategy.name, result_rows, dict(counters), time.perf_counter() - started,
                      devices=[{"strategy": strategy.name, **row} for row in history.recorded])
 
 
@@ -250,6 +263,7 @@ def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 
                                          f"devices, Dirichlet({alpha})")))
         written.append(str(write_run_report(out)))
     print(format_table(summary_rows(results)))
+    print(f"({FATES_NOTE})")
     print(f"\nwrote {', '.join(written)}" + ("" if plotting else
                                               " (no plot: pip install 'safl-edge[plot]')"))
     return results

@@ -15,7 +15,33 @@ from edge_client.errors import SaflError
 from .simulation import RunResult
 
 __all__ = ["Progress", "summary_rows", "format_table", "write_csv", "write_metrics",
-           "plot_accuracy"]
+           "plot_accuracy", "reply_fates", "FATES", "FATES_NOTE"]
+
+FATES = ("sent", "admitted", "late", "refused", "lost")
+
+# What the demo's table says of its fate columns (also under report.html's table).
+FATES_NOTE = ("sent: the updates and skips the devices sent = uploads and skips (what their "
+              "stations admitted) + late (after the super node's deadline: straggler_factor x "
+              "the median reply, at least straggler_min_wait s, at most iteration_timeout s) "
+              "+ refused (a check failed; summary.json has each reason) + lost (never counted "
+              "by a station)")
+
+
+def reply_fates(counters: dict[str, int]) -> dict[str, int]:
+    """Where every device reply (an update, or a skip notice) went, from a run's merged role
+    counters: sent by the devices, admitted, late, refused or duplicated by their stations,
+    and lost (the rest: dropped by the broker or a link, or in flight at the end)."""
+    sent = counters.get("uploads", 0) + sum(v for k, v in counters.items()
+                                            if k.startswith("skipped."))
+    admitted = counters.get("received_updates", 0) + counters.get("received_skips", 0)
+    late = counters.get("late_replies", 0)
+    # Refused by admission's checks, or a reply for another iteration or from a non-member
+    # (a station also refuses a global round it applied already as stale: after a restart).
+    refused = counters.get("refused_updates", 0) + sum(
+        counters.get(f"rejected.{why}", 0) for why in ("stale_iteration", "not_selected"))
+    counted = admitted + late + refused + counters.get("duplicates", 0)
+    return {"sent": sent, "admitted": admitted, "late": late, "refused": refused,
+            "lost": max(0, sent - counted)}
 
 
 class Progress:
@@ -47,9 +73,11 @@ def summary_rows(results: Sequence[RunResult]) -> list[dict[str, object]]:
     out = []
     for r in results:
         last = r.rows[-1]
+        fates = reply_fates(r.counters) if r.counters else {}
         out.append({"strategy": r.strategy, "final_accuracy": round(r.final_accuracy, 4),
                     "best_accuracy": round(r.best_accuracy, 4), "rounds": last["round"],
                     "uploads": last["uploads"], "skips": last["skips"],
+                    **{k: fates[k] for k in ("sent", "late", "refused", "lost") if fates},
                     "mb_device_up": round(last["bytes_device_up"] / 1e6, 1),
                     "mb_station_up": round(last["bytes_station_up"] / 1e6, 1),
                     "mb_down": round((last["bytes_device_down"] + last["bytes_station_down"])
@@ -84,6 +112,9 @@ def write_metrics(results: Sequence[RunResult], out: Path) -> tuple[Path, Path]:
     its devices) and the ``summary.json`` of a run."""
     out.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = out / "metrics.csv", out / "summary.json"
+    for r in results:  # the run's last row says where its device replies went (report.html)
+        if r.counters and r.rows:
+            r.rows[-1].update(reply_fates(r.counters))
     write_csv(csv_path, [row for r in results for row in r.rows])
     devices = [row for r in results for row in r.devices]
     if devices:

@@ -23,6 +23,8 @@ from typing import Any
 
 from edge_client.errors import ConfigError, SaflError
 
+from .report import FATES, FATES_NOTE
+
 __all__ = ["write_run_report", "REPORT_FILE"]
 
 REPORT_FILE = "report.html"
@@ -201,7 +203,8 @@ def _summary(metrics: Rows) -> Rows:
                     "final accuracy": last.get("accuracy"),
                     "best accuracy": max(r.get("accuracy") or 0.0 for r in rows),
                     "MB uploaded": None if last.get("bytes_device_up") is None else round(
-                        (last["bytes_device_up"] + (last.get("bytes_station_up") or 0)) / 1e6, 2)})
+                        (last["bytes_device_up"] + (last.get("bytes_station_up") or 0)) / 1e6, 2),
+                    **{k: last[k] for k in FATES if k in last}})
     return out
 
 
@@ -247,6 +250,9 @@ def write_run_report(folder: str | Path) -> Path:
         raise ConfigError("RUN_DIR", f"{folder} has no metrics.csv with an accuracy per round "
                           "(the cloud's --out folder, or a demo's or experiment's output)")
     devices = _read_csv(folder / "devices.csv")
+    summary = _summary(metrics)
+    fates = f"<p class='note'>{html.escape(FATES_NOTE)}.</p>" if any(
+        "sent" in row for row in summary) else ""
     figures = _accuracy_figures(metrics, folder) + _device_figures(devices, folder)
     missing = "" if devices else (
         "<p class='note'>No devices.csv: per-device figures were not recorded. In a field "
@@ -256,7 +262,7 @@ def write_run_report(folder: str | Path) -> Path:
             f"</head><body><h1>safl-edge run {html.escape(folder.name)}</h1>"
             f"<p class='note'>Generated {datetime.now():%Y-%m-%d %H:%M} by "
             f"<code>safl report</code> from {html.escape(str(folder.resolve()))}.</p>"
-            f"{_table(_summary(metrics))}{missing}"
+            f"{_table(summary)}{fates}{missing}"
             + "".join(_image(t, p) for t, p in figures)
             + _fleet_tables(folder) + f"<h2>Settings</h2>{_settings(folder)}</body></html>")
     out = folder / REPORT_FILE

@@ -150,6 +150,11 @@ def test_demo_writes_metrics_plot_and_table(tmp_path, capsys):
     assert max(int(r["round"]) for r in rows) == 3
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert len(summary["strategies"]) == 3
+    # Where every update went: the devices' own counts against what their stations counted.
+    for row in summary["strategies"]:
+        assert row["sent"] >= row["uploads"] + row["skips"] > 0, row
+        assert row["sent"] - row["uploads"] - row["skips"] >= row["late"] + row["refused"]
+    assert "lost (never counted by a station)" in table
     assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Over MQTT, every device of every recipe as a monitor saw it, and all of it in a report.
     devices = list(csv.DictReader(open(tmp_path / "devices.csv")))
@@ -157,7 +162,8 @@ def test_demo_writes_metrics_plot_and_table(tmp_path, capsys):
         (s, f"dev{k:03d}") for s in ("safl+fedgs", "fedgs", "fedavg") for k in range(12)}
     # accuracy by round, and per recipe its devices' accuracy and uploads (the processes count
     # their bytes, but only at the end: no accuracy-against-bytes curve)
-    assert (tmp_path / "report.html").read_text().count("data:image/png;base64,") == 7
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 7 and "<th>lost</th>" in page
 
 
 def test_cli_reports_errors_with_exit_code(tmp_path, capsys):

@@ -139,3 +139,27 @@ def test_a_super_node_steps_in_one_batched_call_as_one_by_one(digits, recipe):
     for a, b in zip(one_by_one.rows, batched.rows, strict=True):
         assert abs(a["accuracy"] - b["accuracy"]) < 0.01 and abs(a["loss"] - b["loss"]) < 1e-3
     assert one_by_one.rows[-1]["accuracy"] > one_by_one.rows[0]["accuracy"] + 0.1  # it learns
+
+
+def test_every_device_reply_is_accounted_for_admitted_refused_late_or_lost(digits):
+    """The demo's table and report.html say where each reply went: a device sending NaN
+    weights has each of its updates refused, and nothing goes missing in process."""
+    from lab.datasets import assign_groups, dirichlet_label_skew
+    from lab.experiment import ExperimentConfig
+    from lab.report import reply_fates, summary_rows
+    from lab.simulation import FleetSpec, run_federation
+    from lab.strategies import build_strategy
+
+    settings = ExperimentConfig(name="t", factories=1, devices_per_factory=4, super_node=4,
+                                rand_per_group=0, sync_period=2, rounds=3).settings
+    rng = np.random.default_rng(0)
+    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(digits.y_train, 4, 1.0, rng)),
+                     groups=tuple(assign_groups(4, 1, rng)), rounds=3, model="linear",
+                     eval_samples=100, attack="nan", attackers=(0,))
+    result = run_federation(digits, build_strategy("fedgs", settings), spec)
+    fates = reply_fates(result.counters)
+    assert fates["sent"] == result.counters["uploads"] > 0
+    assert fates["refused"] == result.counters["refused_updates"] > 0
+    assert fates["admitted"] + fates["refused"] == fates["sent"] and fates["lost"] == 0
+    (row,) = summary_rows([result])
+    assert (row["sent"], row["refused"], row["lost"]) == (fates["sent"], fates["refused"], 0)
