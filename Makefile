@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean wheel
+.PHONY: demo test lint bench clean wheel readme-figures
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ $(VENV)/.test-deps: pyproject.toml | $(PY)
 
 demo: $(VENV)/.demo-deps
 	$(VENV)/bin/safl demo $(DEMO_ARGS)
+
+# The README's demo tables, rewritten from 3 demos over the broker and one in process
+# (about 11 minutes on 2 cores; tests/test_readme.py holds the README to the format).
+readme-figures: $(VENV)/.demo-deps
+	$(PY) docs/make_readme_figures.py
 
 # Installs the suite's Debian packages first where it may (root, or sudo without a
 # password); elsewhere it ends naming what was skipped and how to install it.
