@@ -42,6 +42,7 @@ class InternalSync:
     def begin(self, members: tuple[str, ...], fold: Fold) -> None:
         """A new super node (or none): no answer, and nothing folded, from an earlier one."""
         self.members, self.replies, self.fold = members, {}, fold
+        self.counters["asked"] += len(members)  # seats, against which replies are accounted
 
     def answered(self, device: str) -> bool:
         return device in self.replies

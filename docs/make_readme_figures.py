@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BEGIN, END = "<!-- demo-figures -->", "<!-- /demo-figures -->"
 RECIPES = ("safl+fedgs", "fedgs", "fedavg")
-BROKER_HEAD = ("| strategy   | final acc       | best acc        | device uploads    | sent | "
-               "late | refused | lost | MB into stations | MB station->cloud | wall s |")
+BROKER_HEAD = ("| strategy   | final acc       | best acc        | device uploads    | asked | "
+               "sent | late | refused | lost | MB into stations | MB station->cloud | wall s |")
 LOCAL_HEAD = ("| strategy   | final acc | best acc | device uploads | skips | "
               "MB device->station | MB station->cloud | wall s |")
 _PM = r"\d\.\d{3} \+- \d\.\d{3}"
 # One row of each table, as render writes it (the test holds the README to these).
 BROKER_ROW = re.compile(rf"\| (safl\+fedgs|fedgs|fedavg) +\| {_PM} +\| {_PM} +\| "
-                        r"\d+ \(\d+-\d+\) +\| \d+ +\| \d+ +\| \d+ +\| \d+ +\| [\d.]+ +\| "
+                        r"\d+ \(\d+-\d+\) +\| \d+ +\| \d+ +\| \d+ +\| \d+ +\| \d+ +\| [\d.]+ +\| "
                         r"[\d.]+ +\| [\d.]+ +\|")
 LOCAL_ROW = re.compile(r"\| (safl\+fedgs|fedgs|fedavg) +\| \d\.\d{3} +\| \d\.\d{3} +\| \d+ +\| "
                        r"\d+ +\| [\d.]+ +\| [\d.]+ +\| [\d.]+ +\|")
@@ -81,8 +81,8 @@ def render(broker: list[dict[str, Any]], local: dict[str, Any], commit: str,
         lines.append(_row([name, _pm([run[name]["final_accuracy"] for run in broker]),
                            _pm([run[name]["best_accuracy"] for run in broker]),
                            f"{round(statistics.mean(uploads))} ({min(uploads)}-{max(uploads)})",
-                           *(str(round(mean(name, k))) for k in ("sent", "late", "refused",
-                                                                 "lost")),
+                           *(str(round(mean(name, k))) for k in ("asked", "sent", "late",
+                                                                 "refused", "lost")),
                            f"{mean(name, 'mb_device_up'):.1f}",
                            f"{mean(name, 'mb_station_up'):.1f}",
                            f"{mean(name, 'wall_s'):.1f}"], BROKER_HEAD))

@@ -17,20 +17,22 @@ from .simulation import RunResult
 __all__ = ["Progress", "summary_rows", "format_table", "write_csv", "write_metrics",
            "plot_accuracy", "reply_fates", "FATES", "FATES_NOTE"]
 
-FATES = ("sent", "admitted", "late", "refused", "lost")
+FATES = ("asked", "sent", "admitted", "late", "refused", "lost")
 
 # What the demo's table says of its fate columns (also under report.html's table).
-FATES_NOTE = ("sent: the updates and skips the devices sent = uploads and skips (what their "
-              "stations admitted) + late (after the super node's deadline: straggler_factor x "
-              "the median reply, at least straggler_min_wait s, at most iteration_timeout s) "
-              "+ refused (a check failed; summary.json has each reason) + lost (never counted "
-              "by a station)")
+FATES_NOTE = ("asked: super-node seats the stations filled; sent: the updates and skips the "
+              "devices sent (asked - sent: selections a device never got or could not answer) "
+              "= uploads and skips (what their stations admitted) + late (after the super "
+              "node's deadline: straggler_factor x the median reply, at least "
+              "straggler_min_wait s, at most iteration_timeout s) + refused (a check failed; "
+              "summary.json has each reason) + lost (never counted by a station)")
 
 
 def reply_fates(counters: dict[str, int]) -> dict[str, int]:
     """Where every device reply (an update, or a skip notice) went, from a run's merged role
-    counters: sent by the devices, admitted, late, refused or duplicated by their stations,
-    and lost (the rest: dropped by the broker or a link, or in flight at the end)."""
+    counters: asked for by the stations, sent by the devices, admitted, late, refused or
+    duplicated by their stations, and lost (the rest: dropped by the broker or a link, or in
+    flight at the end)."""
     sent = counters.get("uploads", 0) + sum(v for k, v in counters.items()
                                             if k.startswith("skipped."))
     admitted = counters.get("received_updates", 0) + counters.get("received_skips", 0)
@@ -40,7 +42,8 @@ def reply_fates(counters: dict[str, int]) -> dict[str, int]:
     refused = counters.get("refused_updates", 0) + sum(
         counters.get(f"rejected.{why}", 0) for why in ("stale_iteration", "not_selected"))
     counted = admitted + late + refused + counters.get("duplicates", 0)
-    return {"sent": sent, "admitted": admitted, "late": late, "refused": refused,
+    return {"asked": counters.get("asked", 0), "sent": sent, "admitted": admitted,
+            "late": late, "refused": refused,
             "lost": max(0, sent - counted)}
 
 
@@ -77,7 +80,8 @@ def summary_rows(results: Sequence[RunResult]) -> list[dict[str, object]]:
         out.append({"strategy": r.strategy, "final_accuracy": round(r.final_accuracy, 4),
                     "best_accuracy": round(r.best_accuracy, 4), "rounds": last["round"],
                     "uploads": last["uploads"], "skips": last["skips"],
-                    **{k: fates[k] for k in ("sent", "late", "refused", "lost") if fates},
+                    **{k: fates[k] for k in ("asked", "sent", "late", "refused", "lost")
+                       if fates},
                     "mb_device_up": round(last["bytes_device_up"] / 1e6, 1),
                     "mb_station_up": round(last["bytes_station_up"] / 1e6, 1),
                     "mb_down": round((last["bytes_device_down"] + last["bytes_station_down"])

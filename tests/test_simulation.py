@@ -161,5 +161,6 @@ def test_every_device_reply_is_accounted_for_admitted_refused_late_or_lost(digit
     assert fates["sent"] == result.counters["uploads"] > 0
     assert fates["refused"] == result.counters["refused_updates"] > 0
     assert fates["admitted"] + fates["refused"] == fates["sent"] and fates["lost"] == 0
+    assert fates["asked"] == fates["sent"]  # every seat of every super node answered
     (row,) = summary_rows([result])
     assert (row["sent"], row["refused"], row["lost"]) == (fates["sent"], fates["refused"], 0)
