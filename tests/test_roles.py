@@ -567,20 +567,24 @@ def test_the_station_moves_through_its_states_as_its_table_says():
     st = _station(n=2, sync_period=2)
     base = {"round": 0, "iteration": 0, "deadline": 0.0, "offline": [], "weights": None,
             "counters": {}, "members": (), "replies": []}
-    missed = {"received_updates": 2, "replies_missed": 2, "stragglers_benched": 2,
+    # asked: the seats of each super node filled (two iterations of two members).
+    missed = {"asked": 4, "received_updates": 2, "replies_missed": 2, "stragglers_benched": 2,
               "iterations_below_quorum": 1}
     steps = [  # (event, time, the whole state after it)
         (_stats("d0"), 0.0, {"state": S.JOINING}),
         (_stats("d1"), 0.0, {"state": S.WAITING}),
         (_global(0, 1.0), 1.0, {"state": S.COLLECTING, "weights": [1.0] * 4,
-                                "members": ("d0", "d1"), "deadline": 11.0}),
+                                "members": ("d0", "d1"), "deadline": 11.0,
+                                "counters": {"asked": 2}}),
         # Half the super node answered in 1 s: the other has straggler_factor (3) times that.
         (_upd("d0", 0, 3.0), 2.0, {"state": S.COLLECTING, "weights": [1.0] * 4,
                                    "members": ("d0", "d1"), "deadline": 4.0,
-                                   "replies": ["d0"], "counters": {"received_updates": 1}}),
+                                   "replies": ["d0"],
+                                   "counters": {"asked": 2, "received_updates": 1}}),
         (_upd("d1", 0, 5.0), 3.0, {"state": S.COLLECTING, "iteration": 1,
                                    "weights": [4.0] * 4, "members": ("d0", "d1"),
-                                   "deadline": 13.0, "counters": {"received_updates": 2}}),
+                                   "deadline": 13.0,
+                                   "counters": {"asked": 4, "received_updates": 2}}),
         ("tick", 13.0, {"state": S.WAITING, "iteration": 2, "weights": [4.0] * 4,
                         "members": ("d0", "d1"), "deadline": 13.0, "counters": missed}),
         (_global(1, 7.0, final=True), 14.0, {
