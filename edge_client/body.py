@@ -15,8 +15,8 @@ checked at start-up, so a body that computes something else is refused.  Nothing
 torch unless the torch runtime is chosen.
 
 Where the body's last blocks train (``[model] train_body_blocks``), the device's body is the
-frozen prefix before them, on torch: a frame is still embedded once, into the activation the
-trained blocks take, and that is the buffered sample.
+frozen prefix before them (on ONNX Runtime on a CPU, in torch on CUDA): a frame is still
+embedded once, into the activation the trained blocks take, and that is the buffered sample.
 """
 
 from __future__ import annotations
