@@ -254,7 +254,16 @@ def test_a_device_claiming_anothers_client_id_takes_over_no_session(fleet):  # n
 
         # Updates queued for the station while it is away survive a clean-start claim of
         # its client id: the claim lands in cam1's own session.
+        # Only once the broker has seen the station leave: published before that, the updates
+        # reach the live session, which the closing client may still acknowledge, and are
+        # gone (the rare failure seen in a full run on a loaded machine: got == []).
+        log = out / "stations" / "st0" / "broker" / "log.txt"
+        left = log.read_text().count("Client st0 disconnected")
         station.close()
+        deadline = time.monotonic() + 10
+        while log.read_text().count("Client st0 disconnected") == left \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         for _ in range(5):
             cam2.publish(topic_for(_update("cam2")), _update("cam2"))
         time.sleep(0.5)
