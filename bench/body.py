@@ -71,7 +71,7 @@ def main() -> None:
     for what, seconds in rows:
         print(f"{what:<44} {seconds * 1e3:>8.3f} {seconds / cnn_step:>11.3f}")
     print(f"\n{'bytes':<44} {'value':>10} {'x frame/CNN':>12}")
-    sample, frame = body.manifest.bytes_per_sample, 4 * math.prod(shape)  # float32
+    sample, frame = body.bytes_per_sample, 4 * math.prod(shape)  # float32
     print(f"{'a buffered sample: embedding (float32)':<44} {sample:>10,} {sample / frame:>12.3f}")
     print(f"{'a buffered sample: frame (float32)':<44} {frame:>10,} {1.0:>12.3f}")
     for name, head in heads.items():

@@ -97,11 +97,6 @@ class BodyManifest:
         """The body's ONNX graph."""
         return self.folder / BODY_FILE
 
-    @property
-    def bytes_per_sample(self) -> int:
-        """What one buffered sample costs: its float32 embedding, not its frame."""
-        return 4 * self.embedding
-
     def to_json(self, **extra: Any) -> dict[str, Any]:
         return {"body_version": BODY_VERSION, "name": self.name, "hash": self.hash,
                 "input_shape": list(self.input_shape), "embedding": self.embedding,
@@ -313,23 +308,22 @@ def _cuda_forward(manifest: BodyManifest, device: str
 
 def _prefix(manifest: BodyManifest, tail: BodyTail, device: str, threads: int = 0) -> Body:
     """The frozen prefix before the blocks that train: on the GPU, in torch; on a CPU, on
-    ONNX Runtime where it is installed (exported from torch at start-up, in memory: 2 against
-    8 ms a 64x64 frame on one core).  The probe runs the pretrained tail on its output, so
-    it checks the path the frames take."""
-
-    from .trainers.bodies import split_body
+    ONNX Runtime where it is installed (exported from torch at start-up, in memory: 1.25
+    against 8 ms a 64x64 frame on one core).  The probe runs the pretrained tail on its
+    output, so it checks the path the frames take."""
+    from .trainers.bodies import prefix_shape, split_body
     from .trainers.torch_backend import module_to_onnx, resolve_device
 
     where = resolve_device(device)
     prefix, pretrained_tail = split_body(*tail)
-    forward, runtime = _torch_forward(prefix, where), f"torch ({where})"
     if where.type == "cpu" and importlib.util.find_spec("onnxruntime") is not None:
         forward = ort_forward(module_to_onnx(prefix, output="activation",
                                              input_shape=manifest.input_shape), threads)
         runtime = "onnxruntime"
-    run_tail = _torch_forward(pretrained_tail.eval(), where)
-    out_shape = tuple(forward(np.zeros((1, *manifest.input_shape), np.float32)).shape[1:])
-    return Body(manifest, runtime, forward, out_shape=out_shape, blocks=tail.blocks,
+    else:
+        forward, runtime = _torch_forward(prefix, where), f"torch ({where})"
+    run_tail = _torch_forward(pretrained_tail, where)
+    return Body(manifest, runtime, forward, out_shape=prefix_shape(*tail), blocks=tail.blocks,
                 whole=lambda x: run_tail(forward(x)))
 
 

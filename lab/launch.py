@@ -101,7 +101,7 @@ def _rehearsed(spec: FleetSpec, values: dict[str, Any],
     board), so that the processes rehearse the fleet the simulation priced."""
     if spec.clock is None:
         return {}
-    step_s = PROFILES[values["_profile"]].step_seconds(spec.model, shape)
+    step_s = PROFILES[values["_profile"]].step_seconds(spec.priced_model, shape)
     if values["_k"] in spec.clock.slow_devices:
         step_s *= spec.clock.slow_factor
     return {"service": {"emulate_step_s": step_s},

@@ -4,6 +4,8 @@ lab's fleet (docs/bodies.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from user_bodies import exported_device_model, exported_user_body
@@ -279,6 +281,14 @@ def test_the_clock_prices_a_tuned_body_where_torch_runs_it():
             PROFILES[board].step_seconds("linear")
     with pytest.raises(ConfigError, match="no figure for model"):
         PROFILES["pi4-numpy"].step_seconds(spec.priced_model)
+    # A rehearsed (launched) fleet paces its devices at the same price.
+    from lab.clock import ClockConfig
+    from lab.launch import _rehearsed
+
+    clocked = dataclasses.replace(spec, clock=ClockConfig(profiles=(("jetson-orin-cuda", 1.0),)))
+    paced = _rehearsed(clocked, {"_profile": "jetson-orin-cuda", "_k": 0}, (192, 2, 2))
+    assert paced["service"]["emulate_step_s"] == PROFILES["jetson-orin-cuda"].step_seconds(
+        spec.priced_model)
 
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()",

@@ -116,16 +116,22 @@ def _pretrained(name: str, input_shape: tuple[int, ...]) -> nn.Module:
     return build_body_module(name, input_shape)
 
 
-def split_body(name: str, input_shape: tuple[int, ...], blocks: int
-               ) -> tuple[nn.Module, nn.Module]:
-    """Body ``name``'s frozen prefix (shared, never trained) and a fresh copy of its tail
-    with the pretrained weights (see the module)."""
-    body = _pretrained(name, tuple(input_shape))
-    split = getattr(body, "split", None)
+def _split(name: str, input_shape: tuple[int, ...], blocks: int
+           ) -> tuple[nn.Module, nn.Module]:
+    """The shared pretrained body's prefix and tail (neither to be trained)."""
+    split = getattr(_pretrained(name, input_shape), "split", None)
     if split is None:
         raise ConfigError("train_body_blocks", f"body {name!r} cannot be cut into blocks: "
                           "its module needs a split(blocks) -> (prefix, tail) method")
     prefix, tail = split(blocks)
+    return prefix, tail
+
+
+def split_body(name: str, input_shape: tuple[int, ...], blocks: int
+               ) -> tuple[nn.Module, nn.Module]:
+    """Body ``name``'s frozen prefix (shared, never trained) and a fresh copy of its tail
+    with the pretrained weights (see the module)."""
+    prefix, tail = _split(name, tuple(input_shape), blocks)
     tail = copy.deepcopy(tail)
     for p in tail.parameters():
         p.requires_grad_(True)
@@ -159,9 +165,11 @@ class TunedModel(nn.Module):
         return whole.eval()
 
 
+@functools.lru_cache(maxsize=8)
 def prefix_shape(name: str, input_shape: tuple[int, ...], blocks: int) -> tuple[int, ...]:
-    """What the prefix of body ``name`` cut ``blocks`` from the end makes of one frame."""
-    prefix, _ = split_body(name, input_shape, blocks)
+    """What the prefix of body ``name`` cut ``blocks`` from the end makes of one frame (once
+    per process: a role's start-up asks for it for its trainer, its input and its body)."""
+    prefix, _ = _split(name, tuple(input_shape), blocks)
     with torch.no_grad():
         return tuple(prefix(torch.zeros(1, *input_shape)).shape[1:])
 
@@ -171,7 +179,7 @@ def tuned_module(name: str, frame_shape: tuple[int, ...], blocks: int,
     """Body ``name``'s last ``blocks`` blocks with the pretrained weights, then ``head(
     (embedding,))``: the model a fine-tuning fleet federates."""
     prefix, tail = split_body(name, frame_shape, blocks)
+    inner = prefix_shape(name, tuple(frame_shape), blocks)
     with torch.no_grad():
-        inner = prefix(torch.zeros(1, *frame_shape))
-        embedding = tail(inner).shape[1]
-    return TunedModel(prefix, tail, head((embedding,)), frame_shape, tuple(inner.shape[1:]))
+        embedding = tail(torch.zeros(1, *inner)).shape[1]
+    return TunedModel(prefix, tail, head((embedding,)), frame_shape, inner)
