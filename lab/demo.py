@@ -36,6 +36,7 @@ from .report import (
     format_table,
     plot_accuracy,
     summary_rows,
+    with_fates,
     write_metrics,
 )
 from .run_report import write_run_report
@@ -255,7 +256,7 @@ def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 
             url = broker or stack.enter_context(_embedded_broker())
             results = [_over_broker(data, s, spec, url, out, rounds)
                        for s in demo_strategies(rounds=rounds, factories=stations)]
-    csv_path, json_path = write_metrics(results, out)
+    csv_path, json_path = write_metrics(with_fates(results), out)
     written = [str(csv_path), str(json_path)]
     if plotting:
         written.append(str(plot_accuracy(results, out / "accuracy.png",

@@ -15,7 +15,7 @@ from edge_client.errors import SaflError
 from .simulation import RunResult
 
 __all__ = ["Progress", "summary_rows", "format_table", "write_csv", "write_metrics",
-           "plot_accuracy", "reply_fates", "FATES", "FATES_NOTE"]
+           "plot_accuracy", "reply_fates", "with_fates", "FATES", "FATES_NOTE"]
 
 FATES = ("asked", "sent", "admitted", "late", "refused", "lost")
 
@@ -71,17 +71,27 @@ class Progress:
         self.stream.flush()
 
 
-def summary_rows(results: Sequence[RunResult]) -> list[dict[str, object]]:
-    """One row per strategy: accuracy, uploads, skips and traffic at the end of the run."""
-    out = []
+def with_fates(results: Sequence[RunResult]) -> Sequence[RunResult]:
+    """``results`` with each run's last row saying where its device replies went (the demo's
+    table, metrics.csv, report.html).  One run each: counters merged over seeds would not
+    be one run's fates."""
     for r in results:
-        last = r.rows[-1]
-        fates = reply_fates(r.counters) if r.counters else {}
+        if r.counters and r.rows:
+            r.rows[-1].update(reply_fates(r.counters))
+    return results
+
+
+def summary_rows(results: Sequence[RunResult]) -> list[dict[str, object]]:
+    """One row per strategy: accuracy, uploads, skips and traffic at the end of the run, and
+    where its device replies went where the run says (:func:`with_fates`)."""
+    out: list[dict[str, object]] = []
+    for r in results:
+        last: dict[str, Any] = r.rows[-1]
+        fates: dict[str, Any] = {k: last[k] for k in FATES if k in last and k != "admitted"}
         out.append({"strategy": r.strategy, "final_accuracy": round(r.final_accuracy, 4),
                     "best_accuracy": round(r.best_accuracy, 4), "rounds": last["round"],
                     "uploads": last["uploads"], "skips": last["skips"],
-                    **{k: fates[k] for k in ("asked", "sent", "late", "refused", "lost")
-                       if fates},
+                    **fates,
                     "mb_device_up": round(last["bytes_device_up"] / 1e6, 1),
                     "mb_station_up": round(last["bytes_station_up"] / 1e6, 1),
                     "mb_down": round((last["bytes_device_down"] + last["bytes_station_down"])
@@ -116,9 +126,6 @@ def write_metrics(results: Sequence[RunResult], out: Path) -> tuple[Path, Path]:
     its devices) and the ``summary.json`` of a run."""
     out.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = out / "metrics.csv", out / "summary.json"
-    for r in results:  # the run's last row says where its device replies went (report.html)
-        if r.counters and r.rows:
-            r.rows[-1].update(reply_fates(r.counters))
     write_csv(csv_path, [row for r in results for row in r.rows])
     devices = [row for r in results for row in r.devices]
     if devices:

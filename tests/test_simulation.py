@@ -146,7 +146,7 @@ def test_every_device_reply_is_accounted_for_admitted_refused_late_or_lost(digit
     weights has each of its updates refused, and nothing goes missing in process."""
     from lab.datasets import assign_groups, dirichlet_label_skew
     from lab.experiment import ExperimentConfig
-    from lab.report import reply_fates, summary_rows
+    from lab.report import reply_fates, summary_rows, with_fates
     from lab.simulation import FleetSpec, run_federation
     from lab.strategies import build_strategy
 
@@ -162,5 +162,5 @@ def test_every_device_reply_is_accounted_for_admitted_refused_late_or_lost(digit
     assert fates["refused"] == result.counters["refused_updates"] > 0
     assert fates["admitted"] + fates["refused"] == fates["sent"] and fates["lost"] == 0
     assert fates["asked"] == fates["sent"]  # every seat of every super node answered
-    (row,) = summary_rows([result])
+    (row,) = summary_rows(with_fates([result]))
     assert (row["sent"], row["refused"], row["lost"]) == (fates["sent"], fates["refused"], 0)
