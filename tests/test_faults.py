@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -229,3 +230,22 @@ def test_a_device_reconnecting_slower_than_the_fleet_runs_misses_its_end(tmp_pat
     finally:
         server.stop()
     assert restarted and _away_at_the_end(tmp_path / "run") == sorted(slow)
+
+
+def test_a_broker_restarts_on_a_port_no_ephemeral_socket_can_be_handed(tmp_path):
+    """The other cause of that flake, on demand: while a broker is down, a socket given its
+    port stops it coming back ("Address already in use"), and the error says which port.
+    The kernel hands ports of its ephemeral range to any bind(0) or connect() (paho's
+    wake-up socket pair binds one at each reconnect); test brokers listen below that
+    range, where it never reaches."""
+    server = Mosquitto(tmp_path, ["u"], ["user u", "topic readwrite #"])
+    server.stop()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", server.port))  # bound, as a connect()ing socket is
+        with pytest.raises(RuntimeError, match=f"exited with 1; port {server.port}"):
+            server.start()
+    assert "Address already in use" in (tmp_path / "mosquitto.log").read_text()
+    server.start()
+    server.stop()
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert server.port < low
