@@ -25,8 +25,14 @@ candidate offered, beside the step (target under 0.2x per candidate).
 With ``--aarch64 N`` the same iterations of torch's and the numpy CNN's ``small_cnn`` also
 run on the emulated Raspberry Pi 4 (a Cortex-A72 under qemu: the root filesystem and venvs
 ``deploy/check_aarch64.py`` builds, this checkout on their ``PYTHONPATH``), N iterations each,
-and a last table puts the numpy CNN's step beside torch's on both machines, from this one
+and a table puts the numpy CNN's step beside torch's on both machines, from this one
 run (targets: within 2x torch's on x86, at most torch's on the A72).  Needs root.
+
+The last table is the numpy CNN device's peak RSS by feature (``FEATURES``): training
+alone, then with the held-out slice and its device-local accuracy, the upload gate,
+inference with its prequential window, and safe promotion, each row adding one, on the
+host and (with ``--aarch64 N``, N >= 40 so that the held-out slice reaches the gate's 100
+samples) on the emulated A72 (target: at most 200 MB there with everything on).
 
 Run: ``python bench/device_footprint.py [--iterations N] [--backends torch,ort,numpy]
 [--aarch64 N]``.  Needs the ort and torch extras for those rows.
@@ -79,7 +85,11 @@ CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 backend, model, artifacts, iterations = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-serving = sys.argv[5] == "on"
+# The device's features, "+"-joined (FEATURES): training alone, or with the held-out slice
+# and its device-local accuracy, the upload gate, inference with its prequential window, and
+# safe promotion.
+features = set(sys.argv[5].split("+"))
+serving = "inference" in features
 device = "cuda" if backend == "torch-cuda" else "cpu"
 backend = {"torch-cuda": "torch", "numpy-cnn": "numpy"}.get(backend, backend)
 if backend == "ort":
@@ -97,10 +107,15 @@ shape = (1, 28, 28)
 trainer = build_trainer(model, backend=backend, input_shape=shape, num_classes=10, lr=0.01,
                         artifacts=artifacts or None,
                         **({"device": device} if backend == "torch" else {}))
+held = "holdout" in features
+# The held-out slice fills at one sample in 10 (the default); its accuracy is measured
+# every 10 iterations instead of 50, so that a short run measures it.
 dev = Device(DeviceConfig(device_id="d", station="s", mix=0.5, temperature=50.0,
-                          holdout_every=0, buffer_capacity=4096), trainer,
+                          holdout_every=10 if held else 0, local_eval_interval=10 if held else 0,
+                          nu=1.0 if "gate" in features else 0.0, buffer_capacity=4096), trainer,
              num_classes=10, sample_shape=shape, rng=np.random.default_rng(0),
-             inference=InferenceConfig() if serving else None)
+             inference=InferenceConfig(promote="not_worse" if "promotion" in features
+                                       else "always") if serving else None)
 rng = np.random.default_rng(1)
 zbar = trainer.get_flat()
 scores = lambda: dev.counters["promotions"] + dev.counters["promotions_refused"]
@@ -138,7 +153,7 @@ for t in range(iterations + 5):
                                  members=("d",), deadline=1.0), 0.0)
     if t >= 5:  # warm-up excluded (get_flat in the reply synchronises a CUDA device)
         times.append(time.perf_counter() - start)
-    zbar = out[-1].weights
+    zbar = next((o.weights for o in reversed(out) if hasattr(o, "weights")), zbar)  # gated
 # VmHWM is this process's own peak; ru_maxrss would carry the parent's across exec.
 with open("/proc/self/status") as fh:
     rss_mb = next(int(l.split()[1]) for l in fh if l.startswith("VmHWM")) / 1024
@@ -152,14 +167,26 @@ print(json.dumps({"import_s": import_s, "step_ms": 1e3 * float(np.median(times))
                   "offered_per_iteration": (offered() - offered_from) / iterations
                   if serving else 0.0,
                   "peak_rss_mb": rss_mb, "params": trainer.num_params,
+                  "local_evaluations": dev.counters["local_evaluations"],
+                  "gate_decisions": dev.counters["uploads"] + dev.counters["skipped.gate"]
+                  - dev.counters["gate.warming_up"] if "gate" in features else 0,
                   "torch_loaded": "torch" in sys.modules}))
 """
 
 
+# Each row adds a feature of the device to the row above it; the last has everything on.
+FEATURES = {"training alone": "train",
+            "+ held-out slice, device-local accuracy": "train+holdout",
+            "+ upload gate (nu 1)": "train+holdout+gate",
+            "+ inference, prequential window": "train+holdout+gate+inference",
+            "+ safe promotion": "train+holdout+gate+inference+promotion"}
+SERVED = "train+inference+promotion"  # the inference table's device
+
+
 def _child(backend: str, model: str, artifacts: str, iterations: int,
-           serving: bool = False) -> dict:
+           features: str = "train") -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD, backend, model, artifacts,
-                          str(iterations), "on" if serving else "off"], capture_output=True,
+                          str(iterations), features], capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -167,8 +194,9 @@ def _child(backend: str, model: str, artifacts: str, iterations: int,
 EMULATED = {"torch": "/opt/safl-torch", "numpy-cnn": "/opt/safl-numpy"}  # row: guest venv
 
 
-def _emulated(iterations: int) -> dict[str, dict] | str:
-    """The child of each EMULATED row on the emulated board, or why it cannot run here."""
+def _emulated(iterations: int) -> tuple[dict[str, dict], dict[str, dict]] | str:
+    """The child of each EMULATED row on the emulated board, and the numpy CNN's by
+    FEATURES, or why they cannot run here."""
     sys.path.insert(0, str(ROOT / "deploy"))
     import check_aarch64 as board
 
@@ -181,14 +209,32 @@ def _emulated(iterations: int) -> dict[str, dict] | str:
             (rootfs / v.lstrip("/") / "bin" / "python").exists() for v in EMULATED.values()):
         return (f"no emulated board with both venvs at {rootfs}: `python "
                 "deploy/check_aarch64.py` (as root) builds it once")
-    rows = {}
+    def child(name: str, features: str) -> dict:
+        cmd = board.guest(rootfs, "/usr/bin/env", f"PYTHONPATH={ROOT}",
+                          f"{EMULATED[name]}/bin/python", "-c", CHILD, name, "small_cnn", "",
+                          str(iterations), features)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     with board.mounted(rootfs, ROOT):
-        for name, venv in EMULATED.items():
-            cmd = board.guest(rootfs, "/usr/bin/env", f"PYTHONPATH={ROOT}", f"{venv}/bin/python",
-                              "-c", CHILD, name, "small_cnn", "", str(iterations), "off")
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
-            rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    return rows
+        rows = {name: child(name, "train") for name in EMULATED}
+        by_feature = {label: child("numpy-cnn", f) for label, f in FEATURES.items()}
+    return rows, by_feature
+
+
+def _by_feature(host: dict[str, dict], board: dict[str, dict] | None) -> None:
+    """Peak RSS of the numpy CNN's device as its features are turned on, one by one."""
+    print("\nthe numpy CNN's device (small_cnn) by feature, each row adding one to the row "
+          "above, each in a fresh process (peak RSS, VmHWM)")
+    print(f"{'features':<42} {'x86_64 MB':>10} {'A72 MB':>8} {'local evals':>12} "
+          f"{'gate evals':>11}")
+    for label, r in host.items():
+        b = board[label] if board else None
+        emulated = f"{b['peak_rss_mb']:>8.0f}" if b else f"{'-':>8}"
+        print(f"{label:<42} {r['peak_rss_mb']:>10.1f} {emulated} "
+              f"{(b or r)['local_evaluations']:>12} {(b or r)['gate_decisions']:>11}")
+    print("target: at most 200 MB on the emulated A72 with everything on (local evals and "
+          "gate evals: the held-out slice was scored, so its cost is in the figure)")
 
 
 def _side_by_side(host: dict[str, dict], board: dict[str, dict] | str, cpu: str) -> None:
@@ -238,7 +284,7 @@ def main() -> None:
         rows = {name: _child(name, models[name], folder if name == "ort" else "",
                              args.iterations) for name in wanted}
         served = {name: _child(name, models[name], folder if name == "ort" else "",
-                               args.iterations, serving=True) for name in wanted}
+                               args.iterations, SERVED) for name in wanted}
     base = rows["torch"]
     print(f"\n{'backend':<10} {'model':<10} {'params':>7} {'import s':>9} {'step ms':>8} "
           f"{'peak RSS MB':>12} {'step/torch':>11} {'RSS/torch':>10} {'torch loaded':>13}")
@@ -280,11 +326,17 @@ def main() -> None:
         for p in (0.9, 0.5):
             m = r[f"merge p={p}"]
             print(f"{name:<9} {1e3 * step:>12.3f} {1e3 * m:>9.3f} {p:>4} {m / step:>13.2f}")
+    board: tuple[dict[str, dict], dict[str, dict]] | str = "--aarch64 not given"
     if args.aarch64 and "numpy-cnn" in rows:
         sys.path.insert(0, str(ROOT / "deploy"))
         from check_aarch64 import BOARD_CPU
 
-        _side_by_side(rows, _emulated(args.aarch64), BOARD_CPU)
+        board = _emulated(args.aarch64)
+        _side_by_side(rows, board if isinstance(board, str) else board[0], BOARD_CPU)
+    if "numpy-cnn" in rows:
+        _by_feature({label: _child("numpy-cnn", "small_cnn", "", args.iterations, f)
+                     for label, f in FEATURES.items()},
+                    None if isinstance(board, str) else board[1])
     if "numpy-cnn" in rows:
         cnn = rows["numpy-cnn"]
         print(f"targets: numpy small_cnn step within 2x torch's "
