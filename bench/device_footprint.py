@@ -218,7 +218,8 @@ def _emulated(iterations: int) -> tuple[dict[str, dict], dict[str, dict]] | str:
 
     with board.mounted(rootfs, ROOT):
         rows = {name: child(name, "train") for name in EMULATED}
-        by_feature = {label: child("numpy-cnn", f) for label, f in FEATURES.items()}
+        by_feature = {label: rows["numpy-cnn"] if f == "train" else child("numpy-cnn", f)
+                      for label, f in FEATURES.items()}
     return rows, by_feature
 
 
@@ -226,13 +227,14 @@ def _by_feature(host: dict[str, dict], board: dict[str, dict] | None) -> None:
     """Peak RSS of the numpy CNN's device as its features are turned on, one by one."""
     print("\nthe numpy CNN's device (small_cnn) by feature, each row adding one to the row "
           "above, each in a fresh process (peak RSS, VmHWM)")
-    print(f"{'features':<42} {'x86_64 MB':>10} {'A72 MB':>8} {'local evals':>12} "
-          f"{'gate evals':>11}")
+    print(f"{'features':<42} {'x86_64 MB':>10} {'A72 MB':>8} {'local evals x86/A72':>20} "
+          f"{'gate evals x86/A72':>19}")
     for label, r in host.items():
         b = board[label] if board else None
         emulated = f"{b['peak_rss_mb']:>8.0f}" if b else f"{'-':>8}"
-        print(f"{label:<42} {r['peak_rss_mb']:>10.1f} {emulated} "
-              f"{(b or r)['local_evaluations']:>12} {(b or r)['gate_decisions']:>11}")
+        evals = f"{r['local_evaluations']}/{b['local_evaluations'] if b else '-'}"
+        gate = f"{r['gate_decisions']}/{b['gate_decisions'] if b else '-'}"
+        print(f"{label:<42} {r['peak_rss_mb']:>10.1f} {emulated} {evals:>20} {gate:>19}")
     print("target: at most 200 MB on the emulated A72 with everything on (local evals and "
           "gate evals: the held-out slice was scored, so its cost is in the figure)")
 
@@ -334,7 +336,8 @@ def main() -> None:
         board = _emulated(args.aarch64)
         _side_by_side(rows, board if isinstance(board, str) else board[0], BOARD_CPU)
     if "numpy-cnn" in rows:
-        _by_feature({label: _child("numpy-cnn", "small_cnn", "", args.iterations, f)
+        _by_feature({label: rows["numpy-cnn"] if f == "train" else
+                     _child("numpy-cnn", "small_cnn", "", args.iterations, f)
                      for label, f in FEATURES.items()},
                     None if isinstance(board, str) else board[1])
     if "numpy-cnn" in rows:
