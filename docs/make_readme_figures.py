@@ -96,12 +96,18 @@ def render(broker: list[dict[str, Any]], local: dict[str, Any], commit: str,
     return "\n".join([*lines, "", END])
 
 
+def _block(readme: str) -> tuple[int, int] | None:
+    """Where the README's block begins and where its end marker does (None: no block)."""
+    start, stop = readme.find(BEGIN), readme.find(END)
+    return (start, stop) if 0 <= start < stop else None
+
+
 def problems(readme: str) -> list[str]:
     """What in the README's block is not as :func:`render` writes it ([] when it is)."""
-    start, stop = readme.find(BEGIN), readme.find(END)
-    if start < 0 or stop < start:
+    where = _block(readme)
+    if where is None:
         return [f"no {BEGIN} ... {END} block"]
-    block = readme[start:stop].splitlines()
+    block = readme[where[0]:where[1]].splitlines()
     out = [] if any(MEASURED.search(line) for line in block) else ["no 'Measured on' line"]
     for head, pattern in ((BROKER_HEAD, BROKER_ROW), (LOCAL_HEAD, LOCAL_ROW)):
         if head not in block:
@@ -131,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip() or "unknown"
     text = README.read_text()
-    start, stop = text.find(BEGIN), text.find(END)
-    if start < 0 or stop < start:
+    where = _block(text)
+    if where is None:
         raise SystemExit(f"README.md has no {BEGIN} ... {END} block to rewrite")
-    README.write_text(text[:start] + render(broker, local, commit, date.today().isoformat())
-                      + text[stop + len(END):])
+    README.write_text(text[:where[0]] + render(broker, local, commit, date.today().isoformat())
+                      + text[where[1] + len(END):])
     print(f"rewrote README.md's demo tables from {len(broker)} + 1 runs")
     return 0
 

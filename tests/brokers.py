@@ -19,14 +19,19 @@ from typing import Any
 _GIVEN: set[int] = set()
 
 
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
 def free_port() -> int:
     """A free loopback port below the kernel's ephemeral range.  A port from bind(0) is in
     that range, and a broker restarted on it found it taken once in 40 runs ("Address
     already in use"): while the broker is down, any process asking for an ephemeral port
     (paho's wake-up socket pair listens on one at each reconnect) may be handed it."""
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    low = ephemeral_low()
     below = range(max(1024, low - 12000), low)
     if len(below) < 1000:  # the ephemeral range starts near 1024: take what bind(0) gives
         with socket.socket() as s:
