@@ -178,7 +178,7 @@ def _table(cls: type, name: str, doc: dict[str, Any]) -> Any:
     if name == "training" and "update_stages" in raw:
         raise ConfigError("training.update_stages", "belongs in [fleet]")
     try:
-        return from_mapping(cls, raw)
+        return from_mapping(cls, raw, name)
     except ConfigError as exc:
         raise ConfigError(f"{name}.{exc.key}", exc.problem) from None
 

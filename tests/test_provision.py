@@ -144,6 +144,15 @@ def test_a_misspelled_table_is_refused_like_a_misspelled_key(lined):
         load_role_file(path, DEVICE_TABLES, {})
 
 
+def test_a_misspelled_key_names_its_table_and_the_nearest_key(lined):
+    _, out, _ = lined
+    path = out / "devices" / "cam1" / "device.toml"
+    path.write_text(path.read_text().replace("[source]\n", "[source]\nretrys = 3\n"))
+    with pytest.raises(ConfigError, match=r"'retrys': unknown key in \[source\]; did you "
+                                          r"mean 'retries'\?"):
+        load_role_file(path, DEVICE_TABLES, {})
+
+
 @needs_mosquitto
 def test_each_line_reads_its_devices_predictions_and_writes_only_their_labels(lined):
     _, out, ports = lined

@@ -9,6 +9,7 @@ range checks live in each config's ``__post_init__``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import sys
 import typing
@@ -77,14 +78,18 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     raise ConfigError(key, f"expected {getattr(hint, '__name__', hint)}, got {value!r}")
 
 
-def from_mapping(cls: type[C], values: Mapping[str, Any]) -> C:
-    """Build config ``cls`` from a flat mapping, refusing unknown keys."""
+def from_mapping(cls: type[C], values: Mapping[str, Any], table: str = "") -> C:
+    """Build config ``cls`` from a flat mapping, refusing unknown keys: the refusal names
+    the table (``[source]``, where ``table`` is given) and the nearest key it knows."""
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cast("type[DataclassInstance]", cls))
     names = {f.name for f in fields}
     for key in values:
         if key not in names:
-            raise ConfigError(key, f"unknown key for {cls.__name__}; known: {sorted(names)}")
+            near = difflib.get_close_matches(key, sorted(names), n=1)
+            raise ConfigError(key, f"unknown key in [{table or cls.__name__}]"
+                              + (f"; did you mean {near[0]!r}?" if near else "")
+                              + f" (it knows {', '.join(sorted(names))})")
     for f in fields:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required and f.name not in values:
@@ -118,7 +123,7 @@ def load_config(cls: type[C], role: str, path: str | Path | None = None,
     env = os.environ if environ is None else environ
     values.update({k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)})
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return from_mapping(cls, values)
+    return from_mapping(cls, values, role)
 
 
 def _toml_value(v: Any) -> str:
