@@ -43,14 +43,15 @@ class CentralPrivacy:
     0: off.  The aggregator keeps its ledger in its state directory."""
 
     central_dp_clip: float = 0.0
-    central_dp_noise: float = 0.0
+    central_dp_noise: float = 0.0  # noise multiplier (Gaussian sd: central_dp_noise x the clip)
     # Adaptive clipping (Andrew et al. 2021): the bound moves each release so that about
     # this fraction of steps fits under it (0: the bound stays central_dp_clip, its start),
     # by the geometric rate central_dp_clip_lr, from a count of the steps that fit noised
     # with standard deviation central_dp_count_noise (0: a twentieth of the participants
     # asked, as the paper suggests).  The count is a release too, on the ledger.
     central_dp_quantile: float = 0.0
-    central_dp_clip_lr: float = 0.2
+    central_dp_clip_lr: float = 0.2  # the adaptive clip's step size (geometric update)
+    # noise multiplier on the count of contributions under the clip
     central_dp_count_noise: float = 0.0
     # How a station noises its internal syncs: each independently, or a round's as the
     # prefix sums of a binary tree of noised partial sums (NoiseTree).

@@ -58,8 +58,11 @@ class StationConfig(TrainingSettings, CentralPrivacy):
     # clipped onto it; beyond update_norm_hard_factor x the bound it is refused (1: refuse
     # whatever passes the bound).
     update_norm_bound: float = 0.0
+    # the adaptive bound: this x the median accepted update distance
     update_norm_factor: float = 10.0
+    # refuse an update beyond this x the bound (clip below it)
     update_norm_hard_factor: float = 10.0
+    # per-step gradient bound behind the first 8 updates' distance bound
     grad_norm_bound: float = 100.0
     # Seen-count claims: growth per local step of each station iteration (and the most a
     # device may claim while the roster's median is small), and the multiple of the roster's
@@ -67,11 +70,11 @@ class StationConfig(TrainingSettings, CentralPrivacy):
     # reach 8.8x).  Apart from these, no device weighs more than the rest of the roster
     # together in the counts that feed P_real (trust.majority_capped).
     max_seen_rate: int = 1024
-    seen_share: float = 10.0
+    seen_share: float = 10.0  # the multiple of the roster's median seen count a device may claim
     # Share of the last share_window super nodes one device may sit in; 0: 1.5 L / roster,
     # at most halfway from L / roster to 1 (trust.fair_seat_share).
     max_selection_share: float = 0.0
-    share_window: int = 20
+    share_window: int = 20  # super nodes over which max_selection_share is counted
     # An update closer than this to one of the device's recent updates, relative to its
     # distance from w^m, is a replay and refused (0: off).
     replay_tolerance: float = 1e-3
@@ -90,12 +93,15 @@ class StationConfig(TrainingSettings, CentralPrivacy):
     # 1/sqrt(1+s), or "constant"; updates staler than max_staleness are dropped.
     # buffer_size = 0: half the super node (at least 1), so that the devices in flight
     # outnumber a buffer, as FedBuff's concurrency does its K.
-    mode: str = "sync"
-    buffer_size: int = 0
-    max_staleness: int = 4
-    staleness_weight: str = "sqrt"
+    mode: str = "sync"  # "sync" (FedGS: the super node answers together) or "buffered"
+    buffer_size: int = 0  # buffered mode: admitted updates per fold (0: half the super node)
+    max_staleness: int = 4  # buffered mode: updates staler than this many iterations are dropped
+    staleness_weight: str = "sqrt"  # buffered mode: "sqrt" (1/sqrt(1+s)) or "constant"
+    # close an iteration at this x the median reply time (0: wait for all)
     straggler_factor: float = 3.0
+    # seconds an iteration waits at least before it cuts stragglers
     straggler_min_wait: float = 0.25
+    # super nodes a member that missed the cut sits out (doubling per miss)
     straggler_sit_out: int = 10
 
     def __post_init__(self) -> None:
@@ -160,7 +166,7 @@ class CloudConfig(ServerOptimizerSettings, CentralPrivacy):
     fleet: str = "default"  # the fleet's name, the first level of every topic
     round_timeout: float = 600.0  # seconds the cloud waits for a round's station updates
     min_stations: int = 1  # station updates a round needs to close at its timeout
-    station_weighting: str = "samples"  # or "equal", as the FedGS reference code does
+    station_weighting: str = "samples"  # "samples" or "equal" (as the FedGS reference code does)
     fusion: str = "fedavg"  # external sync rule; a robust one bounds a compromised station
 
     def __post_init__(self) -> None:

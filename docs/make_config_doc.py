@@ -61,9 +61,21 @@ def _field_comments(cls: type) -> dict[str, str]:
     return out
 
 
+def _sentences(text: str) -> list[str]:
+    """``text`` cut after each '.' or ';' that ends a sentence outside parentheses (a
+    parenthesis's '"": none; ...' is part of its sentence)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if ch in ".;" and depth <= 0 and (i + 1 == len(text) or text[i + 1] == " "):
+            out.append(text[start:i + 1].strip())
+            start = i + 1
+    return [s for s in [*out, text[start:].strip()] if s]
+
+
 def _from_docstring(cls: type, key: str) -> str:
     doc = " ".join((inspect.getdoc(cls) or "").split())
-    for sentence in re.split(r"(?<=[.;])\s+", doc):
+    for sentence in _sentences(doc):
         if re.search(rf"``{re.escape(key)}``|`{re.escape(key)}`", sentence):
             return sentence
     return ""
@@ -123,7 +135,9 @@ def render() -> str:
            "Each role reads one TOML file. A key may also come from the environment as "
            "`SAFL_<TABLE>_<KEY>` (`SAFL_BROKER_URL`, `SAFL_SOURCE_KIND`) and from the "
            "command's flags, which win. Start-up refuses an unknown key, an unknown table, "
-           "a wrong type or a value out of range, with a message naming the key. "
+           "a wrong type or a value out of range, with a message naming the key; a "
+           "misspelled key or table is named with its table and the nearest one it knows "
+           "(`'retrys': unknown key in [source]; did you mean 'retries'?`). "
            "`safl status` and `safl monitor` read `[broker]` (and the monitor "
            "`[monitor] http = \"HOST:PORT\"`, where its page listens), as provisioning "
            "writes them in `monitor/status-*.toml`; `safl provision` reads the fleet file "

@@ -139,7 +139,15 @@ def test_the_configuration_reference_is_current_and_says_what_every_key_means():
     spec.loader.exec_module(doc)
     for _role, _command, tables in doc.ROLES:
         for name, cls in tables.items():
+            texts: dict[str, str] = {}
             for f in dataclasses.fields(cls):
-                assert doc.meaning(cls, f.name), f"[{name}] {f.name} has no comment to show"
+                text = doc.meaning(cls, f.name)
+                assert text, f"[{name}] {f.name} has no comment to show"
+                # Each key says what it is: a comment over a run of keys, or a docstring
+                # sentence naming several, would give them all one text.
+                assert text not in texts, f"[{name}] {f.name} and {texts[text]} share {text!r}"
+                assert text.count("(") == text.count(")"), f"[{name}] {f.name}: a fragment " \
+                                                           f"{text!r}"
+                texts[text] = f.name
     assert doc.OUT.read_text() == doc.render(), (
         "docs/config.md is stale: run python docs/make_config_doc.py")

@@ -18,9 +18,9 @@ class TrainingSettings:
     device trains by them, the station bounds its devices' claims and decodes their updates
     by them (``StationConfig`` extends this too), the lab's fleets start from them."""
 
-    batch_size: int = 32
-    local_steps: int = 1
-    lr: float = 0.05
+    batch_size: int = 32  # samples in one local step's one-shot batch
+    local_steps: int = 1  # SGD steps a device takes each time it is selected
+    lr: float = 0.05  # the devices' SGD step size
     # What an update passes through before it leaves the device (edge_client/pipeline.py):
     # for example ["clip:2", "topk:0.1", "int8:256"]; none: the trained model itself.  The
     # station decodes by the same list and refuses an update encoded otherwise.
@@ -46,7 +46,7 @@ class DeviceConfig(TrainingSettings):
     # Step decay: from station iteration ``lr_decay_at`` on, train at ``lr * lr_decay``
     # (0: never).  Late in a run a smaller step settles the model the noise keeps moving.
     lr_decay_at: int = 0
-    lr_decay: float = 0.1
+    lr_decay: float = 0.1  # the factor lr is multiplied by from iteration lr_decay_at on
     temperature: float = 50.0  # SAFL's maximum temperature L, in iterations
     mix: float = 0.5  # SAFL's eps: 1 recovers FedAvg/FedGS exactly
     granularity: str = "element"  # annealed merge mask: element, tensor or model
@@ -66,7 +66,7 @@ class DeviceConfig(TrainingSettings):
     # Local differential privacy (a "noise" stage in update_stages, docs/privacy.md): the
     # epsilon at privacy_delta this device may spend before it stops uploading (0: no limit).
     privacy_budget: float = 0.0
-    privacy_delta: float = 1e-5
+    privacy_delta: float = 1e-5  # the delta at which privacy_budget's epsilon is counted
     # Draw the privacy noise from ``seed`` (reproducible simulations) instead of the
     # operating system's entropy: whoever knows the seed could subtract the noise.
     noise_seeded: bool = False

@@ -38,10 +38,11 @@ class InferenceConfig:
     window: int = 500
     publish: bool = True
     jsonl: str = ""
+    # which model the line uses: "not_worse" (safe promotion) or "always"
     promote: str = "not_worse"
-    promote_window: int = 200
-    promote_margin: float = 0.02
-    promote_every: int = 10
+    promote_window: int = 200  # labelled samples a candidate is scored on against the model in use
+    promote_margin: float = 0.02  # how much worse than the model in use a candidate may score
+    promote_every: int = 10  # station iterations between two candidates scored
 
     def __post_init__(self) -> None:
         check_range("fps", self.fps, 0)

@@ -20,13 +20,14 @@ class PreprocessSettings:
     ``resize`` is ``w, h``; after ``scale``, ``mean``/``std`` (one value or one per
     channel) normalise."""
 
+    # x, y, w, h of the region kept, in source pixels (none: the whole frame)
     crop: tuple[int, ...] = ()
-    resize: tuple[int, ...] = ()
+    resize: tuple[int, ...] = ()  # w, h the frame is resized to, after the crop
     grayscale: bool = False  # convert frames to one grey channel
     rgb: bool = False  # colour frames in RGB order, as a pretrained body takes them (else BGR)
-    scale: float = 1.0 / 255.0
-    mean: tuple[float, ...] = ()
-    std: tuple[float, ...] = ()
+    scale: float = 1.0 / 255.0  # what pixel values are multiplied by (1/255: into [0, 1])
+    mean: tuple[float, ...] = ()  # subtracted after scale, one value or one per channel
+    std: tuple[float, ...] = ()  # divided by after mean, one value or one per channel
 
     def __post_init__(self) -> None:
         if self.crop and (len(self.crop) != 4 or min(self.crop[2:]) <= 0 or min(self.crop) < 0):
@@ -54,15 +55,17 @@ class SourceConfig(PreprocessSettings):
     """
 
     kind: str  # replay, camera or synthetic
-    path: str = ""
-    labels_path: str = ""
-    uri: str = ""
-    sidecar: str = ""
-    label: int = -1
-    teacher: str = ""
-    confidence: float = 0.9
-    label_topic: str = ""
+    path: str = ""  # replay: an .npz/.npy file, an image folder (a sub-folder per label) or a video
+    labels_path: str = ""  # replay: the labels .npy beside an .npy of samples
+    uri: str = ""  # camera: a device index, an RTSP/HTTP URL or a GStreamer pipeline
+    sidecar: str = ""  # labels from a JSONL/CSV file keyed by frame number or time
+    label: int = -1  # one fixed label for every frame (-1: none)
+    teacher: str = ""  # labels from this ONNX model's predictions
+    confidence: float = 0.9  # the teacher's probability a label needs to be kept
+    label_topic: str = ""  # labels the line publishes live on the device's broker (docs/sources.md)
+    # seconds before a label's t within which its frame must have been captured
     label_window: float = 0.5
+    # seconds a frame waits for its label before it is dropped unlabelled
     label_delay_max: float = 30.0
     classes: tuple[str, ...] = ()  # class names, for an image folder's sub-folders
     sample_fps: float = 0.0  # frames a second taken from a camera or video, synthetic pace (0: all)
@@ -72,10 +75,10 @@ class SourceConfig(PreprocessSettings):
     # model (0: stream through the pump as fast as training takes them), after ``initial``;
     # fractional rates carry over between iterations.
     per_iteration: float = 0.0
-    initial: int = 0
-    queue_size: int = 256
-    retries: int = 5
-    backoff: float = 0.5
+    initial: int = 0  # samples pushed into the buffer before the first iteration (replay)
+    queue_size: int = 256  # frames the source's queue holds between the reader thread and training
+    retries: int = 5  # reconnects a lost camera gets before the device ends (exit 5)
+    backoff: float = 0.5  # seconds before the first reconnect to a lost camera (doubling per try)
     timeout: float = 10.0  # s a network camera may stay silent before it is reconnected
 
     @property
