@@ -377,3 +377,67 @@ def test_a_cached_run_is_not_reused_for_another_body_in_the_same_folder(tiny, tm
     own.write_bytes((tiny / BODY_FILE).read_bytes())
     export_body(str(own), folder)  # exported again into the same folder: another hash
     assert _RunCache(tmp_path, cfg, False)._key("fedgs", 0, "none") != before
+
+
+_IMPORTS_OF_OUR_CODE = '''
+import builtins, sys, tempfile
+ours = ("edge_client", "aggregator", "lab", "models", "safl")
+seen = set()
+real = builtins.__import__
+
+
+def record(name, globals=None, locals=None, fromlist=(), level=0):
+    caller = (globals or {}).get("__name__", "")
+    if level == 0 and caller.split(".")[0] in ours:
+        seen.add(name.split(".")[0])
+    return real(name, globals, locals, fromlist, level)
+
+
+builtins.__import__ = record
+from safl.bodies import export_checked
+export_checked("efficientnet-lite0", tempfile.mkdtemp(), (3, 32, 32))
+print(" ".join(sorted(seen)))
+'''
+
+
+@pytest.mark.slow
+def test_the_pretrained_extra_holds_everything_export_body_imports():
+    """``pip install '...[pretrained]'`` then ``safl models export-body``: every package our
+    code imports on that path (scikit-learn's photos need Pillow, the frames OpenCV, the
+    checks ONNX Runtime) is required by the extra, directly or through what it requires."""
+    import importlib.metadata as md
+    import subprocess
+    import sys
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    out = subprocess.run([sys.executable, "-c", _IMPORTS_OF_OUR_CODE], capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    dists = md.packages_distributions()
+    imported = {canonicalize_name(d) for name in out.stdout.split()
+                for d in dists.get(name, ())} - {"safl-edge"}
+    assert {"torch", "onnx", "scikit-learn"} <= imported, imported
+
+    needed: set[str] = set()
+    todo, done = [("safl-edge", frozenset({"pretrained"}))], set()
+    while todo:
+        name, extras = todo.pop()
+        if (name, extras) in done:
+            continue
+        done.add((name, extras))
+        try:
+            requires = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue  # not installed here: it cannot have been imported either
+        for line in requires:
+            req = Requirement(line)
+            if req.marker is not None and not any(
+                    req.marker.evaluate({"extra": e}) for e in (extras or {""})):
+                continue
+            needed.add(canonicalize_name(req.name))
+            todo.append((canonicalize_name(req.name), frozenset(req.extras)))
+    assert imported <= needed, f"[pretrained] lacks {sorted(imported - needed)}"
+    # scikit-learn reads its photos with Pillow, which it does not require itself.
+    assert "pillow" in needed
