@@ -159,7 +159,7 @@ class FleetHistory:
                 **{k: doc.source.get(k) for k in ("label_joined", "label_unmatched",
                                                    "label_expired")},
                 "bytes_out": doc.transport.get("bytes_out", 0),
-                "bytes_in": doc.transport.get("bytes_in", 0)}
+                "bytes_in": doc.transport.get("bytes_in", 0), "error": doc.error}
 
     def forget(self) -> None:
         """Drop the series so far and the devices' summaries (what a broker still retained

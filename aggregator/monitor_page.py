@@ -2,7 +2,9 @@
 
 The script fetches ``/api/fleet`` every two seconds and redraws the tables and three charts
 (inline SVG drawn here): the global model's accuracy per round, each device's accuracy over
-time (held-out solid, prequential dashed) and the bytes sent and received.  Every value goes
+time (held-out solid, prequential dashed, a legend of device colours beneath) and the bytes
+sent and received; each role's last error above them, and tables that scroll sideways
+rather than widen the page.  Every value goes
 into the page as text (``textContent``), never as markup, since device ids and states come
 from the fleet.  Each chart's lines carry their values in ``data-values`` so a test (or a
 curious user) can read the series off the rendered page.
@@ -27,20 +29,25 @@ th { background: #f3f5f7; } td:first-child, th:first-child { text-align: left; }
 .charts { display: flex; flex-wrap: wrap; gap: 1.2em; }
 figure { margin: 0; } figcaption { font-weight: 600; margin-bottom: .2em; }
 svg text { font-size: 11px; fill: #57606a; } .muted { color: #57606a; }
+.scroll { max-width: 100%; overflow-x: auto; } .legend { max-width: 420px; font-size: 12px; }
+.legend span { margin-right: .9em; white-space: nowrap; }
+#errors div { color: #b3261e; font-weight: 600; margin: .2em 0; }
 </style></head>
 <body>
 <h1>safl-edge fleet <span id="fleet">?</span></h1>
 <div id="summary" class="muted">waiting for the fleet's retained state...</div>
+<div id="errors"></div>
 <div class="charts">
 <figure><figcaption>Global model accuracy, by round</figcaption>
 <svg id="global-accuracy" width="420" height="240"></svg></figure>
 <figure><figcaption>Device accuracy over time (solid: held-out, dashed: prequential)</figcaption>
-<svg id="device-accuracy" width="420" height="240"></svg></figure>
+<svg id="device-accuracy" width="420" height="240"></svg>
+<div id="device-legend" class="legend"></div></figure>
 <figure><figcaption>Bytes sent and received by devices and stations (MB)</figcaption>
 <svg id="traffic" width="420" height="240"></svg></figure>
 </div>
-<h2>Stations</h2><table id="stations"></table>
-<h2>Devices</h2><table id="devices"></table>
+<h2>Stations</h2><div class="scroll"><table id="stations"></table></div>
+<h2>Devices</h2><div class="scroll"><table id="devices"></table></div>
 <p class="muted" id="footer"></p>
 <script src="/monitor.js"></script>
 </body></html>
@@ -175,7 +182,14 @@ function render(doc) {
     doc.devices);
   chart('global-accuracy', [{name: 'global', color: COLORS[0], points: doc.global_accuracy}],
         {xInteger: true, xLabel: 'round', yMin: 0, yMax: 1});
+  // Each role's last unexpected error, where it has one: a stalled fleet says why here.
+  const errors = [['cloud', c.error], ...doc.stations.map(s => [s.id, s.error]),
+                  ...doc.devices.map(d => [d.id, d.error])].filter(e => e[1]);
+  document.getElementById('errors').replaceChildren(
+    ...errors.map(([who, e]) => el('div', {}, 'ERROR ' + who + ': ' + e)));
   const devs = Object.entries(doc.device_accuracy);
+  document.getElementById('device-legend').replaceChildren(...devs.map(([d], i) =>
+    el('span', {style: 'color: ' + COLORS[i % COLORS.length]}, '\u25a0 ' + d)));
   chart('device-accuracy', devs.flatMap(([d, pts], i) => [
     {name: d + ' held-out', color: COLORS[i % COLORS.length], points: pts.map(p => [p[0], p[1]])},
     {name: d + ' prequential', color: COLORS[i % COLORS.length], dash: true,

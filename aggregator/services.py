@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from edge_client import messages as m
+from edge_client.body import head_input_shape, open_body
 from edge_client.codec import encode
 from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
 from edge_client.documents import (
@@ -30,6 +31,7 @@ from edge_client.documents import (
     StationSummary,
     encode_document,
 )
+from edge_client.errors import ConfigError
 from edge_client.mqtt import MqttTransport
 from edge_client.privacy import keep_privacy_ledger
 from edge_client.runner import RoleRunner, StopFlag, serve
@@ -44,7 +46,7 @@ from .fedbuff import station_role
 from .selection import blas_threads
 from .station import Station, StationState
 
-__all__ = ["StationService", "CloudService"]
+__all__ = ["StationService", "CloudService", "evaluation_set"]
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,8 @@ class StationService:
                 missing=tuple(role.roster.missing), **role.roster.accuracy_summary(),
                 **role.privacy_summary(), update_stages=role.admission.pipeline.id,
                 counters=dict(role.counters), transport=dict(transport.counters),
-                device_refused=dict(role.tally.refused), device_clipped=dict(role.tally.clipped))
+                device_refused=dict(role.tally.refused), device_clipped=dict(role.tally.clipped),
+                error=runner.last_error)
 
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},
@@ -176,6 +179,35 @@ def _manifests(transport: MqttTransport, broker: BrokerConfig,
     return manifest
 
 
+def evaluation_set(path: str, model: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The cloud's ``--eval`` set, checked at start-up against what the model takes, so that
+    a wrong one stops the cloud naming it, instead of failing every round's evaluation.
+
+    It may hold what the federated model takes (a body fleet's embeddings), or frames of
+    ``[model] input_shape``: with a body the cloud embeds them once, here, as devices embed
+    theirs at ingest.  A flat row of the right size is reshaped."""
+    x, y = load_arrays(path, num_classes=model.num_classes)
+    takes, frames = head_input_shape(model), tuple(model.input_shape)
+    for shape in dict.fromkeys((takes, frames)):
+        if x.shape[1:] != shape and x.ndim == 2 and x.shape[1] == int(np.prod(shape)):
+            x = x.reshape(len(x), *shape)
+        if x.shape[1:] != shape:
+            continue
+        if shape != takes:
+            body = open_body(model)
+            assert body is not None  # frames differ from what the model takes: a body
+            began = time.perf_counter()
+            x = body.embed(x)
+            log.info("cloud: embedded the %d evaluation frames of %s with body %s in %.1f s",
+                     len(x), path, body.manifest.name, time.perf_counter() - began)
+        return x, y
+    what = (f"frames of {frames} (embedded by the body {model.body}) or embeddings of "
+            f"{takes}" if takes != frames else f"samples of {frames}")
+    raise ConfigError("eval", f"{path} holds samples of shape {x.shape[1:]}; the model takes "
+                      f"{what}: export the evaluation set as the devices' cameras deliver "
+                      "frames ([model] input_shape), or give another --eval")
+
+
 @dataclass
 class CloudService:
     cloud: CloudConfig
@@ -198,8 +230,7 @@ class CloudService:
         log_rows = _MetricsLog(self.out)
         checkpoint = _checkpointing(role, self.service.state_dir, "cloud",
                                     lambda msg: isinstance(msg, m.GlobalModel))
-        test = load_arrays(self.eval_path, num_classes=self.model.num_classes) \
-            if self.eval_path else None
+        test = evaluation_set(self.eval_path, self.model) if self.eval_path else None
         started = time.perf_counter()
 
         def evaluate(message: m.Message) -> None:
@@ -223,7 +254,7 @@ class CloudService:
                                 accuracies=tuple(float(r["accuracy"]) for r in scored),
                                 **role.accuracy_summary(), **role.privacy_summary(),
                                 counters=dict(role.counters),
-                                transport=dict(transport.counters))
+                                transport=dict(transport.counters), error=runner.last_error)
 
         metrics = with_metrics(self.service, "cloud", lambda: (
             {**role.counters, **transport.counters},

@@ -171,6 +171,12 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                         if doc.epsilon_central is not None else "")
                      + (f", updates as {doc.update_stages}"
                         if doc.update_stages != m.MODEL_ENCODING else ""))
+    # A role's last unexpected error, at the top of its own line: the log says more.
+    errors = [("cloud", cloud.error)] if cloud is not None and cloud.error else []
+    errors += [(sid, found.stations[sid].error) for sid in stations
+               if sid in found.stations and found.stations[sid].error]
+    errors += [(d, doc.error) for d, doc in sorted(found.devices.items()) if doc.error]
+    lines += [f"ERROR {who}: {error} (its log has the traceback)" for who, error in errors]
     for doc in (found.stations[sid] for sid in stations if sid in found.stations):
         if doc.state == StationState.GATHERING:
             lines.append(f"{doc.station} waits for devices: {doc.online} online, "

@@ -106,6 +106,7 @@ class Device(RoleBase[DeviceState]):
         self.silence = Silence(config.unanswered_warning)  # hellos nobody answered
         self._model: m.StationModel | None = None
         self._accept_any_iteration = False  # set when the station's presence comes back
+        self._station_online: bool | None = None  # its retained presence, once heard
         self._awaiting: m.Selection | None = None  # a selection that came before its model
         self._reported_next: np.ndarray | None = None
         self.local = LocalModel(config, trainer, self.buffer, rng, self.counters)
@@ -148,9 +149,15 @@ class Device(RoleBase[DeviceState]):
         self.counters["hellos"] += 1
         if (silent := self.silence.hello(now)) is not None:
             self.counters["hellos_unanswered"] += 1
-            log.warning("device %s: no answer from station %s for %.0f s: is it running, and "
-                        "does this broker (and its ACL) carry this device's stats to it and "
-                        "its model back?", self.id, self.config.station, silent)
+            if self._station_online:  # the path works: the station has no model to send yet
+                log.warning("device %s: station %s is online but has sent no model for %.0f "
+                            "s: it waits for its roster, its quorum or the cloud's first "
+                            "model (`safl status` and the station's log say which)", self.id,
+                            self.config.station, silent)
+            else:
+                log.warning("device %s: no answer from station %s for %.0f s: is it running, "
+                            "and does this broker (and its ACL) carry this device's stats to "
+                            "it and its model back?", self.id, self.config.station, silent)
         return [self._stats(0, 0)]
 
     def wakeup(self) -> float | None:
@@ -264,6 +271,7 @@ class Device(RoleBase[DeviceState]):
         next model it sends is accepted whatever its iteration, and it gets our stats."""
         if msg.role != m.Participant.STATION:
             return []
+        self._station_online = msg.online
         if not msg.online and msg.final and self._model is not None and self.state != _D.DONE:
             # It ended while this device was away (its final model went to a lost session).
             self.counters["final_missed"] += 1
@@ -352,9 +360,9 @@ class Device(RoleBase[DeviceState]):
         # Stats go first so the station selects the next super node on fresh histograms.
         return [self._stats(model.round, t), reply]
 
-    def summary(self, **extra: Mapping[str, int]) -> DeviceSummary:
+    def summary(self, *, error: str = "", **extra: Mapping[str, int]) -> DeviceSummary:
         """What the device says of itself for the monitor; ``extra``: its service's
-        ``transport`` and ``source`` counters."""
+        ``transport`` and ``source`` counters; ``error``: its service's last error."""
         model, line = self._model, self.line
         pre = line.prequential
         acc, samples = self.local.accuracy
@@ -366,7 +374,8 @@ class Device(RoleBase[DeviceState]):
                              deployed_round=line.deployable_round
                              if line.deployable is not None else None,
                              shadow_accuracy=line.last_verdict.shadow_accuracy,
-                             epsilon=self.epsilon or None, counters=dict(self.counters), **extra)
+                             epsilon=self.epsilon or None, counters=dict(self.counters),
+                             error=error, **extra)
 
     @property
     def epsilon(self) -> float:

@@ -71,6 +71,9 @@ class StationSummary:
     # The station's own view of each roster device: its claims refused and clipped.
     device_refused: Mapping[str, int] = field(default_factory=dict)
     device_clipped: Mapping[str, int] = field(default_factory=dict)
+    # The last unexpected error of the role's service ("<counter>: <exception>"; "": none):
+    # a failure that would otherwise sit in a log nobody reads.
+    error: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +96,9 @@ class DeviceSummary:
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
     source: Mapping[str, int] = field(default_factory=dict)  # frames_dropped, wrong_shape
+    # The last unexpected error of the role's service ("<counter>: <exception>"; "": none):
+    # a failure that would otherwise sit in a log nobody reads.
+    error: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +122,9 @@ class CloudSummary:
     accuracies: tuple[float, ...] = ()
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
+    # The last unexpected error of the role's service ("<counter>: <exception>"; "": none):
+    # a failure that would otherwise sit in a log nobody reads.
+    error: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

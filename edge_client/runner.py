@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,9 @@ class RoleRunner(Generic[R]):
         self.transport = transport
         self.clock = clock
         self.errors = 0
+        # The last unexpected error, "<counter>: <exception>", for the role's summary: what
+        # `safl status` and the monitor's page show beside the counter.
+        self.last_error = ""
         self._limiter = LogLimiter()
         self.observers: list[Callable[[m.Message], None]] = []  # see what the role sends
         for topic_filter in role.subscriptions():
@@ -83,13 +87,23 @@ class RoleRunner(Generic[R]):
         counters = getattr(self.role, "counters", None)
         if counters is not None:
             counters[key] += 1
+        exc = sys.exc_info()[1]
+        if exc is not None:
+            self.last_error = f"{key}: {type(exc).__name__}: {exc}"[:300]
         if log_args and self._limiter.allow(type(self.role).__name__, key):
             log.exception(*log_args)
 
     def publish(self, out: list[m.Message]) -> None:
         for message in out:
             for observe in self.observers:
-                observe(message)
+                try:
+                    observe(message)
+                except Exception:
+                    # An observer (an evaluation, a checkpoint, a manifest) that fails must
+                    # not hold the message back: the federation would stall on it, silently.
+                    self.count_error("errors.observer", "%s: an observer of %s failed; the "
+                                     "message goes out all the same",
+                                     type(self.role).__name__, type(message).__name__)
             self.transport.publish(topic_for(message), message)
 
     def _on_message(self, topic: str, message: m.Message) -> None:

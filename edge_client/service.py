@@ -203,7 +203,7 @@ class DeviceService:
         # update's hundreds of kilobytes on the factory's Wi-Fi.
         published = summaries(transport, summary_topic(cfg.fleet, m.Participant.DEVICE,
                                                        device.id), lambda: device.summary(
-            transport=dict(transport.counters),
+            error=runner.last_error, transport=dict(transport.counters),
             source={**{k: int(v) for k, v in (pump.metrics() if pump else {}).items()
                        if k != "queued"},
                     **(dict(self.labels.counters) if self.labels else {})}), every=2.0)

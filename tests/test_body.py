@@ -441,3 +441,40 @@ def test_the_pretrained_extra_holds_everything_export_body_imports():
     assert imported <= needed, f"[pretrained] lacks {sorted(imported - needed)}"
     # scikit-learn reads its photos with Pillow, which it does not require itself.
     assert "pillow" in needed
+
+
+def test_the_cloud_embeds_frames_for_its_evaluation_and_refuses_what_the_model_cannot_take(
+        tiny, tmp_path):
+    """A body fleet's cloud scores each round on embeddings: an ``--eval`` of frames is
+    embedded at start-up, one of embeddings taken as it is, flat rows reshaped; anything
+    else stops the cloud in seconds naming the evaluation set, before it connects (it used
+    to fail in every round's evaluation and never publish round 0)."""
+    import subprocess
+    import sys
+
+    from aggregator.services import evaluation_set
+
+    model = _model(tiny)
+    frames, y = probe_frames(TINY, 6), np.arange(6) % 2
+    want = open_body(model).embed(frames)
+    for name, x in (("frames", frames), ("flat", frames.reshape(6, -1)), ("embedded", want)):
+        np.savez(tmp_path / f"{name}.npz", x=x, y=y)
+        got, labels = evaluation_set(str(tmp_path / f"{name}.npz"), model)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert labels.tolist() == y.tolist()
+    np.savez(tmp_path / "wrong.npz", x=probe_frames((3, 8, 8), 6), y=y)
+    with pytest.raises(ConfigError, match=r"'eval'.*wrong\.npz holds samples of shape "
+                                          r"\(3, 8, 8\).*frames of \(3, 16, 16\)"):
+        evaluation_set(str(tmp_path / "wrong.npz"), model)
+
+    config = tmp_path / "cloud.toml"
+    config.write_text(f'[cloud]\nstations = ["s0"]\nrounds = 1\n[model]\nname = "linear"\n'
+                      f'body = "{model.body}"\nbody_dir = "{tiny}"\ninput_shape = [3, 16, 16]\n'
+                      '[broker]\nurl = "mqtt://127.0.0.1:9"\n')
+    began = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "safl", "cloud", "--config", str(config),
+                          "--eval", str(tmp_path / "wrong.npz")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "'eval'" in out.stderr and "wrong.npz" in out.stderr, out.stderr[-2000:]
+    assert time.monotonic() - began < 60

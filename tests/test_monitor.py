@@ -68,6 +68,25 @@ def test_the_history_keeps_each_series_and_the_tables():
     json.dumps(doc)  # the page's JSON
 
 
+def test_each_roles_last_error_reaches_the_page():
+    history = _history()
+    for doc in (StationSummary(station="st0", state=StationState.COLLECTING, round=4,
+                               iteration=12, devices=2, online=1, quorum=1,
+                               error="rejected.internal: KeyError: 'x'"),
+                DeviceSummary(device="d0", station="st0", state=DeviceState.READY, round=4,
+                              iteration=12, error="errors.tick: OSError: disk full"),
+                CloudSummary(state=CloudState.COLLECTING, round=4, iteration=12,
+                             stations=("st0",), error="errors.observer: ShapeError: eval")):
+        history.status.take(doc)
+        history.take(doc)
+    doc = history.snapshot(Counter())
+    assert doc["cloud"]["error"] == "errors.observer: ShapeError: eval"
+    assert doc["stations"][0]["error"] == "rejected.internal: KeyError: 'x'"
+    assert doc["devices"][0]["error"] == "errors.tick: OSError: disk full"
+    from aggregator.monitor_page import SCRIPT
+    assert "'ERROR ' + who" in SCRIPT and "c.error" in SCRIPT
+
+
 def test_what_devices_claim_is_checked_before_it_is_shown(monkeypatch):
     from aggregator import monitor
     from aggregator.status import _from_its_subject
@@ -225,6 +244,11 @@ def test_a_browser_shows_the_running_fleet(tmp_path, digits):
     start = dom.index('id="device-accuracy"')
     lines = dom[start:dom.index("</svg>", start)].count("<polyline")
     assert lines >= len(devices)  # a held-out accuracy line per device, at least
+    legend = dom[dom.index('id="device-legend"'):]
+    legend = legend[:legend.index("</div>")]
+    assert all(did in legend for did in devices), legend  # a legend entry per device
+    for table in ("stations", "devices"):  # wide tables scroll inside the page's width
+        assert f'<div class="scroll"><table id="{table}">' in dom
     picture = np.asarray(Image.open(shot).convert("RGB"))
     assert picture.shape[0] > 500 and len(np.unique(picture.reshape(-1, 3), axis=0)) > 50
 

@@ -536,6 +536,34 @@ def test_a_role_bug_is_counted_every_time_and_logged_once(caplog):
     assert len(caplog.records) == 2  # one traceback per kind of failure a minute
 
 
+def test_an_observer_that_fails_neither_holds_the_round_back_nor_goes_unseen(digits, caplog):
+    """The cloud's evaluation is an observer of its global models: one that raises (an
+    evaluation set the model cannot take) used to keep round 0 from going out, and the
+    fleet waited in silence.  The model goes out; the error is counted, logged at error
+    level and kept for the role's summary (``safl status``, the page)."""
+    from aggregator.status import FleetStatus, format_status
+    from edge_client.documents import CloudSummary
+
+    bus, runners, cloud, station, devices, globals_, _ = _fleet(digits, rounds=2)
+
+    def evaluate(message):
+        if isinstance(message, m.GlobalModel):
+            raise ValueError("input has 12288 features, model expects 1280")
+    runners[0].observers.append(evaluate)
+    with caplog.at_level("ERROR", logger="edge_client.runner"):
+        _run(bus, runners)
+    assert globals_ and globals_[-1].final  # the federation ran to its end
+    assert cloud.counters["errors.observer"] == len(globals_)
+    assert runners[0].last_error == ("errors.observer: ValueError: input has 12288 features, "
+                                     "model expects 1280")
+    assert any(r.levelname == "ERROR" and "observer" in r.getMessage() for r in caplog.records)
+    found = FleetStatus(cloud=CloudSummary(state=cloud.state, round=cloud.round,
+                                           iteration=cloud.iteration, stations=("s",),
+                                           error=runners[0].last_error))
+    assert "ERROR cloud: errors.observer: ValueError: input has 12288" in format_status(
+        found, "t")
+
+
 def _whole(role) -> dict:
     """Everything a station or cloud exposes about where it is."""
     doc = {"state": role.state, "round": role.round, "iteration": role.iteration,
@@ -681,6 +709,23 @@ def test_a_device_nobody_answers_says_so_then_at_each_doubling(caplog):
     for t in range(0, 300, 2):
         silent.tick(float(t))
     assert silent.counters["hellos_unanswered"] == 0
+
+
+def test_a_device_whose_station_is_online_but_silent_blames_the_wait_not_the_broker(caplog):
+    """The station's retained presence came through, so the broker and its ACL work: a
+    station still without a model (its roster, its quorum, a cloud that never published
+    round 0) is what the warning names."""
+    cfg = DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0,
+                       hello_interval=2.0, unanswered_warning=30.0)
+    dev = Device(cfg, _trainer(), num_classes=F, sample_shape=(8, 8),
+                 rng=np.random.default_rng(0))
+    dev.handle(m.Presence(fleet="t", sender="s", round=0, iteration=0,
+                          role=m.Participant.STATION, online=True), 0.0)
+    with caplog.at_level("WARNING", logger="edge_client.device"):
+        for t in range(0, 40, 2):
+            dev.tick(float(t))
+    warnings = [r.getMessage() for r in caplog.records if "has sent no model" in r.getMessage()]
+    assert len(warnings) == 1 and "cloud" in warnings[0] and "ACL" not in warnings[0], warnings
 
 
 def test_peers_say_when_a_station_or_the_cloud_goes_away(caplog):
