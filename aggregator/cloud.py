@@ -4,7 +4,8 @@ It waits for every station's label counts, broadcasts round 0 with
 ``P_real = normalise(sum_{m,k} N^{m,k} P^{m,k})``, then each round fuses the
 stations' ``w^m`` (weighted by the samples they consumed, or equally as in the
 FedGS reference code), applies the server optimiser and broadcasts the next
-global model, marked ``final`` after ``R`` rounds.  Transport-free.
+global model, marked ``final`` after ``R`` rounds (never, with ``rounds = 0``: a field
+fleet learns until it is stopped).  Transport-free.
 
 A station's sample count is a claim: over the run, a station cannot have trained on
 more samples than its devices saw, so its cumulative count is clipped to its reported
@@ -245,7 +246,8 @@ class Cloud(RoleBase[CloudState]):
         return {"epsilon_cloud": self.dp.privacy.worst()} if self.dp.enabled else {}
 
     def _close_round(self, now: float) -> list[m.Message]:
-        last = self.round + 1 >= self.config.rounds
+        # rounds = 0: a field fleet learns for as long as it runs (no round is the last).
+        last = 0 < self.config.rounds <= self.round + 1
         new = self.next_state(_E.LAST_ROUND_CLOSED if last else _E.ROUND_CLOSED)
         if self._updates:
             self.weights = self.optimizer.step(self.weights,

@@ -162,7 +162,7 @@ class CloudConfig(ServerOptimizerSettings, CentralPrivacy):
     central DP across stations: each station's update clipped, the noise at the cloud."""
 
     stations: tuple[str, ...]  # the stations whose updates the cloud fuses
-    rounds: int  # external syncs before the final model
+    rounds: int  # external syncs before the final model (0: none, learn until stopped)
     fleet: str = "default"  # the fleet's name, the first level of every topic
     round_timeout: float = 600.0  # seconds the cloud waits for a round's station updates
     min_stations: int = 1  # station updates a round needs to close at its timeout
@@ -173,7 +173,7 @@ class CloudConfig(ServerOptimizerSettings, CentralPrivacy):
         super().__post_init__()
         check_id("fleet", self.fleet)
         _check_roster("stations", self.stations)
-        check_range("rounds", self.rounds, 1)
+        check_range("rounds", self.rounds, 0)
         check_range("round_timeout", self.round_timeout, 0, low_open=True)
         check_range("min_stations", self.min_stations, 1, len(self.stations))
         if self.fusion not in FUSION_RULES:

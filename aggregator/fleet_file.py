@@ -54,9 +54,9 @@ class FleetFile:
     # What every device's update passes through (edge_client/pipeline.py): written into each
     # device.toml and station.toml alike, so a station decodes what its devices send.
     update_stages: tuple[str, ...] = ()
-    # Prometheus: every service serves /metrics on this port (0: none), and provisioning
-    # writes a scrape configuration; devices are reached at their ``host`` from the fleet
-    # file, or at their id as a host name.
+    # Prometheus: the cloud serves /metrics on this port, stations on the next, devices on
+    # the one after (0: none), and provisioning writes a scrape configuration; devices are
+    # reached at their ``host`` from the fleet file, or at their id as a host name.
     metrics_port: int = 0
     device_hosts: tuple[tuple[str, str], ...] = ()
     lines: tuple[LineEntry, ...] = ()
@@ -70,6 +70,8 @@ class FleetFile:
     model: ModelConfig = ModelConfig()
     training: TrainingSettings = TrainingSettings()
     cameras: tuple[tuple[str, str], ...] = ()  # a device's camera uri, where the file says
+    # The cloud's rounds before the final model; 0: none, the line learns until stopped.
+    rounds: int = 0
 
 
 def load_fleet_file(path: str | Path) -> FleetFile:
@@ -98,13 +100,18 @@ def load_fleet_file(path: str | Path) -> FleetFile:
         raise ConfigError("stations.id", f"{lines[0]!r}: ids beginning 'line-' are the "
                           "factory lines' logins")
     metrics_port = fleet.get("metrics_port", 0)
-    if type(metrics_port) is not int or not 0 <= metrics_port <= 65535:
-        raise ConfigError("fleet.metrics_port", f"must be a port number (0: none), got "
-                          f"{metrics_port!r}")
+    if type(metrics_port) is not int or not 0 <= metrics_port <= 65533:
+        raise ConfigError("fleet.metrics_port", f"must be a port number up to 65533 (the "
+                          f"cloud's; stations take the next, devices the one after; 0: none), "
+                          f"got {metrics_port!r}")
     hosts = tuple((str(raw["id"]), str(raw["host"])) for raw in doc.get("devices", [])
                   if raw.get("host"))
     cameras = tuple((str(raw["id"]), str(raw["camera"])) for raw in doc.get("devices", [])
                     if raw.get("camera"))
+    rounds = fleet.get("rounds", 0)
+    if type(rounds) is not int or rounds < 0:
+        raise ConfigError("fleet.rounds", f"must be a whole number of rounds (0: learn until "
+                          f"stopped), got {rounds!r}")
     unknown = sorted(set(fleet) - _FLEET_KEYS)
     if unknown:
         raise ConfigError(f"fleet.{unknown[0]}", f"unknown key; known: {sorted(_FLEET_KEYS)}")
@@ -118,7 +125,7 @@ def load_fleet_file(path: str | Path) -> FleetFile:
                      _address("fleet.cloud_bind", fleet.get("cloud_bind", "")),
                      _address("fleet.metrics_bind", fleet.get("metrics_bind", "127.0.0.1")),
                      monitor_http, _table(ModelConfig, "model", doc),
-                     _table(TrainingSettings, "training", doc), cameras)
+                     _table(TrainingSettings, "training", doc), cameras, rounds)
 
 
 def _stations(doc: dict[str, Any], seen: set[str]) -> list[StationEntry]:
@@ -161,7 +168,7 @@ def _stations(doc: dict[str, Any], seen: set[str]) -> list[StationEntry]:
 
 
 _FLEET_KEYS = {"name", "cloud_host", "cloud_port", "update_stages", "metrics_port",
-               "cloud_bind", "metrics_bind", "monitor_http"}
+               "cloud_bind", "metrics_bind", "monitor_http", "rounds"}
 
 
 def _address(key: str, value: Any) -> str:

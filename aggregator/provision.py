@@ -45,7 +45,8 @@ from .pki import issue, make_ca, serial_of, write_crl, write_private
 from .prometheus import ALERT_RULES, scrape_config
 from .role_files import device_file, line_file, model_table, training_table
 
-__all__ = ["FleetFile", "load_fleet_file", "provision", "MAX_PACKET", "ProvisionState"]
+__all__ = ["FleetFile", "load_fleet_file", "provision", "MAX_PACKET", "ProvisionState",
+           "metrics_port"]
 
 _DEV, _STATION, _CLOUD = Participant.DEVICE, Participant.STATION, Participant.CLOUD
 
@@ -82,8 +83,22 @@ def _broker_conf(folder: Path, port: int, prefix: Path, extra: Sequence[str] = (
         "max_queued_messages 10000",
         "set_tcp_nodelay true",
         "log_type error", "log_type warning", "log_type notice",
+        "# Beside its data, where the mosquitto user may write: a broker started with -d",
+        "# would otherwise log nowhere, and TLS handshake errors show only here.",
+        f"log_dest file {folder / 'mosquitto.log'}",
+        "log_timestamp_format %Y-%m-%dT%H:%M:%S",
     ]
     return "\n".join([*lines, *extra]) + "\n"
+
+
+def metrics_port(fleet: FleetFile, role: Participant) -> int:
+    """Where ``role`` serves ``/metrics`` (0: nowhere): the fleet file's ``metrics_port`` for
+    the cloud, the next port for a station, the one after for a device, so that roles
+    sharing a host (a station on the cloud's server, a device beside its station) never
+    take one another's port."""
+    if not fleet.metrics_port:
+        return 0
+    return fleet.metrics_port + {_CLOUD: 0, _STATION: 1, _DEV: 2}[role]
 
 
 def _acl(rules: dict[str, list[str]]) -> str:
@@ -211,9 +226,10 @@ class _Provisioner:
             if line.id not in revoked and line.station not in revoked:
                 self.credential(out / "lines" / line.id, line.id)
 
-    def service_section(self) -> dict:
-        """The ``[service]`` table: metrics for the fleet's Prometheus, where it has one."""
-        port = self.fleet.metrics_port
+    def service_section(self, role: Participant) -> dict:
+        """The ``[service]`` table: metrics for the fleet's Prometheus, where it has one, on
+        the role's own port (:func:`metrics_port`)."""
+        port = metrics_port(self.fleet, role)
         return {"service": {"metrics_port": port, "metrics_host": self.fleet.metrics_bind}
                 } if port else {}
 
@@ -222,11 +238,12 @@ class _Provisioner:
         """``prometheus/prometheus.yml`` (a job per role) and its ``alerts.yml``: the cloud
         aggregator is scraped on the cloud broker's host, each station on its factory
         broker's."""
-        fleet, port = self.fleet, self.fleet.metrics_port
+        fleet = self.fleet
         hosts = dict(fleet.device_hosts)
-        targets = {"cloud": [("cloud", f"{fleet.cloud_host}:{port}")],
-                   "station": [(s.id, f"{s.host}:{port}") for s in stations],
-                   "device": [(d, f"{hosts.get(d, d)}:{port}") for s in stations
+        cloud, station, device = (metrics_port(fleet, r) for r in (_CLOUD, _STATION, _DEV))
+        targets = {"cloud": [("cloud", f"{fleet.cloud_host}:{cloud}")],
+                   "station": [(s.id, f"{s.host}:{station}") for s in stations],
+                   "device": [(d, f"{hosts.get(d, d)}:{device}") for s in stations
                               for d in s.devices if d not in revoked]}
         folder = self.out / "prometheus"
         folder.mkdir(exist_ok=True)
@@ -264,9 +281,9 @@ class _Provisioner:
         (folder / "acl").write_text(_acl(rules))
         url = f"mqtts://{fleet.cloud_host}:{fleet.cloud_port}"
         (self.out / "cloud" / "cloud.toml").write_text(toml_text({
-            "cloud": {"fleet": name, "stations": [s.id for s in stations], "rounds": 100},
+            "cloud": {"fleet": name, "stations": [s.id for s in stations], "rounds": fleet.rounds},
             "model": model_table(self.fleet), "broker": self.broker_section("cloud", url),
-            **self.service_section()}))
+            **self.service_section(_CLOUD)}))
         return url
 
     def station_broker(self, s: StationEntry, devices: list[str]) -> None:
@@ -315,12 +332,12 @@ class _Provisioner:
                         "super_node_size": max(1, min(4, len(devices))),
                         **training_table(self.fleet), **stages},
             "model": model_table(self.fleet), "broker": self.broker_section(s.id, url),
-            **self.service_section()}))
+            **self.service_section(_STATION)}))
         cameras = dict(fleet.cameras)
         for did in devices:
             (self.credential_dirs[did] / "device.toml").write_text(device_file(
                 fleet, did, s.id, broker=self.broker_section(did, url),
-                service=self.service_section().get("service", {}), stages=stages,
+                service=self.service_section(_DEV).get("service", {}), stages=stages,
                 camera=cameras.get(did, "")))
         for line in fleet.lines:
             if line.station == s.id and line.id in self.credential_dirs:

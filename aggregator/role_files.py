@@ -17,7 +17,12 @@ from edge_client.topics import label_topic
 
 from .fleet_file import FleetFile
 
-__all__ = ["device_file", "line_file", "camera_preprocess", "model_table", "training_table"]
+__all__ = ["device_file", "line_file", "camera_preprocess", "model_table", "training_table",
+           "STATE_DIR"]
+
+# Where the units keep a role's state (their StateDirectory, deploy/systemd): a device's
+# model in use, a station's and the cloud's checkpoints.
+STATE_DIR = "/var/lib/safl/state"
 
 
 def camera_preprocess(shape: tuple[int, ...], body: str = "none") -> dict[str, Any]:
@@ -90,9 +95,10 @@ def device_file(fleet: FleetFile, did: str, sid: str, *, broker: dict[str, Any],
             "publish": f"Predictions go to {topics.predictions_topic(fleet.name, did)}, "
                        "which the device's line reads."}),
         _table("broker", broker),
+        _table("service", {"state_dir": STATE_DIR, **service}, {
+            "state_dir": "The model in use and the one before it: a restart predicts with it "
+                         "again, and safl-device export and rollback read it."}),
     ]
-    if service:
-        parts.append(_table("service", service))
     return "\n".join(parts)
 
 

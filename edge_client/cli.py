@@ -86,7 +86,10 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-id", default=None)
     p.add_argument("--station", default=None)
     p.add_argument("--keep-running", action="store_true",
-                   help="stay connected after the federation's final model")
+                   help="stay connected after the federation's final model, predicting with "
+                        "it (the board's unit passes it)")
+    p.add_argument("--state-dir", default=None,
+                   help="where the device keeps its model in use (overrides [service])")
 
 
 def overrides(args: argparse.Namespace, **tables: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -100,7 +103,8 @@ def run_device(args: argparse.Namespace) -> int:
 
     cfg = load_role_file(args.config, DEVICE_TABLES,
                          overrides(args, broker={"broker": "url"},
-                                   service={"metrics_port": "metrics_port"},
+                                   service={"metrics_port": "metrics_port",
+                                            "state_dir": "state_dir"},
                                    device={"device_id": "device_id", "station": "station"}))
     DeviceService(**cfg).run(exit_when_done=not args.keep_running)
     return 0

@@ -188,10 +188,49 @@ def _fleet(rounds: int, seed: int, stations: int, devices_per_station: int, alph
     return data, spec
 
 
+# Frames a hand-started body fleet's devices replay, all together (uint8 pixels: 74 MB at
+# 3x64x64), and test frames its cloud embeds at start-up.  A linear head on a pretrained
+# body is at 80% after about 500 labelled samples (docs/bodies.md): these are plenty.
+CAMERA_TRAIN, CAMERA_TEST = 6000, 2000
+
+
+def _camera_fleet(rounds: int, seed: int, body: str, body_dir: str):
+    """The demo's fleet as cameras feed a body fleet: the first :data:`CAMERA_TRAIN` images
+    as camera frames at the body's input shape, in uint8 pixels, which each device replays
+    and embeds itself as it would a camera's frames, and :data:`CAMERA_TEST` test frames,
+    which the cloud embeds at start-up (``aggregator.services.evaluation_set``)."""
+    from edge_client.body import load_body_manifest
+
+    from .datasets import body_folder, camera_frames
+
+    folder = body_folder(body, (3, 64, 64), body_dir)
+    shape = load_body_manifest(folder).input_shape
+    data, note = load_default()
+    print(f"dataset: {note}, as {'x'.join(map(str, shape))} camera frames", file=sys.stderr)
+
+    def pixels(images: np.ndarray) -> np.ndarray:
+        return np.round(camera_frames(images, shape) * 255).astype(np.uint8)
+    data = dataclasses.replace(data, name=f"{data.name}@{'x'.join(map(str, shape))}",
+                               x_train=pixels(data.x_train[:CAMERA_TRAIN]),
+                               y_train=data.y_train[:CAMERA_TRAIN],
+                               x_test=pixels(data.x_test[:CAMERA_TEST]),
+                               y_test=data.y_test[:CAMERA_TEST])
+    rng = np.random.default_rng(seed)
+    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(data.y_train, 12, 0.3, rng)),
+                     groups=tuple(assign_groups(12, 2, rng)), rounds=rounds, lr=BODY_LR,
+                     seed=seed, arrivals_per_step=48, initial_samples=64, model="linear",
+                     body=body, body_dir=str(folder))
+    return data, spec
+
+
 def write_demo_fleet(folder: Path, *, broker: str, rounds: int = 20, seed: int = 0,
-                     strategy: str = "safl+fedgs") -> dict[str, Path]:
+                     strategy: str = "safl+fedgs", body: str = "none",
+                     body_dir: str = "") -> dict[str, Path]:
     """Write the demo's fleet (one strategy) as files to start by hand: every role's TOML
-    with absolute paths, each device's data, the test set, and a README with the commands."""
+    with absolute paths, each device's data, the test set, and a README with the commands.
+    With a ``body`` it is a body fleet: every role's ``[model]`` names it, the devices
+    replay camera frames and embed them, the cloud scores the head on test frames it
+    embeds (:func:`_camera_fleet`)."""
     from .launch import fleet_commands, write_fleet
 
     check_range("rounds", rounds, 1)
@@ -199,10 +238,13 @@ def write_demo_fleet(folder: Path, *, broker: str, rounds: int = 20, seed: int =
     chosen = [s for s in recipes if s.name == strategy]
     if not chosen:
         raise ConfigError("strategy", f"must be one of {[s.name for s in recipes]}")
-    data, spec = _fleet(rounds, seed, 2, 6, 0.3, 0.1)
+    data, spec = _fleet(rounds, seed, 2, 6, 0.3, 0.1) if body == "none" else \
+        _camera_fleet(rounds, seed, body, body_dir)
     folder = Path(folder).resolve()
     paths = write_fleet(folder, data, chosen[0], spec, broker)
-    lines = [f"# A safl-edge fleet: {strategy}, {rounds} rounds, 2 stations x 6 devices", "",
+    what = "" if body == "none" else f", a linear head on {body} (devices replay camera frames)"
+    lines = [f"# A safl-edge fleet: {strategy}, {rounds} rounds, 2 stations x 6 devices{what}",
+             "",
              "Start a broker (`safl broker --port 1883`, or Mosquitto), then each line in its",
              "own terminal or host (the cloud first is tidiest; any order works). The",
              "`--broker` flag overrides the URL in the files. A station waits until every",

@@ -28,10 +28,21 @@ SERVICES = ("device", "station", "cloud", "broker")  # log at INFO by default
 def _demo(args: argparse.Namespace) -> int:
     from lab.demo import run_demo
 
+    body_dir = ""
     if args.fleet_out:
         from lab.demo import write_demo_fleet
+        # What a written fleet cannot honour is refused, not ignored.
+        for flag, given in (("--bus", args.bus), ("--out", args.out)):
+            if given is not None:
+                raise ConfigError(flag.lstrip("-"), f"{flag} is for a demo that runs; "
+                                  "--fleet-out only writes a fleet's files (its README says "
+                                  "how to start them)")
+        if args.body != "none":
+            from safl.bodies import ensure_body
+            body_dir = str(ensure_body(args.body, (3, 64, 64)))
         write_demo_fleet(args.fleet_out, broker=args.broker or "mqtt://127.0.0.1:1883",
-                         rounds=args.rounds or 20, seed=args.seed)
+                         rounds=args.rounds or 20, seed=args.seed, body=args.body,
+                         body_dir=body_dir)
         print(f"wrote a fleet to {args.fleet_out.resolve()}: start it with the commands in "
               f"{args.fleet_out.resolve() / 'README.md'}")
         return 0
@@ -40,7 +51,6 @@ def _demo(args: argparse.Namespace) -> int:
         raise ConfigError("broker", "--broker runs the fleet over MQTT; drop --bus local")
     # SIGTERM unwinds like Ctrl-C, so the demo stops its role processes and its broker.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    body_dir = ""
     if args.body != "none":
         from safl.bodies import ensure_body
         body_dir = str(ensure_body(args.body, (3, 64, 64)))

@@ -478,3 +478,42 @@ def test_the_cloud_embeds_frames_for_its_evaluation_and_refuses_what_the_model_c
     assert out.returncode == 2, out.stderr[-2000:]
     assert "'eval'" in out.stderr and "wrong.npz" in out.stderr, out.stderr[-2000:]
     assert time.monotonic() - began < 60
+
+
+def test_the_demos_fleet_out_with_a_body_writes_a_body_fleet(tiny, tmp_path):
+    """``safl demo --fleet-out DIR --body NAME`` used to write the MLP fleet on 28x28 frames,
+    silently: every role's ``[model]`` now names the body, each device replays camera frames
+    (uint8 pixels) and embeds them itself, and the cloud's test frames are embedded at its
+    start-up.  An option the written fleet cannot honour is refused."""
+    import subprocess
+    import sys
+
+    from aggregator.services import evaluation_set
+    from edge_client.config import SourceConfig
+    from edge_client.service import DEVICE_TABLES, SHARED_TABLES, DeviceService, load_role_file
+    from lab.demo import write_demo_fleet
+
+    body = load_body_manifest(tiny).factory
+    paths = write_demo_fleet(tmp_path / "fleet", broker="mqtt://127.0.0.1:9", rounds=2,
+                             body=body, body_dir=str(tiny))
+    devices = [p for name, p in paths.items() if name.startswith("dev")]
+    assert len(devices) == 12
+    from aggregator.config import CloudConfig
+    cloud = load_role_file(paths["cloud"], {"cloud": CloudConfig, **SHARED_TABLES}, {})
+    assert (cloud["model"].body, cloud["model"].input_shape) == (body, TINY)
+    x, y = evaluation_set(str(paths["_test"]), cloud["model"])
+    assert x.shape == (len(y), 8) and len(y) > 100
+    for path in devices[:2]:
+        cfg = load_role_file(path, DEVICE_TABLES, {})
+        assert cfg["model"] == cloud["model"]
+        with np.load(cfg["source"].path) as replay:
+            assert replay["x"].dtype == np.uint8 and replay["x"].shape[1:] == TINY
+        service = DeviceService(**cfg)
+        runner, transport, _ = service.build()
+        buffered = runner.role.buffer  # the initial frames, embedded as they were replayed
+        assert buffered.sample_shape == (8,) and buffered.samples_seen == cfg["source"].initial
+        assert isinstance(cfg["source"], SourceConfig) and transport.layout_hash
+    out = subprocess.run([sys.executable, "-m", "safl", "demo", "--fleet-out",
+                          str(tmp_path / "again"), "--bus", "local"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "'bus'" in out.stderr, out.stderr[-1000:]

@@ -75,7 +75,7 @@ def test_station_config_out_of_range(kw, key):
 
 def test_cloud_config_out_of_range():
     with pytest.raises(ConfigError, match="rounds"):
-        CloudConfig(stations=("s",), rounds=0)
+        CloudConfig(stations=("s",), rounds=-1)
     with pytest.raises(ConfigError, match="min_stations"):
         CloudConfig(stations=("s",), rounds=1, min_stations=2)
     with pytest.raises(ConfigError, match="server_optimizer"):

@@ -350,8 +350,10 @@ def _unit(path: Path) -> dict[str, dict[str, list[str]]]:
 def test_systemd_units_are_sandboxed_and_restart(role):
     unit = _unit(DEPLOY / "systemd" / f"safl-{role}.service")
     service = unit["Service"]
-    # Aggregators checkpoint under their StateDirectory so a restart resumes.
-    resume = " --state-dir /var/lib/safl/state" if role != "device" else ""
+    # Every role keeps its state under its StateDirectory so a restart resumes (a device, its
+    # model in use); a device stays up after a last round, predicting for its line.
+    resume = " --state-dir /var/lib/safl/state" + (" --keep-running" if role == "device"
+                                                   else "")
     assert service["ExecStart"] == [
         f"/opt/safl/bin/safl {role} --config /etc/safl/{role}.toml{resume}"]
     assert service["Restart"] == ["on-failure"] and service["User"] == ["safl"]

@@ -41,9 +41,16 @@ def test_provisioning_writes_a_valid_scrape_config_and_tested_alert_rules(tmp_pa
         assert (written / name).read_text() == (DEPLOY / "prometheus" / name).read_text(), name
     config = (written / "prometheus.yml").read_text()
     assert all(f'job_name: "{job}"' in config for job in JOBS.values())
-    assert '["10.2.0.57:9101"]' in config and '["cam-01:9101"]' in config  # host, or the id
-    assert "metrics_port = 9101" in (tmp_path / "fleet" / "devices" / "cam-01" /
-                                     "device.toml").read_text()
+    # Each role its own port (the cloud's, a station's +1, a device's +2): roles sharing a
+    # host never collide. A device is reached at its host, or at its id.
+    assert '["cloud.example.com:9101"]' in config and '["10.1.0.2:9102"]' in config
+    assert '["10.2.0.57:9103"]' in config and '["cam-01:9103"]' in config
+    fleet = tmp_path / "fleet"
+    ports = {name: re.search(r"metrics_port = (\d+)", (fleet / path).read_text()).group(1)
+             for name, path in (("cloud", "cloud/cloud.toml"),
+                                ("station", "stations/hall-1/station.toml"),
+                                ("device", "devices/cam-01/device.toml"))}
+    assert ports == {"cloud": "9101", "station": "9102", "device": "9103"}
     assert "SUCCESS" in _promtool("check", "config", str(written / "prometheus.yml"))
     assert "6 rules found" in _promtool("check", "rules", str(written / "alerts.yml"))
     assert "SUCCESS" in _promtool("test", "rules", "alerts.test.yml",
@@ -56,7 +63,8 @@ def test_a_fleet_without_metrics_gets_no_scrape_config(tmp_path):
         "metrics_port = 9101", "metrics_port = 0"))
     provision(fleet, tmp_path / "out")
     assert not (tmp_path / "out" / "prometheus").exists()
-    assert "[service]" not in (tmp_path / "out" / "devices" / "cam-01" / "device.toml").read_text()
+    device = (tmp_path / "out" / "devices" / "cam-01" / "device.toml").read_text()
+    assert "metrics_port" not in device and "state_dir" in device
     fleet.write_text(fleet.read_text().replace("metrics_port = 0", 'metrics_port = "x"'))
     with pytest.raises(Exception, match="fleet.metrics_port"):
         provision(fleet, tmp_path / "again")

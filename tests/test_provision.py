@@ -144,6 +144,65 @@ def test_a_misspelled_table_is_refused_like_a_misspelled_key(lined):
         load_role_file(path, DEVICE_TABLES, {})
 
 
+def test_a_provisioned_device_keeps_its_model_where_its_unit_keeps_state(lined, tmp_path,
+                                                                         capsys):
+    """The device file and the board's unit name one state directory, so a restarted device
+    predicts with the model it had in use, and ``safl-device export`` and ``rollback`` (run
+    on the provisioned file, as docs/sources.md says) find it."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    import numpy as np
+
+    from aggregator.role_files import STATE_DIR
+    from edge_client import messages as m
+    from edge_client.cli import main as device_main
+    from edge_client.device import Device
+    from edge_client.service import federation_layout, model_trainer
+    from edge_client.serving import load_deployable, resume_deployable, save_deployable
+
+    _, out, _ = lined
+    path = out / "devices" / "cam1" / "device.toml"
+    cfg = load_role_file(path, DEVICE_TABLES, {})
+    assert cfg["service"].state_dir == STATE_DIR
+    unit = (Path(__file__).resolve().parents[1] / "deploy" / "systemd" /
+            "safl-device.service").read_text()
+    assert re.search(r"^StateDirectory=safl$", unit, re.M)
+    assert STATE_DIR.startswith("/var/lib/safl/")
+    exec_start = re.search(r"^ExecStart=(.*)$", unit, re.M).group(1)
+    assert f"--state-dir {STATE_DIR}" in exec_start and "--keep-running" in exec_start
+
+    # The board's state directory, here a folder of the test (--state-dir, as the unit).
+    state = tmp_path / "state"
+    model = cfg["model"]
+    trainer = model_trainer(model, cfg["device"].lr)
+    layout = federation_layout(model, trainer)
+
+    def device(**inference):
+        return Device(cfg["device"], model_trainer(model, cfg["device"].lr),
+                      num_classes=model.num_classes, sample_shape=tuple(model.input_shape),
+                      rng=np.random.default_rng(0),
+                      inference=dataclasses.replace(cfg["inference"], **inference))
+    # Each model goes into use as it comes (no line's labels here to promote it by).
+    running = device(promote="always")
+    for k in (1, 2):
+        weights = np.random.default_rng(k).normal(0, 0.1, trainer.num_params)
+        running.handle(m.StationModel(fleet="plant", sender="st0", round=k, iteration=k,
+                                      weights=weights), 0.0)
+        save_deployable(state, running, layout)
+    restarted = device()
+    resume_deployable(state, restarted, layout)
+    assert restarted.line.deployable_round == 2
+    np.testing.assert_array_equal(restarted.line.deployable, running.line.deployable)
+    args = ["--config", str(path), "--state-dir", str(state)]
+    assert device_main(["export", *args, "--out", str(tmp_path / "cam1.onnx")]) == 0
+    assert (tmp_path / "cam1.onnx").stat().st_size > 0
+    assert device_main(["rollback", *args]) == 0
+    assert load_deployable(state, layout_hash=layout).round == 1
+    capsys.readouterr()
+
+
 def test_a_misspelled_key_names_its_table_and_the_nearest_key(lined):
     _, out, _ = lined
     path = out / "devices" / "cam1" / "device.toml"

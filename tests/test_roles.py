@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregator.cloud import Cloud
+from aggregator.cloud import Cloud, CloudState
 from aggregator.config import CloudConfig, StationConfig
 from aggregator.station import Station
 from edge_client import messages as m
@@ -534,6 +534,19 @@ def test_a_role_bug_is_counted_every_time_and_logged_once(caplog):
             runner.tick()
     assert role.counters["rejected.internal"] == 50 and role.counters["errors.tick"] == 50
     assert len(caplog.records) == 2  # one traceback per kind of failure a minute
+
+
+def test_with_rounds_0_the_cloud_never_marks_a_model_final(digits):
+    """A field fleet learns until it is stopped: past any number of rounds, every global
+    model leads to the next round, none is final."""
+    bus, runners, cloud, station, devices, globals_, _ = _fleet(
+        digits, rounds=0, feed=[2000] * 4, device_kw={"batch_size": 8})
+    for r in runners:
+        r.start()
+    while len(globals_) < 12:
+        assert bus.deliver(limit=50) > 0, "the fleet stopped by itself"
+    assert [g.round for g in globals_[:12]] == list(range(12))
+    assert not any(g.final for g in globals_) and cloud.state != CloudState.DONE
 
 
 def test_an_observer_that_fails_neither_holds_the_round_back_nor_goes_unseen(digits, caplog):

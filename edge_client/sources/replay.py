@@ -75,7 +75,9 @@ class ReplaySource:
 
 def load_arrays(path: str | Path, labels: str | Path | None = None,
                 num_classes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Load ``x, y`` from an ``.npz`` (keys ``x``/``y``) or an ``.npy`` plus a labels ``.npy``."""
+    """Load ``x, y`` from an ``.npz`` (keys ``x``/``y``) or an ``.npy`` plus a labels ``.npy``.
+    A ``uint8`` ``x`` holds pixels (a recording of camera frames, a quarter of float32's
+    bytes): it is scaled into [0, 1], as ``[source] scale`` scales a camera's frames."""
     path = Path(path)
     try:
         if path.suffix == ".npz":
@@ -97,6 +99,8 @@ def load_arrays(path: str | Path, labels: str | Path | None = None,
     if num_classes is not None and len(y) and (y.min() < 0 or y.max() >= num_classes):
         bad = np.flatnonzero((y < 0) | (y >= num_classes))[:5].tolist()
         raise SourceError(f"{path}: labels outside [0, {num_classes}) at rows {bad}")
+    if x.dtype == np.uint8:
+        return x.astype(np.float32) * np.float32(1 / 255), y.astype(np.int64)
     return x.astype(np.float32), y.astype(np.int64)
 
 
