@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,13 @@ class Body:
         # body with its pretrained tail, which the probe checks.
         self.out_shape = out_shape or (manifest.embedding,)
         self.blocks, self._whole = blocks, whole or forward
+        # What the frames cost: the device's /metrics says the body's ms a frame from these.
+        self.frames, self.seconds = 0, 0.0
+
+    @property
+    def ms_per_frame(self) -> float | None:
+        """The body's mean wall time a frame so far (None before the first frame)."""
+        return 1000 * self.seconds / self.frames if self.frames else None
 
     @property
     def key(self) -> str:
@@ -211,7 +219,11 @@ class Body:
 
     def embed(self, frames: np.ndarray) -> np.ndarray:
         """``(n, *out_shape)`` float32 embeddings of ``frames`` ``(n, C, H, W)`` in [0, 1]."""
-        return self._run(self._forward, frames, self.out_shape)
+        began = time.perf_counter()
+        out = self._run(self._forward, frames, self.out_shape)
+        self.frames += len(out)
+        self.seconds += time.perf_counter() - began
+        return out
 
     def _run(self, forward: Callable[[np.ndarray], np.ndarray], frames: np.ndarray,
              out_shape: tuple[int, ...]) -> np.ndarray:

@@ -70,6 +70,7 @@ HELP = {
     "deployed_round": "the round of the model a device predicts with",
     "shadow_accuracy": "the last candidate model's accuracy on the recent labelled samples",
     "deployed_accuracy": "the deployed model's accuracy on the same samples",
+    "body_ms_per_frame": "the frozen body's mean wall time a frame, in milliseconds",
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import messages as m
-from .body import body_id, body_tail, head_input_shape, open_body
+from .body import Body, body_id, body_tail, head_input_shape, open_body
 from .config import (
     BrokerConfig,
     DeviceConfig,
@@ -134,6 +134,7 @@ class DeviceService:
     labels: LiveLabels | None = field(default=None, init=False, repr=False)
     # Keeps the deployable model in state_dir (None without one).
     keeper: DeployableKeeper | None = field(default=None, init=False, repr=False)
+    body: Body | None = field(default=None, init=False, repr=False)  # its ms a frame: /metrics
 
     def build(self) -> tuple[RoleRunner[Device], MqttTransport,
                              tuple[Callable[[float], None], ...]]:
@@ -141,7 +142,7 @@ class DeviceService:
         (none when the federation paces a replay) and keep its deployable model on disk."""
         cfg, mc = self.device, self.model
         trainer = model_trainer(mc, cfg.lr)
-        body = open_body(mc)
+        self.body = body = open_body(mc)
         if body is not None and self.source.decoded and body.manifest.input_shape[0] == 3 \
                 and not self.source.rgb:
             raise ConfigError("rgb", f"body {mc.body} takes RGB frames and OpenCV delivers BGR: "
@@ -213,7 +214,8 @@ class DeviceService:
                 if pump else {}),
              **(dict(self.labels.counters) if self.labels else {})},
             {**device.metrics(), **({"source_queued": pump.metrics()["queued"]} if pump
-                                    else {})}),
+                                    else {}),
+             **({"body_ms_per_frame": self.body.ms_per_frame} if self.body else {})}),
             labels={"fleet": device.config.fleet, "station": device.config.station,
                     "device": device.id})
         keeper, last_summary = self.keeper, published["on_stop"]

@@ -513,6 +513,11 @@ def test_the_demos_fleet_out_with_a_body_writes_a_body_fleet(tiny, tmp_path):
         buffered = runner.role.buffer  # the initial frames, embedded as they were replayed
         assert buffered.sample_shape == (8,) and buffered.samples_seen == cfg["source"].initial
         assert isinstance(cfg["source"], SourceConfig) and transport.layout_hash
+        # What the body costs a frame, as /metrics reports it.
+        assert service.body.frames == cfg["source"].initial and service.body.ms_per_frame > 0
+        from edge_client.metrics import render
+        page = render("device", {}, {"body_ms_per_frame": service.body.ms_per_frame})
+        assert "# HELP safl_body_ms_per_frame the frozen body's mean wall time" in page
     out = subprocess.run([sys.executable, "-m", "safl", "demo", "--fleet-out",
                           str(tmp_path / "again"), "--bus", "local"], capture_output=True,
                          text=True, timeout=120)
