@@ -35,6 +35,10 @@ class ExternalSync:
         self.consumed_before = 0  # of the rounds already uploaded
         self.pending: m.StationUpdate | None = None  # sent, not yet answered by a global model
         self.next_hello = 0.0
+        # Whether this process has seen the cloud online: an offline presence before that is
+        # the broker's retained history (a restarted station, a cloud not yet started), not
+        # a Last Will firing now.
+        self.cloud_seen_online = False
 
     def fused(self, samples: int) -> None:
         """An internal sync fused ``samples``."""
@@ -80,11 +84,16 @@ class ExternalSync:
         the unanswered upload again.  It went away (its Last Will): said, and the upload
         waits for it."""
         if presence.online:
+            self.cloud_seen_online = True
             return [] if joining else self.reannounce()
-        self.counters["cloud_offline"] += 1
         if presence.final:
+            self.counters["cloud_offline"] += 1
             log.info("station %s: the cloud finished", station)
+        elif not self.cloud_seen_online:
+            log.info("station %s: the cloud is not online (its retained presence says offline); "
+                     "the station waits for it", station)
         else:
+            self.counters["cloud_offline"] += 1
             log.warning("station %s: the cloud went offline (its Last Will); internal syncs "
                         "go on, the upload waits for it", station)
         return []

@@ -271,13 +271,17 @@ class Device(RoleBase[DeviceState]):
         next model it sends is accepted whatever its iteration, and it gets our stats."""
         if msg.role != m.Participant.STATION:
             return []
-        self._station_online = msg.online
+        seen_online, self._station_online = self._station_online, msg.online
         if not msg.online and msg.final and self._model is not None and self.state != _D.DONE:
             # It ended while this device was away (its final model went to a lost session).
             self.counters["final_missed"] += 1
             log.info("device %s: station %s finished while this device was away; it keeps "
                      "its model of round %d", self.id, msg.sender, self._model.round)
             self.state = self.next_state(_E.FINAL_MODEL)
+            return []
+        if not msg.online and not seen_online:  # the broker's retained history, not news
+            log.info("device %s: station %s is not online (its retained presence says "
+                     "offline); waiting for it", self.id, msg.sender)
             return []
         if not msg.online:  # its Last Will: the models stop until it is back
             self.counters["station_offline"] += 1

@@ -751,9 +751,19 @@ def test_peers_say_when_a_station_or_the_cloud_goes_away(caplog):
                       rng=np.random.default_rng(0))
     cloud = Cloud(CloudConfig(stations=("s",), rounds=3, fleet="t"),
                   initial_weights=dev.trainer.get_flat(), num_classes=F)
-    gone = {role: m.Presence(fleet="t", sender=sender, round=0, iteration=0, role=role,
-                             online=False)
-            for role, sender in ((m.Participant.STATION, "s"), (m.Participant.CLOUD, "cloud"))}
+    gone, back = ({role: m.Presence(fleet="t", sender=sender, round=0, iteration=0, role=role,
+                                    online=online)
+                   for role, sender in ((m.Participant.STATION, "s"),
+                                        (m.Participant.CLOUD, "cloud"))}
+                  for online in (False, True))
+    # Heard first as the broker's retained history (a restarted station or device, its peer
+    # not yet up): no Last Will fired, so none is claimed.
+    with caplog.at_level("WARNING"):
+        dev.handle(gone[m.Participant.STATION], 0.5)
+        station.handle(gone[m.Participant.CLOUD], 0.5)
+    assert not caplog.records and station.counters["cloud_offline"] == 0
+    dev.handle(back[m.Participant.STATION], 0.6)
+    station.handle(back[m.Participant.CLOUD], 0.6)
     with caplog.at_level("WARNING"):
         dev.handle(gone[m.Participant.STATION], 1.0)
         cloud.handle(gone[m.Participant.STATION], 1.0)
