@@ -18,6 +18,7 @@ from edge_client.documents import (
     DeviceSummary,
     Document,
     ModelManifest,
+    Prediction,
     StationSummary,
 )
 from edge_client.metrics import counted
@@ -28,11 +29,12 @@ from edge_client.topics import (
     document_filters,
     manifest_topic,
     participant_of,
+    predictions_topic,
     presence_filters,
     summary_topic,
 )
 
-__all__ = ["FleetStatus", "fleet_status", "format_status", "observer"]
+__all__ = ["FleetStatus", "fleet_status", "format_status", "observer", "watch_predictions"]
 
 
 @dataclass
@@ -184,3 +186,41 @@ def format_status(found: FleetStatus, fleet: str) -> str:
         if doc.state == StationState.JOINING and doc.missing:
             lines.append(f"{doc.station} waits for its roster: missing {', '.join(doc.missing)}")
     return "\n".join(lines)
+
+
+def format_prediction(device: str, doc: Prediction) -> str:
+    """One prediction as ``safl predictions`` prints it."""
+    return (f"{device} frame {doc.frame} t {doc.t:.3f} label {doc.label} confidence "
+            f"{doc.confidence:.3f} model round {doc.model_round} latency "
+            f"{doc.latency_ms:.0f} ms")
+
+
+def watch_predictions(broker: BrokerConfig, fleet: str, devices: tuple[str, ...] = (), *,
+                      seconds: float = 0.0, count: int = 0,
+                      emit: Callable[[str], None] = print) -> int:
+    """Print the predictions of ``devices`` (every device the credentials may read, where
+    none are named) as they arrive, for ``seconds`` (0: until interrupted) or until
+    ``count`` were printed; returns how many were.  A line application's certificate reads
+    its own devices' predictions; the monitor's reads none (docs/deploy.md)."""
+    broker = dataclasses.replace(broker, connect_timeout=min(broker.connect_timeout, 10.0))
+    transport = MqttTransport(broker, client_id=f"safl-predictions-{time.time_ns()}",
+                              fleet=fleet, persistent=False)
+    printed = 0
+
+    def on_doc(topic: str, doc: Document) -> None:
+        nonlocal printed
+        who = participant_of(topic, fleet)
+        if isinstance(doc, Prediction) and who is not None and (not count or printed < count):
+            emit(format_prediction(who[1], doc))
+            printed += 1
+    for device in devices or ("+",):
+        transport.subscribe_documents(predictions_topic(fleet, device), on_doc)
+    transport.connect()
+    try:
+        end = time.monotonic() + seconds if seconds else float("inf")
+        while time.monotonic() < end and not (count and printed >= count):
+            transport.deliver()
+            transport.wait(min(0.1, max(0.0, end - time.monotonic())))
+    finally:
+        transport.close()
+    return printed

@@ -143,7 +143,7 @@ def document_filters(fleet: str) -> list[str]:
 
 def is_document_topic(topic: str) -> bool:
     """JSON documents (``documents.py``) travel here, not frames."""
-    return topic.endswith(("/summary", "/manifest"))
+    return topic.endswith(("/summary", "/manifest", "/predictions"))
 
 
 def device_topics(fleet: str, station: str) -> list[str]:

@@ -141,6 +141,21 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _predictions(args: argparse.Namespace) -> int:
+    from aggregator.status import watch_predictions
+    from edge_client.config import BrokerConfig, load_config
+
+    broker = load_config(BrokerConfig, "broker", args.config, {"url": args.broker})
+    n = watch_predictions(broker, args.fleet, tuple(args.device), seconds=args.seconds,
+                          count=args.count, emit=lambda line: print(line, flush=True))
+    print(f"{n} predictions", file=sys.stderr)
+    if not n and (args.count or args.seconds):
+        print("safl predictions: none arrived: is inference publishing on, and may this "
+              "certificate read the devices' predictions topics?", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _monitor(args: argparse.Namespace) -> int:
     from aggregator.monitor import run_monitor
 
@@ -289,6 +304,21 @@ def _add_status(sub) -> None:
                        help="a TOML file with [broker] (provisioning writes monitor/status-*.toml)")
         p.add_argument("--fleet", default="default")
     status.add_argument("--wait", type=float, default=1.5, help="seconds to collect retained state")
+    predictions = sub.add_parser("predictions", help="print devices' predictions as they "
+                                 "arrive (with a line application's certificate: line.toml)")
+    predictions.add_argument("--config", type=Path, default=None,
+                             help="a TOML file with [broker] (provisioning writes "
+                             "lines/<id>/line.toml)")
+    predictions.add_argument("--broker", default=None, help="mqtt://host:port")
+    predictions.add_argument("--fleet", default="default")
+    predictions.add_argument("--device", action="append", default=[],
+                             help="a device to watch (repeatable; default: every device the "
+                             "certificate may read)")
+    predictions.add_argument("--seconds", type=float, default=0.0,
+                             help="stop after this long (default: until Ctrl-C)")
+    predictions.add_argument("--count", type=int, default=0,
+                             help="stop after this many predictions")
+    predictions.set_defaults(run=_predictions)
     status.set_defaults(run=_status)
     monitor.add_argument("--http", default=None, metavar="HOST:PORT",
                          help="where to serve the page (default: the config's [monitor] http, "

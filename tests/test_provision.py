@@ -5,6 +5,8 @@ addresses from the fleet file, and role files refusing tables they do not read."
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,6 +16,7 @@ from test_deploy import Broker, _broker_cfg, _transport, needs_mosquitto
 from aggregator.config import StationConfig
 from aggregator.fleet_file import load_fleet_file
 from aggregator.provision import provision
+from edge_client.documents import Prediction
 from edge_client.errors import ConfigError
 from edge_client.service import DEVICE_TABLES, SHARED_TABLES, load_role_file
 from edge_client.topics import predictions_topic
@@ -253,7 +256,23 @@ def test_each_line_reads_its_devices_predictions_and_writes_only_their_labels(li
         acl = (out / "stations" / "st0" / "broker" / "acl").read_text()
         block = acl.split("user line-st0\n")[1].split("\n\n")[0]
         assert "cam3" in block and "cam1" not in block and "cam2" not in block
-        for t in (press, paint, default, *cams.values()):
+        press.close()  # the watch below connects with the press line's certificate: its session
+        # `safl predictions` with the line's own file prints what its devices predict, and
+        # nothing of the devices it may not read.
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "safl", "predictions", "--config",
+             str(out / "lines" / "press-line" / "line.toml"), "--fleet", "plant",
+             "--seconds", "6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3)  # its subscription
+        for k, (d, t) in enumerate(cams.items()):
+            t.publish_document(predictions_topic("plant", d), Prediction(
+                t=100.0 + k, frame=7 + k, label=2 + k, confidence=0.75, model_round=3,
+                latency_ms=41.0), retain=False, qos=1)
+        printed, said = watch.communicate(timeout=60)
+        assert watch.returncode == 0, said
+        assert printed.splitlines() == ["cam1 frame 7 t 100.000 label 2 confidence 0.750 model "
+                                        "round 3 latency 41 ms"], (printed, said)
+        for t in (paint, default, *cams.values()):
             t.close()
     finally:
         broker.stop()
