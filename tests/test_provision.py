@@ -138,12 +138,16 @@ def test_bad_lines_and_tables_are_named(tmp_path, text, key):
         load_fleet_file(path)
 
 
-def test_a_misspelled_table_is_refused_like_a_misspelled_key(lined):
+@pytest.mark.parametrize("was, now, said", [
+    ("[inference]", "[inferense]", r"unknown table \[inferense\].*did you mean \[inference\]"),
+    ("[source]\n", "[source]\nretrys = 3\n",
+     r"'retrys': unknown key in \[source\]; did you mean 'retries'\?"),
+])
+def test_a_misspelled_table_or_key_is_named_with_the_nearest_one(lined, was, now, said):
     _, out, _ = lined
     path = out / "devices" / "cam1" / "device.toml"
-    path.write_text(path.read_text().replace("[inference]", "[inferense]"))
-    with pytest.raises(ConfigError, match=r"unknown table \[inferense\].*did you mean "
-                                          r"\[inference\]"):
+    path.write_text(path.read_text().replace(was, now))
+    with pytest.raises(ConfigError, match=said):
         load_role_file(path, DEVICE_TABLES, {})
 
 
@@ -204,15 +208,6 @@ def test_a_provisioned_device_keeps_its_model_where_its_unit_keeps_state(lined, 
     assert device_main(["rollback", *args]) == 0
     assert load_deployable(state, layout_hash=layout).round == 1
     capsys.readouterr()
-
-
-def test_a_misspelled_key_names_its_table_and_the_nearest_key(lined):
-    _, out, _ = lined
-    path = out / "devices" / "cam1" / "device.toml"
-    path.write_text(path.read_text().replace("[source]\n", "[source]\nretrys = 3\n"))
-    with pytest.raises(ConfigError, match=r"'retrys': unknown key in \[source\]; did you "
-                                          r"mean 'retries'\?"):
-        load_role_file(path, DEVICE_TABLES, {})
 
 
 @needs_mosquitto
