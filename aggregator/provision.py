@@ -84,8 +84,9 @@ def _broker_conf(folder: Path, port: int, prefix: Path, extra: Sequence[str] = (
         "set_tcp_nodelay true",
         "log_type error", "log_type warning", "log_type notice",
         "# Beside its data, where the mosquitto user may write: a broker started with -d",
-        "# would otherwise log nowhere, and TLS handshake errors show only here.",
-        f"log_dest file {folder / 'mosquitto.log'}",
+        "# would otherwise log nowhere, and TLS handshake errors show only here (and on",
+        "# stderr, for systemd's journal or a broker in the foreground).",
+        f"log_dest file {folder / 'mosquitto.log'}", "log_dest stderr",
         "log_timestamp_format %Y-%m-%dT%H:%M:%S",
     ]
     return "\n".join([*lines, *extra]) + "\n"

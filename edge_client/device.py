@@ -23,7 +23,7 @@ from .line import Line
 from .local_steps import LocalModel, LocalSteps
 from .pipeline import UpdatePipeline
 from .role import RoleBase, RoleEvent
-from .silence import Silence
+from .silence import Silence, explain
 from .states import DeviceState
 from .topics import device_topics
 from .trainers import Trainer
@@ -101,12 +101,11 @@ class Device(RoleBase[DeviceState]):
                          counters=self.counters, name=config.device_id,
                          holdout=self.buffer.holdout)
         self.state = self.INITIAL
-        self.last_train_s = 0.0
-        self._next_hello = 0.0
+        self.last_train_s = self._next_hello = 0.0
         self.silence = Silence(config.unanswered_warning)  # hellos nobody answered
         self._model: m.StationModel | None = None
         self._accept_any_iteration = False  # set when the station's presence comes back
-        self._station_online: bool | None = None  # its retained presence, once heard
+        self._station_online = False  # its presence, as last heard
         self._awaiting: m.Selection | None = None  # a selection that came before its model
         self._reported_next: np.ndarray | None = None
         self.local = LocalModel(config, trainer, self.buffer, rng, self.counters)
@@ -149,15 +148,8 @@ class Device(RoleBase[DeviceState]):
         self.counters["hellos"] += 1
         if (silent := self.silence.hello(now)) is not None:
             self.counters["hellos_unanswered"] += 1
-            if self._station_online:  # the path works: the station has no model to send yet
-                log.warning("device %s: station %s is online but has sent no model for %.0f "
-                            "s: it waits for its roster, its quorum or the cloud's first "
-                            "model (`safl status` and the station's log say which)", self.id,
-                            self.config.station, silent)
-            else:
-                log.warning("device %s: no answer from station %s for %.0f s: is it running, "
-                            "and does this broker (and its ACL) carry this device's stats to "
-                            "it and its model back?", self.id, self.config.station, silent)
+            log.warning("%s", explain(self.id, self.config.station, silent,
+                                      self._station_online))
         return [self._stats(0, 0)]
 
     def wakeup(self) -> float | None:
@@ -279,14 +271,11 @@ class Device(RoleBase[DeviceState]):
                      "its model of round %d", self.id, msg.sender, self._model.round)
             self.state = self.next_state(_E.FINAL_MODEL)
             return []
-        if not msg.online and not seen_online:  # the broker's retained history, not news
-            log.info("device %s: station %s is not online (its retained presence says "
-                     "offline); waiting for it", self.id, msg.sender)
-            return []
-        if not msg.online:  # its Last Will: the models stop until it is back
-            self.counters["station_offline"] += 1
-            log.warning("device %s: station %s went offline (its Last Will); waiting for it",
-                        self.id, msg.sender)
+        if not msg.online:  # a Last Will, or (never seen online) the broker's retained history
+            self.counters["station_offline"] += bool(seen_online)
+            log.log(logging.WARNING if seen_online else logging.INFO, "device %s: station %s "
+                    + ("went offline (its Last Will)" if seen_online else "is not online (its "
+                       "retained presence)") + "; waiting for it", self.id, msg.sender)
             return []
         self.state = self.next_state(_E.STATION_BACK)
         self._accept_any_iteration = self._model is not None

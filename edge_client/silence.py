@@ -3,12 +3,24 @@
 A wrong broker, or an ACL that drops a device's stats or its station's model, looks from
 the device exactly like a station that has not started yet: the hellos simply go
 unanswered.  :class:`Silence` says when that has lasted ``after`` seconds, then at each
-doubling of it, so a misconfigured device is loud without flooding its log.
+doubling of it, so a misconfigured device is loud without flooding its log.  Where the
+station's presence came through, the path works, and :func:`explain` names the wait instead.
 """
 
 from __future__ import annotations
 
-__all__ = ["Silence"]
+__all__ = ["Silence", "explain"]
+
+
+def explain(device: str, station: str, silent: float, station_online: bool) -> str:
+    """What a device says after ``silent`` seconds of unanswered hellos."""
+    if station_online:
+        return (f"device {device}: station {station} is online but has sent no model for "
+                f"{silent:.0f} s: it waits for its roster, its quorum or the cloud's first "
+                "model (`safl status` and the station's log say which)")
+    return (f"device {device}: no answer from station {station} for {silent:.0f} s: is it "
+            "running, and does this broker (and its ACL) carry this device's stats to it and "
+            "its model back?")
 
 
 class Silence:
