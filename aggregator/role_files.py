@@ -20,8 +20,9 @@ from .fleet_file import FleetFile
 __all__ = ["device_file", "line_file", "camera_preprocess", "model_table", "training_table",
            "STATE_DIR"]
 
-# Where the units keep a role's state (their StateDirectory, deploy/systemd): a device's
-# model in use, a station's and the cloud's checkpoints.
+# Where the units keep a role's state (their StateDirectory, deploy/systemd): a station's and
+# the cloud's checkpoints, and below it a folder per device for its model in use (a server
+# may run several camera devices: each keeps its own).
 STATE_DIR = "/var/lib/safl/state"
 
 
@@ -95,7 +96,7 @@ def device_file(fleet: FleetFile, did: str, sid: str, *, broker: dict[str, Any],
             "publish": f"Predictions go to {topics.predictions_topic(fleet.name, did)}, "
                        "which the device's line reads."}),
         _table("broker", broker),
-        _table("service", {"state_dir": STATE_DIR, **service}, {
+        _table("service", {"state_dir": f"{STATE_DIR}/{did}", **service}, {
             "state_dir": "The model in use and the one before it: a restart predicts with it "
                          "again, and safl-device export and rollback read it."}),
     ]

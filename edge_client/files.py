@@ -4,6 +4,7 @@ either the old file or the new one after a crash, never a torn one."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 __all__ = ["write_atomic"]
@@ -14,7 +15,9 @@ def write_atomic(path: str | Path, data: bytes | memoryview) -> int:
     and fsync the folder; returns the bytes written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # Named for this process and thread: two writers of one path (two devices given one
+    # state folder) each rename a whole file, and neither pulls the other's away.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()

@@ -350,10 +350,9 @@ def _unit(path: Path) -> dict[str, dict[str, list[str]]]:
 def test_systemd_units_are_sandboxed_and_restart(role):
     unit = _unit(DEPLOY / "systemd" / f"safl-{role}.service")
     service = unit["Service"]
-    # Every role keeps its state under its StateDirectory so a restart resumes (a device, its
-    # model in use); a device stays up after a last round, predicting for its line.
-    resume = " --state-dir /var/lib/safl/state" + (" --keep-running" if role == "device"
-                                                   else "")
+    # Aggregators checkpoint under their StateDirectory so a restart resumes (a device's file
+    # names its folder there); a device stays up after a last round, predicting for its line.
+    resume = " --keep-running" if role == "device" else " --state-dir /var/lib/safl/state"
     assert service["ExecStart"] == [
         f"/opt/safl/bin/safl {role} --config /etc/safl/{role}.toml{resume}"]
     assert service["Restart"] == ["on-failure"] and service["User"] == ["safl"]

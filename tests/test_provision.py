@@ -172,13 +172,13 @@ def test_a_provisioned_device_keeps_its_model_where_its_unit_keeps_state(lined, 
     _, out, _ = lined
     path = out / "devices" / "cam1" / "device.toml"
     cfg = load_role_file(path, DEVICE_TABLES, {})
-    assert cfg["service"].state_dir == STATE_DIR
+    assert cfg["service"].state_dir == f"{STATE_DIR}/cam1"
     unit = (Path(__file__).resolve().parents[1] / "deploy" / "systemd" /
             "safl-device.service").read_text()
     assert re.search(r"^StateDirectory=safl$", unit, re.M)
     assert STATE_DIR.startswith("/var/lib/safl/")
     exec_start = re.search(r"^ExecStart=(.*)$", unit, re.M).group(1)
-    assert f"--state-dir {STATE_DIR}" in exec_start and "--keep-running" in exec_start
+    assert "--state-dir" not in exec_start and "--keep-running" in exec_start
 
     # The board's state directory, here a folder of the test (--state-dir, as the unit).
     state = tmp_path / "state"

@@ -191,3 +191,22 @@ def test_a_device_kept_running_after_the_final_model_follows_its_station_into_a_
     out = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=0, members=("d0",),
                                  deadline=10.0), 1.0)
     assert not dev.finished and any(isinstance(x, m.DeviceUpdate) for x in out)
+
+
+def test_two_processes_writing_one_file_each_leave_it_whole(tmp_path):
+    """Two writers of one path (two devices given one state folder) used to share a
+    temporary name: one renamed it away and the other died of FileNotFoundError."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom edge_client.files import write_atomic\n"
+              "for _ in range(300):\n"
+              "    write_atomic(sys.argv[1], sys.argv[2].encode() * 4096)\n")
+    target = tmp_path / "deployable.frame"
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(target), tag],
+                              stderr=subprocess.PIPE) for tag in "ab"]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()[-1000:]
+    assert target.read_bytes() in (b"a" * 4096, b"b" * 4096)
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -158,10 +158,12 @@ def test_a_provisioned_tls_fleet_with_cameras_holds_for_minutes(tmp_path, digits
             belt.run([cams[cam]])
             belts.append(belt)
         time.sleep(2.0)  # ffmpeg listens once frames flow
-        for cam in CAMERAS:
-            start(cam, "edge_client", "--config", str(out / "devices" / cam / "device.toml"))
+        for cam in CAMERAS:  # each keeps its model in use here, not in the host's /var/lib
+            start(cam, "edge_client", "--config", str(out / "devices" / cam / "device.toml"),
+                  "--state-dir", str(tmp_path / "state" / cam))
         for dev in OTHERS:
             start(dev, "edge_client", "--config", str(out / "devices" / dev / "device.toml"),
+                  "--state-dir", str(tmp_path / "state" / dev),
                   env={"SAFL_SOURCE_KIND": "synthetic", "SAFL_SOURCE_LABEL_TOPIC": "",
                        "SAFL_SOURCE_URI": "", "SAFL_SOURCE_SAMPLE_FPS": "20"})
         started = time.monotonic()
