@@ -28,32 +28,29 @@ SERVICES = ("device", "station", "cloud", "broker")  # log at INFO by default
 def _demo(args: argparse.Namespace) -> int:
     from lab.demo import run_demo
 
-    body_dir = ""
-    if args.fleet_out:
-        from lab.demo import write_demo_fleet
-        # What a written fleet cannot honour is refused, not ignored.
+    if args.fleet_out:  # what a written fleet cannot honour is refused, not ignored
         for flag, given in (("--bus", args.bus), ("--out", args.out)):
             if given is not None:
                 raise ConfigError(flag.lstrip("-"), f"{flag} is for a demo that runs; "
                                   "--fleet-out only writes a fleet's files (its README says "
                                   "how to start them)")
-        if args.body != "none":
-            from safl.bodies import ensure_body
-            body_dir = str(ensure_body(args.body, (3, 64, 64)))
+    bus = args.bus or "mqtt"
+    if args.broker and bus == "local":
+        raise ConfigError("broker", "--broker runs the fleet over MQTT; drop --bus local")
+    body_dir = ""
+    if args.body != "none":
+        from safl.bodies import ensure_body
+        body_dir = str(ensure_body(args.body, (3, 64, 64)))
+    if args.fleet_out:
+        from lab.demo import write_demo_fleet
         write_demo_fleet(args.fleet_out, broker=args.broker or "mqtt://127.0.0.1:1883",
                          rounds=args.rounds or 20, seed=args.seed, body=args.body,
                          body_dir=body_dir)
         print(f"wrote a fleet to {args.fleet_out.resolve()}: start it with the commands in "
               f"{args.fleet_out.resolve() / 'README.md'}")
         return 0
-    bus = args.bus or "mqtt"
-    if args.broker and bus == "local":
-        raise ConfigError("broker", "--broker runs the fleet over MQTT; drop --bus local")
     # SIGTERM unwinds like Ctrl-C, so the demo stops its role processes and its broker.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if args.body != "none":
-        from safl.bodies import ensure_body
-        body_dir = str(ensure_body(args.body, (3, 64, 64)))
     run_demo(rounds=args.rounds, out=args.out, seed=args.seed, bus=bus, broker=args.broker,
              body=args.body, body_dir=body_dir)
     return 0
