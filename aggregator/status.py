@@ -99,19 +99,28 @@ def _from_its_subject(topic: str, fleet: str, doc: Document) -> bool:
 def fleet_status(broker: BrokerConfig, fleet: str, wait: float = 1.5) -> FleetStatus:
     """Collect what is retained under ``safl/<fleet>/`` for ``wait`` seconds."""
     found = FleetStatus()
-    # An operator's command should fail fast on a wrong address, not retry like a service.
-    broker = dataclasses.replace(broker, connect_timeout=min(broker.connect_timeout, 10.0))
-    transport = observer(broker, fleet, found)
+    _listen(observer(_quick(broker), fleet, found), wait)
+    return found
+
+
+def _quick(broker: BrokerConfig) -> BrokerConfig:
+    """An operator's command fails fast on a wrong address, not retrying like a service."""
+    return dataclasses.replace(broker, connect_timeout=min(broker.connect_timeout, 10.0))
+
+
+def _listen(transport: MqttTransport, seconds: float,
+            enough: Callable[[], bool] = lambda: False) -> None:
+    """Connect, deliver what arrives for ``seconds`` (0: until interrupted) or until
+    ``enough()``, then close."""
     transport.connect()
     try:
-        end = time.monotonic() + wait
-        while time.monotonic() < end:
+        end = time.monotonic() + seconds if seconds else float("inf")
+        while time.monotonic() < end and not enough():
             transport.deliver()
             transport.wait(min(0.1, max(0.0, end - time.monotonic())))
         transport.deliver()
     finally:
         transport.close()
-    return found
 
 
 def _fraction(value: float | None) -> str:
@@ -202,8 +211,7 @@ def watch_predictions(broker: BrokerConfig, fleet: str, devices: tuple[str, ...]
     none are named) as they arrive, for ``seconds`` (0: until interrupted) or until
     ``count`` were printed; returns how many were.  A line application's certificate reads
     its own devices' predictions; the monitor's reads none (docs/deploy.md)."""
-    broker = dataclasses.replace(broker, connect_timeout=min(broker.connect_timeout, 10.0))
-    transport = MqttTransport(broker, client_id=f"safl-predictions-{time.time_ns()}",
+    transport = MqttTransport(_quick(broker), client_id=f"safl-predictions-{time.time_ns()}",
                               fleet=fleet, persistent=False)
     printed = 0
 
@@ -215,12 +223,5 @@ def watch_predictions(broker: BrokerConfig, fleet: str, devices: tuple[str, ...]
             printed += 1
     for device in devices or ("+",):
         transport.subscribe_documents(predictions_topic(fleet, device), on_doc)
-    transport.connect()
-    try:
-        end = time.monotonic() + seconds if seconds else float("inf")
-        while time.monotonic() < end and not (count and printed >= count):
-            transport.deliver()
-            transport.wait(min(0.1, max(0.0, end - time.monotonic())))
-    finally:
-        transport.close()
+    _listen(transport, seconds, lambda: bool(count) and printed >= count)
     return printed

@@ -31,6 +31,9 @@ __all__ = ["ModelManifest", "StationSummary", "CloudSummary", "DeviceSummary", "
 
 DOCUMENT_VERSION = 1
 MAX_DOCUMENT = 1 << 16  # bytes: documents are small, and a retained one is read by all
+# A role's last error, as its summary carries it to operators' terminals and pages: one
+# printable line (no escape sequence reaches a terminal) of at most this many characters.
+MAX_ERROR = 300
 ACCURACY_HISTORY = 500  # rounds of accuracy a cloud summary carries (about 12 KB)
 
 
@@ -198,6 +201,10 @@ def decode_document(payload: bytes) -> Document:
     for f in dataclasses.fields(cls):
         if f.name in doc:
             values[f.name] = _check(f.name, doc[f.name], hints[f.name])
+            if f.name == "error" and not (len(values["error"]) <= MAX_ERROR
+                                          and values["error"].isprintable()):
+                raise MessageError("document", f"'error' must be one printable line of at "
+                                   f"most {MAX_ERROR} characters")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise MessageError("document", f"{doc['kind']} without {f.name!r}")
     return cls(**values)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from . import messages as m
 from .admission import LogLimiter
+from .documents import MAX_ERROR
 from .errors import SourceError
 from .metrics import MetricsServer
 from .role import Role
@@ -88,8 +89,9 @@ class RoleRunner(Generic[R]):
         if counters is not None:
             counters[key] += 1
         exc = sys.exc_info()[1]
-        if exc is not None:
-            self.last_error = f"{key}: {type(exc).__name__}: {exc}"[:300]
+        if exc is not None:  # one printable line, as summaries carry it (documents.MAX_ERROR)
+            text = f"{key}: {type(exc).__name__}: {exc}"
+            self.last_error = "".join(c if c.isprintable() else " " for c in text)[:MAX_ERROR]
         if log_args and self._limiter.allow(type(self.role).__name__, key):
             log.exception(*log_args)
 

@@ -179,13 +179,19 @@ def _fleet(rounds: int, seed: int, stations: int, devices_per_station: int, alph
     model = "mlp"
     if body != "none":
         data, model, lr = through_body(data, (3, 64, 64), body, body_dir), "linear", BODY_LR
+    return data, _spec(data, rounds, seed, stations, devices_per_station, alpha, lr=lr,
+                       model=model, body=body)
+
+
+def _spec(data, rounds: int, seed: int, stations: int, devices_per_station: int,
+          alpha: float, **fields: Any) -> FleetSpec:
+    """The demo's fleet on ``data``: Dirichlet(``alpha``) label skew over its devices,
+    grouped into stations, streaming as the demo streams."""
     rng = np.random.default_rng(seed)
     n_dev = stations * devices_per_station
-    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(data.y_train, n_dev, alpha, rng)),
-                     groups=tuple(assign_groups(n_dev, stations, rng)), rounds=rounds, lr=lr,
-                     seed=seed, arrivals_per_step=48, initial_samples=64, model=model,
-                     body=body)
-    return data, spec
+    return FleetSpec(partitions=tuple(dirichlet_label_skew(data.y_train, n_dev, alpha, rng)),
+                     groups=tuple(assign_groups(n_dev, stations, rng)), rounds=rounds,
+                     seed=seed, arrivals_per_step=48, initial_samples=64, **fields)
 
 
 # Frames a hand-started body fleet's devices replay, all together (uint8 pixels: 74 MB at
@@ -215,12 +221,8 @@ def _camera_fleet(rounds: int, seed: int, body: str, body_dir: str):
                                y_train=data.y_train[:CAMERA_TRAIN],
                                x_test=pixels(data.x_test[:CAMERA_TEST]),
                                y_test=data.y_test[:CAMERA_TEST])
-    rng = np.random.default_rng(seed)
-    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(data.y_train, 12, 0.3, rng)),
-                     groups=tuple(assign_groups(12, 2, rng)), rounds=rounds, lr=BODY_LR,
-                     seed=seed, arrivals_per_step=48, initial_samples=64, model="linear",
-                     body=body, body_dir=str(folder))
-    return data, spec
+    return data, _spec(data, rounds, seed, 2, 6, 0.3, lr=BODY_LR, model="linear", body=body,
+                       body_dir=str(folder))
 
 
 def write_demo_fleet(folder: Path, *, broker: str, rounds: int = 20, seed: int = 0,

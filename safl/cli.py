@@ -295,19 +295,15 @@ def _add_status(sub) -> None:
     """``safl status`` and ``safl monitor``: what the fleet's retained documents say."""
     status = sub.add_parser("status", help="print the fleet: stations, devices online, round")
     monitor = sub.add_parser("monitor", help="serve a live page of the fleet (read-only)")
-    for p in (status, monitor):
-        p.add_argument("--broker", default=None, help="mqtt://host:port")
-        p.add_argument("--config", type=Path, default=None,
-                       help="a TOML file with [broker] (provisioning writes monitor/status-*.toml)")
-        p.add_argument("--fleet", default="default")
-    status.add_argument("--wait", type=float, default=1.5, help="seconds to collect retained state")
     predictions = sub.add_parser("predictions", help="print devices' predictions as they "
                                  "arrive (with a line application's certificate: line.toml)")
-    predictions.add_argument("--config", type=Path, default=None,
-                             help="a TOML file with [broker] (provisioning writes "
-                             "lines/<id>/line.toml)")
-    predictions.add_argument("--broker", default=None, help="mqtt://host:port")
-    predictions.add_argument("--fleet", default="default")
+    for p in (status, monitor, predictions):
+        p.add_argument("--broker", default=None, help="mqtt://host:port")
+        p.add_argument("--config", type=Path, default=None,
+                       help="a TOML file with [broker] (provisioning writes monitor/status-*.toml "
+                       "and lines/<id>/line.toml)")
+        p.add_argument("--fleet", default="default")
+    status.add_argument("--wait", type=float, default=1.5, help="seconds to collect retained state")
     predictions.add_argument("--device", action="append", default=[],
                              help="a device to watch (repeatable; default: every device the "
                              "certificate may read)")

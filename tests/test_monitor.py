@@ -87,6 +87,44 @@ def test_each_roles_last_error_reaches_the_page():
     assert "'ERROR ' + who" in SCRIPT and "c.error" in SCRIPT
 
 
+@pytest.mark.parametrize("error, accepted", [
+    ("x" * 300, True), ("x" * 301, False),  # at the bound, and one past it
+    ("errors.tick: \x1b[2J\x1b[Hall is well", False), ("two\nlines", False)])
+def test_a_summarys_error_is_one_printable_line_of_bounded_length(error, accepted):
+    """A device's ``error`` reaches operators' terminals (``safl status``) and pages: a
+    hostile one may not clear a screen, forge lines or fill it."""
+    from edge_client.documents import decode_document, encode_document
+    from edge_client.errors import MessageError
+
+    payload = encode_document(DeviceSummary(device="d0", station="st0",
+                                            state=DeviceState.READY, round=1, iteration=1,
+                                            error=error))
+    if accepted:
+        assert decode_document(payload).error == error
+    else:
+        with pytest.raises(MessageError, match="'error' must be one printable line"):
+            decode_document(payload)
+
+
+def test_a_roles_own_error_is_kept_as_one_printable_line():
+    from edge_client.runner import RoleRunner
+    from edge_client.transport import LocalBus
+
+    class Role:
+        counters = Counter()
+
+        def subscriptions(self):
+            return []
+
+        def tick(self, now):
+            raise ValueError("first\nsecond \x1b[2J" + "y" * 400)
+
+    runner = RoleRunner(Role(), LocalBus())
+    runner.tick()
+    assert runner.last_error.startswith("errors.tick: ValueError: first second  ")
+    assert len(runner.last_error) == 300 and runner.last_error.isprintable()
+
+
 def test_what_devices_claim_is_checked_before_it_is_shown(monkeypatch):
     from aggregator import monitor
     from aggregator.status import _from_its_subject
