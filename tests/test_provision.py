@@ -290,6 +290,26 @@ def test_listening_addresses_are_checked_at_their_edges(tmp_path, line, ok):
             load_fleet_file(path)
 
 
+@pytest.mark.parametrize("line, ok", [
+    ("metrics_port = 65533", True), ("metrics_port = 65534", False),  # devices take +2
+    ("rounds = 0", True), ("rounds = 1", True), ("rounds = -1", False), ('rounds = "5"', False),
+])
+def test_metrics_ports_and_rounds_are_checked_at_their_edges(tmp_path, line, ok):
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(cloud=1883, st0=1884).replace("metrics_port = 9101", line))
+    if not ok:
+        with pytest.raises(ConfigError, match=line.split(" = ")[0]):
+            load_fleet_file(path)
+        return
+    provision(path, tmp_path / "out")
+    cloud = (tmp_path / "out" / "cloud" / "cloud.toml").read_text()
+    if line.startswith("rounds"):  # what the cloud is told, 0 (until stopped) by default
+        assert f"\n{line}\n" in cloud
+    else:
+        assert "metrics_port = 65533" in cloud and "metrics_port = 65535" in (
+            tmp_path / "out" / "devices" / "cam1" / "device.toml").read_text()
+
+
 def test_a_fleet_with_a_body_gives_every_role_the_body_and_its_cameras_rgb(tmp_path):
     ports = {"cloud": free_port(), "st0": free_port()}
     path = tmp_path / "fleet.toml"
