@@ -155,6 +155,8 @@ class FleetHistory:
                 "refused": seen_by.device_refused.get(did, 0) if seen_by else None,
                 "clipped": seen_by.device_clipped.get(did, 0) if seen_by else None,
                 "frames_dropped": doc.source.get("frames_dropped", 0),
+                "label_lag": doc.label_lag, "label_lag_estimate": doc.label_lag_estimate,
+                "body_ms_per_frame": doc.body_ms_per_frame,
                 # A live line's labels: joined to a frame, matching none, or too late.
                 **{k: doc.source.get(k) for k in ("label_joined", "label_unmatched",
                                                    "label_expired")},

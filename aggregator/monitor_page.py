@@ -178,6 +178,8 @@ function render(doc) {
     ['refused', 'refused'], ['clipped', 'clipped'],
     ['frames_dropped', 'frames dropped'], ['label_joined', 'labels joined'],
     ['label_unmatched', 'unmatched'], ['label_expired', 'expired'],
+    ['label_lag', 'label lag s', 2], ['label_lag_estimate', 'measured lag s', 2],
+    ['body_ms_per_frame', 'body ms/frame', 1],
     ['bytes_out', 'bytes out'], ['bytes_in', 'bytes in']],
     doc.devices);
   chart('global-accuracy', [{name: 'global', color: COLORS[0], points: doc.global_accuracy}],

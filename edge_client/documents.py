@@ -99,6 +99,10 @@ class DeviceSummary:
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
     source: Mapping[str, int] = field(default_factory=dict)  # frames_dropped, wrong_shape
+    # s the join adds to a label's time, and the lag its labels point to (sources.md)
+    label_lag: float | None = None
+    label_lag_estimate: float | None = None
+    body_ms_per_frame: float | None = None  # what its pretrained body costs a frame
     # The last unexpected error of the role's service ("<counter>: <exception>"; "": none):
     # a failure that would otherwise sit in a log nobody reads.
     error: str = ""

@@ -71,6 +71,9 @@ HELP = {
     "shadow_accuracy": "the last candidate model's accuracy on the recent labelled samples",
     "deployed_accuracy": "the deployed model's accuracy on the same samples",
     "body_ms_per_frame": "the frozen body's mean wall time a frame, in milliseconds",
+    "label_lag_seconds": "seconds a label's time is shifted by to reach its frame (label_lag)",
+    "label_lag_estimate_seconds": "the lag between labels' times and frames' reads that the "
+                                  "labels point to",
 }
 
 

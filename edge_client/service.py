@@ -6,6 +6,7 @@ describe, the metrics endpoint, and the device service.  The loop itself is
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 from collections.abc import Callable
@@ -185,7 +186,7 @@ class DeviceService:
         src = self.source
         if src.label_topic:
             self.labels = LiveLabels(mc.num_classes, window=src.label_window,
-                                     delay_max=src.label_delay_max)
+                                     delay_max=src.label_delay_max, lag=src.label_lag)
         topic = predictions_topic(cfg.fleet, cfg.device_id)
         self.feed = feed = StreamFeed(device, pump, inference=self.inference, labels=self.labels,
                                       body=body,
@@ -196,6 +197,13 @@ class DeviceService:
                 feed.on_label(payload, runner.clock())))
         return runner, transport, (lambda now: runner.publish(feed(now)), *keep)
 
+    def _gauges(self) -> dict[str, float | None]:
+        """What the page and ``/metrics`` show beside the device's own figures."""
+        labels = self.labels
+        return {"label_lag": labels.lag if labels else None,
+                "label_lag_estimate": labels.estimate if labels else None,
+                "body_ms_per_frame": self.body.ms_per_frame if self.body else None}
+
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
         runner, transport, hooks = self.build()
         device, pump = runner.role, self.pump
@@ -203,11 +211,13 @@ class DeviceService:
         # Every 2 s, the pace the monitor's page redraws at: about 500 bytes, against an
         # update's hundreds of kilobytes on the factory's Wi-Fi.
         published = summaries(transport, summary_topic(cfg.fleet, m.Participant.DEVICE,
-                                                       device.id), lambda: device.summary(
-            error=runner.last_error, transport=dict(transport.counters),
-            source={**{k: int(v) for k, v in (pump.metrics() if pump else {}).items()
-                       if k != "queued"},
-                    **(dict(self.labels.counters) if self.labels else {})}), every=2.0)
+                                                       device.id), lambda: dataclasses.replace(
+            device.summary(
+                error=runner.last_error, transport=dict(transport.counters),
+                source={**{k: int(v) for k, v in (pump.metrics() if pump else {}).items()
+                           if k != "queued"},
+                        **(dict(self.labels.counters) if self.labels else {})}),
+            **self._gauges()), every=2.0)
         metrics = with_metrics(self.service, "device", lambda: (
             {**device.counters, **transport.counters,
              **({f"source.{k}": v for k, v in pump.metrics().items() if k != "queued"}
@@ -215,7 +225,9 @@ class DeviceService:
              **(dict(self.labels.counters) if self.labels else {})},
             {**device.metrics(), **({"source_queued": pump.metrics()["queued"]} if pump
                                     else {}),
-             **({"body_ms_per_frame": self.body.ms_per_frame} if self.body else {})}),
+             # Prometheus names a time by its unit.
+             **{k + ("_seconds" if k.startswith("label_lag") else ""): v
+                for k, v in self._gauges().items() if v is not None}}),
             labels={"fleet": device.config.fleet, "station": device.config.station,
                     "device": device.id})
         keeper, last_summary = self.keeper, published["on_stop"]

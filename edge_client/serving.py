@@ -86,18 +86,20 @@ class StreamFeed:
             if self.labels is None:  # a source that defers labels without a label topic
                 self.counters["unlabelled_dropped"] += int((~labelled).sum())
             else:
-                self.labels.add_frames(batch.x[~labelled], batch.times[~labelled],
-                                       predicted[~labelled])
+                out += self._train(self.labels.add_frames(
+                    batch.x[~labelled], batch.times[~labelled], predicted[~labelled]), now)
         return out
 
     def on_label(self, payload: bytes, now: float) -> list[m.Message]:
-        """A label message from the line: train on the frame it labels, if any."""
-        joined = self.labels.add_label(payload) if self.labels is not None else None
-        if joined is None:
+        """A label message from the line: train on the frame it labels, once read."""
+        return self._train(self.labels.add_label(payload), now) if self.labels else []
+
+    def _train(self, joined: list[tuple[np.ndarray, int, int]], now: float) -> list[m.Message]:
+        if not joined:
             return []
-        sample, label, predicted = joined
-        return self.device.ingest(sample[None], np.array([label]), now,
-                                  predicted=np.array([predicted]))
+        samples, labels, predicted = zip(*joined, strict=True)
+        return self.device.ingest(np.stack(samples), np.array(labels), now,
+                                  predicted=np.array(predicted))
 
     def _chosen(self, batch: Drained) -> np.ndarray:
         """Indices of the frames to predict: ``every`` and ``fps``, then the backlog bound."""

@@ -206,6 +206,11 @@ def test_an_mjpeg_camera_trains_the_device_from_live_labels_and_survives_an_outa
     after = [p for t, p in fed.predictions if t > outage + 6.0]
     assert len(after) >= 5 * (seconds - (outage - start) - 15), len(after)
     assert "is back" in log
+    # The join's lag, and the lag the labels point to, are in /metrics (ffmpeg's MJPEG
+    # server to OpenCV delivers frames late: the figure is the device's to measure).
+    print(f"  label lag applied {final.get('safl_label_lag_seconds')} s, measured "
+          f"{final.get('safl_label_lag_estimate_seconds')} s")
+    assert 0.0 <= final["safl_label_lag_seconds"] <= 5.0
     rounds = [p.model_round for p in preds]
     assert rounds[-1] > rounds[0]  # the served model followed the federation
     # The device kept its model in state_dir: the line's application gets it as ONNX.

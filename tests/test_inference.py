@@ -158,22 +158,34 @@ def test_live_labels_join_the_frame_captured_nearest_before_them():
     labels = LiveLabels(3, window=0.5, delay_max=30.0, clock=lambda: clock[0])
     xs = np.arange(4, dtype=np.float32)[:, None]
     labels.add_frames(xs, np.array([10.0, 10.2, 10.4, 20.0]), np.array([1, 2, 0, 1]))
-    joined = labels.add_label(b'{"t": 10.3, "label": 2}')
-    assert joined is not None and joined[0][0] == 1.0 and joined[1:] == (2, 2)  # 10.2, not 10.4
-    assert labels.add_label(b'{"t": 15.0, "label": 1}') is None  # 4.6 s after 10.4: no frame
+    [joined] = labels.add_label(b'{"t": 10.3, "label": 2}')
+    assert joined[0][0] == 1.0 and joined[1:] == (2, 2)  # 10.2, not 10.4
+    assert labels.add_label(b'{"t": 15.0, "label": 1}') == []  # 4.6 s after 10.4: no frame
     assert labels.counters["label_unmatched"] == 1 and labels.pending == 3
+    # A label naming a time no frame has reached yet waits for the frames read after it:
+    # the frame read nearest before it may still be on its way.
+    assert labels.add_label(b'{"t": 20.5, "label": 0}') == []
+    assert labels.counters["label_unmatched"] == 1
+    [late] = labels.add_frames(np.array([[7.0], [8.0]], dtype=np.float32),
+                               np.array([20.4, 20.6]), np.array([0, 0]))
+    assert late[0][0] == 7.0 and labels.pending == 4
     for bad, reason in ((b"not json", "malformed"), (b'{"t": 10.0}', "malformed"),
                         (b'{"t": 10.0, "label": 3}', "out_of_range"),
                         (b'{"t": 10.0, "label": true}', "out_of_range"),
                         (b'{"t": NaN, "label": 1}', "bad_time"),
                         (b'{"t": 1e999, "label": 1}', "bad_time"),
                         (b'{"t": 10, "label": 1, "pad": "' + b"x" * 2000 + b'"}', "oversized")):
-        assert labels.add_label(bad) is None
+        assert labels.add_label(bad) == []
         assert labels.counters[f"label_refused.{reason}"] >= 1, bad[:30]
-    assert labels.pending == 3  # no refusal touched the frames waiting
+    assert labels.pending == 4  # no refusal touched the frames waiting
     clock[0] = 10.4 + 30.0 + 0.01
     assert labels.expire() == 2 and labels.counters["label_expired"] == 2  # 10.0 and 10.4
-    assert labels.pending == 1
+    assert labels.pending == 2
+    # A label whose frames never come (the camera stopped) is unmatched after delay_max.
+    labels.add_label(b'{"t": 40.0, "label": 1}')
+    clock[0] += 30.01
+    labels.expire()
+    assert labels.counters["label_unmatched"] == 2
 
 
 def test_frames_wait_for_their_label_and_are_trained_on_only_then(digits):

@@ -36,7 +36,8 @@ def _history() -> FleetHistory:
                               iteration=3 * k, local_accuracy=0.2 * k, counters={"uploads": k},
                               transport={"bytes_out": 1000 * k, "bytes_in": 4000 * k},
                               source={"frames_dropped": 2, "label_joined": 7 * k,
-                                      "label_unmatched": 1, "label_expired": k}),
+                                      "label_unmatched": 1, "label_expired": k},
+                              label_lag=0.8, label_lag_estimate=0.85, body_ms_per_frame=3.5),
                 StationSummary(station="st0", state=StationState.COLLECTING, round=k,
                                iteration=3 * k, devices=2, online=1, quorum=1,
                                counters={"received_updates": 5, "rejected.update_norm": 1},
@@ -60,6 +61,9 @@ def test_the_history_keeps_each_series_and_the_tables():
         (True, 3, 3, 2)
     # The line's labels as the device counted them: joined, unmatched, expired.
     assert (d0["label_joined"], d0["label_unmatched"], d0["label_expired"]) == (21, 1, 3)
+    # How late its frames come and what its body costs a frame (sources.md, bodies.md).
+    assert (d0["label_lag"], d0["label_lag_estimate"], d0["body_ms_per_frame"]) == \
+        (0.8, 0.85, 3.5)
     assert (d1["id"], d1["presence"]) == ("d1", False)  # seen only by its presence
     (st0,) = doc["stations"]
     assert (st0["presence"], st0["online"], st0["uploads"], st0["refused"]) == (True, 1, 5, 1)

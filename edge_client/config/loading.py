@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,6 +52,14 @@ def check_id(key: str, value: str) -> None:
 
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # the first form the value takes
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                pass
+        raise ConfigError(key, f"expected {' or '.join(a.__name__ for a in typing.get_args(hint))}"
+                          f", got {value!r}")
     if hint is bool:
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
             return value.lower() in ("1", "true", "yes")

@@ -9,6 +9,8 @@ from pathlib import Path
 from ..errors import ConfigError
 from .loading import check_range
 
+MAX_LABEL_LAG = 5.0  # s: the longest lag the device measures (sources/label_lag.py MAX_LAG)
+
 __all__ = ["SOURCE_KINDS", "PreprocessSettings", "SourceConfig", "VIDEO_SUFFIXES"]
 
 SOURCE_KINDS = ("replay", "camera", "synthetic")
@@ -67,6 +69,9 @@ class SourceConfig(PreprocessSettings):
     label_window: float = 0.5
     # seconds a frame waits for its label before it is dropped unlabelled
     label_delay_max: float = 30.0
+    # s a camera's frames reach the device after the time the line's labels name: "auto"
+    # measures it from the labels and joins by it (docs/sources.md), a number fixes it
+    label_lag: float | str = "auto"
     classes: tuple[str, ...] = ()  # class names, for an image folder's sub-folders
     sample_fps: float = 0.0  # frames a second taken from a camera or video, synthetic pace (0: all)
     loop: bool = False  # start a recording over at its end
@@ -109,6 +114,12 @@ class SourceConfig(PreprocessSettings):
                               "sources")
         check_range("label_window", self.label_window, 0, low_open=True)
         check_range("label_delay_max", self.label_delay_max, 0, low_open=True)
+        if isinstance(self.label_lag, str):
+            if self.label_lag != "auto":
+                raise ConfigError("label_lag", f'must be "auto" or seconds, got '
+                                  f'{self.label_lag!r}')
+        else:
+            check_range("label_lag", self.label_lag, 0, MAX_LABEL_LAG)
         check_range("confidence", self.confidence, 0, 1, low_open=True)
         check_range("sample_fps", self.sample_fps, 0)
         check_range("queue_size", self.queue_size, 1)

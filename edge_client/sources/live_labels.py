@@ -3,15 +3,16 @@
 An inspection station's verdict, a barcode reader or an operator's button publishes
 ``{"t": <unix seconds>, "label": <int>}`` on a topic of the device's broker seconds after
 the frame.  :class:`LiveLabels` keeps the unlabelled frames in a bounded ring (with the
-prediction made when each arrived), joins each label to the frame captured nearest before
-``t`` within ``window`` seconds, and drops frames still unlabelled after ``delay_max``
-seconds.  It is a state machine: the device service feeds it frames and payloads and
-trains on what it returns; it does no I/O.
+prediction made when each arrived), joins each label to the frame read nearest before
+``t`` plus the camera's lag (``label_lag.py``) within ``window`` seconds, and drops frames
+still unlabelled after ``delay_max`` seconds.  It is a state machine: the device service
+feeds it frames and payloads and trains on what it returns; it does no I/O.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ import numpy as np
 
 from ..admission import LogLimiter
 from ..errors import MessageError
+from .label_lag import LagEstimator
 
 __all__ = ["LiveLabels", "parse_label", "MAX_LABEL_PAYLOAD"]
 
@@ -50,6 +52,9 @@ def parse_label(payload: bytes, num_classes: int) -> tuple[float, int]:
     return float(t), label
 
 
+Joined = tuple[np.ndarray, int, int]  # (sample, label, class predicted on arrival)
+
+
 class LiveLabels:
     """Frames waiting for their labels.
 
@@ -57,44 +62,72 @@ class LiveLabels:
     ----------
     num_classes : int
     window : float
-        A label joins the frame captured nearest before its ``t`` and at most this many
+        A label joins the frame read nearest before ``t + lag`` and at most this many
         seconds before it; a label with no such frame is ``label_unmatched``.
     delay_max : float
-        Frames wait this long for a label, then are dropped (``label_expired``).
+        Frames wait this long for a label, then are dropped (``label_expired``); labels
+        wait this long for the frames read ``lag`` after their time (``label_unmatched``).
+    lag : float or "auto"
+        Seconds a frame reaches the device after the time a label names (``label_lag.py``):
+        fixed, or ``"auto"``, measured from the labels and applied once they call for it.
+        Either way the measured figure is kept (``estimate``) and a fixed lag the labels
+        disagree with is warned about.
     capacity : int
-        Frames held at most: the oldest go first (counted as expired) when the ring is full.
+        Frames held at most: the oldest go first (counted as expired) when the ring is full;
+        labels waiting for their frames, likewise (counted as unmatched).
     """
 
     def __init__(self, num_classes: int, *, window: float, delay_max: float,
-                 capacity: int = 4096, clock: Callable[[], float] | None = None) -> None:
+                 lag: float | str = "auto", capacity: int = 4096,
+                 clock: Callable[[], float] | None = None) -> None:
         import time
 
         self.num_classes, self.window, self.delay_max = num_classes, window, delay_max
         self.capacity = capacity
         self.clock = clock or time.time
+        self.auto = lag == "auto"
+        self.lag = 0.0 if self.auto else float(lag)  # the lag the join applies
+        self.estimator = LagEstimator(num_classes, window, delay_max)
         self.counters: Counter[str] = Counter()
-        self._times: list[float] = []  # capture times, ascending
+        self._times: list[float] = []  # read times, ascending
         self._frames: list[tuple[np.ndarray, int]] = []  # (sample, predicted class)
+        self._newest = -math.inf  # the latest read time seen
+        self._waiting: list[tuple[float, float, int]] = []  # heap of (t, arrived, label)
         self._limiter = LogLimiter()
 
     @property
     def pending(self) -> int:
         return len(self._times)
 
-    def add_frames(self, x: np.ndarray, times: np.ndarray, predicted: np.ndarray) -> None:
-        """Unlabelled frames, with their capture times and the predictions made on arrival."""
+    @property
+    def newest(self) -> float:
+        """The latest read time of a frame handed over (-inf before the first)."""
+        return self._newest
+
+    @property
+    def estimate(self) -> float | None:
+        """The lag the labels point to, once the model in use agrees with them (seconds)."""
+        return self.estimator.last.lag if self.estimator.last is not None else None
+
+    def add_frames(self, x: np.ndarray, times: np.ndarray, predicted: np.ndarray) -> list[Joined]:
+        """Unlabelled frames, with their read times and the predictions made on arrival;
+        returns the labels that were waiting for them, joined."""
         for sample, t, p in zip(x, times, predicted, strict=True):
             i = bisect.bisect_right(self._times, float(t))  # cameras deliver in order
             self._times.insert(i, float(t))
             self._frames.insert(i, (sample, int(p)))
+            self._newest = max(self._newest, float(t))
         overflow = len(self._times) - self.capacity
         if overflow > 0:
             self.counters["label_expired"] += overflow
             del self._times[:overflow], self._frames[:overflow]
+        self.estimator.frames(x, np.asarray(times, dtype=np.float64))
+        self._judge_lag()
+        return self._join_ready()
 
-    def add_label(self, payload: bytes) -> tuple[np.ndarray, int, int] | None:
-        """Join one label message: ``(sample, label, predicted)`` of the frame it labels, or
-        None (refused, or no frame to label; each counted)."""
+    def add_label(self, payload: bytes) -> list[Joined]:
+        """One label message: joined at once when its frame has been read, else when it is
+        (:meth:`add_frames`); refused messages are counted."""
         try:
             t, label = parse_label(payload, self.num_classes)
         except MessageError as exc:
@@ -102,9 +135,29 @@ class LiveLabels:
             if self._limiter.allow("labels", exc.reason):
                 log.warning("refused a label message (%s): %s; such messages are counted as "
                             "label_refused.%s", exc.reason, exc, exc.reason)
-            return None
-        i = bisect.bisect_right(self._times, t) - 1
-        if i < 0 or t - self._times[i] > self.window:
+            return []
+        self.estimator.label(t, label)
+        if len(self._waiting) >= self.capacity:
+            self.counters["label_unmatched"] += 1
+            heapq.heappushpop(self._waiting, (t, self.clock(), label))
+        else:
+            heapq.heappush(self._waiting, (t, self.clock(), label))
+        return self._join_ready()
+
+    def _join_ready(self) -> list[Joined]:
+        # Frames arrive in order: once one read after t + lag is in, the frame read nearest
+        # before it is known.
+        out = []
+        while self._waiting and self._waiting[0][0] + self.lag <= self._newest:
+            t, _, label = heapq.heappop(self._waiting)
+            joined = self._join(t + self.lag, label)
+            if joined is not None:
+                out.append(joined)
+        return out
+
+    def _join(self, at: float, label: int) -> Joined | None:
+        i = bisect.bisect_right(self._times, at) - 1
+        if i < 0 or at - self._times[i] > self.window:
             self.counters["label_unmatched"] += 1
             return None
         del self._times[i]
@@ -112,11 +165,39 @@ class LiveLabels:
         self.counters["label_joined"] += 1
         return sample, label, predicted
 
+    def _judge_lag(self) -> None:
+        verdict = self.estimator.estimate(self.lag)
+        if verdict is None or not verdict.called_for or verdict.lag == self.lag:
+            return
+        if self.auto:
+            log.info("labels name times %.2f s before this device reads their frames (they "
+                     "explain %.0f%% of the frames' variance there, %.0f%% at the %.2f s "
+                     "applied so far): joining them %.2f s later (label_lag = \"auto\")",
+                     verdict.lag, 100 * verdict.explained, 100 * verdict.at_applied, self.lag,
+                     verdict.lag)
+            self.lag = verdict.lag
+            self.counters["label_lag_changes"] += 1
+            return
+        self.counters["label_lag_mismatch"] += 1
+        if self._limiter.allow("labels", "lag"):
+            log.warning("labels may be joined to the wrong frames: they explain %.0f%% of the "
+                        "frames' variance when they name frames read %.2f s after their time, "
+                        "%.0f%% at label_lag = %.2f s; set [source] label_lag = %.2f or "
+                        "\"auto\" (docs/sources.md)", 100 * verdict.explained, verdict.lag,
+                        100 * verdict.at_applied, self.lag, verdict.lag)
+
     def expire(self) -> int:
-        """Drop frames that waited longer than ``delay_max``; returns how many."""
-        cutoff = self.clock() - self.delay_max
+        """Drop frames that waited longer than ``delay_max`` (returns how many), and labels
+        whose frames never came (a camera that stopped)."""
+        now = self.clock()
+        cutoff = now - self.delay_max
         n = bisect.bisect_left(self._times, cutoff)
         if n:
             self.counters["label_expired"] += n
             del self._times[:n], self._frames[:n]
+        if self._waiting and any(arrived < cutoff for _, arrived, _ in self._waiting):
+            kept = [w for w in self._waiting if w[1] >= cutoff]
+            self.counters["label_unmatched"] += len(self._waiting) - len(kept)
+            heapq.heapify(kept)
+            self._waiting = kept
         return n

@@ -1,0 +1,178 @@
+"""A camera whose frames reach the device late: the join measures the lag from the labels and
+corrects it (``label_lag = "auto"``), or warns with the figure where the lag is fixed.
+
+The line is simulated in time, so a run of minutes takes seconds and repeats exactly: items
+(scikit-learn's digits, ten classes, any picture of its class) pass the camera a second each; the
+camera delivers its frames at 2 fps, two frames (1 s) after capture; the line publishes 3
+labels an item, each 0.5-3 s after the time it names.  The device is the real one, fed through
+:class:`StreamFeed` (inference, the live-label join, prequential scoring), and learns in a
+real federation (cloud, station) on the LocalBus.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from aggregator.cloud import Cloud
+from aggregator.config import CloudConfig, StationConfig
+from aggregator.station import Station
+from edge_client.config import DeviceConfig, InferenceConfig, from_mapping
+from edge_client.config.sources import SourceConfig
+from edge_client.device import Device
+from edge_client.errors import ConfigError
+from edge_client.runner import RoleRunner
+from edge_client.serving import StreamFeed
+from edge_client.sources import LiveLabels
+from edge_client.sources.pump import SourcePump
+from edge_client.trainers import build_trainer
+from edge_client.transport import LocalBus
+
+FPS, ITEM_S, CLASSES = 2.0, 1.0, tuple(range(10))
+SECONDS = 600.0
+
+
+class _Camera:
+    """Frames handed over one at a time, as a reader thread would (the pump's source)."""
+
+    def __init__(self) -> None:
+        self.frames: queue.Queue = queue.Queue()
+        self.counters: Counter[str] = Counter()
+
+    def samples(self):
+        while (item := self.frames.get()) is not None:
+            yield item
+
+    def close(self) -> None:
+        self.frames.put(None)
+
+
+def _line(digits, lag: float, seed: int = 0):
+    """Time-ordered events: ``(at, 0, (frame, what it shows))`` read ``lag`` after capture,
+    and ``(at, 1, (t, label))`` published after the time they name."""
+    rng = np.random.default_rng(seed)
+    x, y = digits.x_train.reshape(len(digits.y_train), -1), digits.y_train
+    pictures = {c: x[np.flatnonzero(y == c)] for c in CLASSES}
+    items = [(int(c), pictures[c][rng.integers(len(pictures[c]))])
+             for c in rng.choice(CLASSES, int(SECONDS / ITEM_S) + 1)]
+    events = []
+    for k in range(int(SECONDS * FPS)):
+        label, picture = items[int(k / FPS / ITEM_S)]
+        noisy = np.clip(picture + rng.uniform(-0.05, 0.05, picture.shape), 0, 1)
+        events.append((k / FPS + lag, 0, (noisy.astype(np.float32).reshape(8, 8), label)))
+    for i, (label, _) in enumerate(items[:-1]):
+        for j in range(3):  # inside the item's middle, as an inspection station times them
+            t = i * ITEM_S + 0.4 * ITEM_S + 0.6 * ITEM_S * (j + 0.5) / 3
+            events.append((t + rng.uniform(0.5, 3.0), 1, (t, label)))
+    return sorted(events, key=lambda e: (e[0], e[1]))
+
+
+def _run(digits, *, lag: float, label_lag: float | str):
+    """The prequential accuracy the device reached, its labels' join, and the share of the
+    labels joined once the join stopped moving that labelled the frame they describe."""
+    bus = LocalBus()
+    w0 = build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.5).get_flat()
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    cloud = Cloud(CloudConfig(fleet="t", stations=("s",), rounds=0), initial_weights=w0,
+                  num_classes=10)
+    station = Station(StationConfig(fleet="t", station_id="s", devices=("cam",),
+                                    super_node_size=1, rand_per_group=0, sync_period=2,
+                                    batch_size=8),
+                      num_params=w0.size, num_classes=10, rng=np.random.default_rng(0))
+    device = Device(DeviceConfig(device_id="cam", station="s", fleet="t", lr=0.5, mix=1.0,
+                                 batch_size=8, min_batch=8),
+                    build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.5),
+                    num_classes=10, sample_shape=(8, 8), rng=np.random.default_rng(0),
+                    inference=InferenceConfig(window=500, promote_every=2))
+    runners = [RoleRunner(r, bus, clock) for r in (cloud, station, device)]
+    for runner in runners:
+        runner.start()
+    bus.deliver()
+    camera = _Camera()
+    pump = SourcePump(camera, capacity=4).start()
+    labels = LiveLabels(10, window=0.5, delay_max=30.0, lag=label_lag, clock=clock)
+    feed = _Recording(device, pump, inference=device.inference, labels=labels)
+    shows = {}
+    try:
+        for at, kind, payload in _line(digits, lag):
+            now[0] = at
+            if kind == 0:
+                shows[payload[0].tobytes()] = payload[1]
+                camera.frames.put((payload[0], None, len(shows), at))
+                out = []
+                while labels.newest < at:  # the pump's thread hands the frame over
+                    out += feed(at)
+                    time.sleep(0.0005)
+                runners[2].publish(out)
+            else:
+                runners[2].publish(feed.on_label(json.dumps(
+                    {"t": payload[0], "label": payload[1]}).encode(), at))
+            bus.deliver()
+    finally:
+        camera.close()
+        pump.stop()
+    settled = feed.joined[-600:]
+    right = sum(shows[x.tobytes()] == label for x, label in settled) / len(settled)
+    return device.line.prequential.accuracy, labels, right
+
+
+class _Recording(StreamFeed):
+    """The device's feed, keeping what each label was joined to."""
+
+    joined: list = []
+
+    def _train(self, joined, now):
+        self.joined = [*self.joined, *((x, label) for x, label, _ in joined)]
+        return super()._train(joined, now)
+
+
+@pytest.fixture(scope="module")
+def no_lag(digits):
+    return _run(digits, lag=0.0, label_lag="auto")
+
+
+def test_a_camera_two_frames_late_is_measured_and_joined_right(digits, no_lag, caplog):
+    baseline, plain, plain_right = no_lag
+    with caplog.at_level(logging.INFO, logger="edge_client.sources.live_labels"):
+        accuracy, labels, right = _run(digits, lag=1.0, label_lag="auto")
+    print(f"\nprequential accuracy: no lag {baseline:.3f}, 1.0 s late and measured "
+          f"{accuracy:.3f} (lag applied {labels.lag:.2f} s; joined "
+          f"{labels.counters['label_joined']}, unmatched {labels.counters['label_unmatched']}; "
+          f"the last 600 joins right: {right:.3f}, with no lag {plain_right:.3f})")
+    assert plain.lag == 0.0 and plain.estimate is not None and plain.estimate <= 0.25
+    assert 0.7 <= labels.lag <= 1.3 and labels.counters["label_lag_changes"] == 1
+    assert "joining them" in caplog.text
+    assert right == plain_right == 1.0
+    # The measured join labels more frames than the on-time one (its shift lands labels on
+    # both frames of an item): the lag costs nothing, it may gain.
+    assert baseline > 0.8 and accuracy >= baseline - 0.02
+
+
+def test_a_fixed_lag_the_labels_disagree_with_is_warned_about_with_the_figure(digits, no_lag,
+                                                                            caplog):
+    baseline, _, _ = no_lag
+    with caplog.at_level(logging.WARNING, logger="edge_client.sources.live_labels"):
+        accuracy, labels, right = _run(digits, lag=1.0, label_lag=0.0)
+    print(f"\nprequential accuracy: no lag {baseline:.3f}, 1.0 s late and joined as if on "
+          f"time {accuracy:.3f} (labels point to {labels.estimate} s)")
+    assert labels.lag == 0.0 and 0.7 <= labels.estimate <= 1.3
+    assert labels.counters["label_lag_mismatch"] >= 1
+    assert f"set [source] label_lag = {labels.estimate:.2f}" in caplog.text
+    assert right < 0.2 and accuracy < baseline - 0.3  # what the lag costs uncorrected
+
+
+def test_label_lag_is_auto_or_seconds_within_the_range_measured():
+    source = dict(kind="camera", uri="http://cam", label_topic="line/x")
+    assert from_mapping(SourceConfig, source).label_lag == "auto"
+    assert from_mapping(SourceConfig, {**source, "label_lag": 1}).label_lag == 1.0
+    assert from_mapping(SourceConfig, {**source, "label_lag": "0.5"}).label_lag == 0.5
+    for bad in ("soon", -0.1, 6.0, True):
+        with pytest.raises(ConfigError, match="label_lag"):
+            from_mapping(SourceConfig, {**source, "label_lag": bad})
