@@ -112,4 +112,6 @@ def line_file(fleet: FleetFile, lid: str, sid: str, *, broker: dict[str, Any],
     head += [f"#   write {label_topic(sid, d)}   "
              '{"t": <unix seconds>, "label": <int>}' for d in devices]
     head.append("# and nothing else (docs/sources.md, docs/deploy.md).")
-    return "\n".join(head) + "\n\n" + _table("broker", broker)
+    # What a line application needs to name those topics (docs/camera-line.md's reads it).
+    line = {"id": lid, "fleet": name, "station": sid, "devices": list(devices)}
+    return "\n".join(head) + "\n\n" + _table("line", line) + "\n" + _table("broker", broker)

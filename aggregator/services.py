@@ -31,7 +31,7 @@ from edge_client.documents import (
     StationSummary,
     encode_document,
 )
-from edge_client.errors import ConfigError
+from edge_client.errors import ConfigError, SourceError
 from edge_client.mqtt import MqttTransport
 from edge_client.privacy import keep_privacy_ledger
 from edge_client.runner import RoleRunner, StopFlag, serve
@@ -185,8 +185,11 @@ def evaluation_set(path: str, model: ModelConfig) -> tuple[np.ndarray, np.ndarra
 
     It may hold what the federated model takes (a body fleet's embeddings), or frames of
     ``[model] input_shape``: with a body the cloud embeds them once, here, as devices embed
-    theirs at ingest.  A flat row of the right size is reshaped."""
-    x, y = load_arrays(path, num_classes=model.num_classes)
+    theirs at ingest.  A flat row of the right size is reshaped.  A folder holds photos, one
+    sub-folder per class (``0/``, ``1/``, ...), read as a provisioned camera device reads its
+    frames (resized to ``input_shape``, RGB for three channels, grey for one)."""
+    x, y = (_photos(path, model) if Path(path).is_dir()
+            else load_arrays(path, num_classes=model.num_classes))
     takes, frames = head_input_shape(model), tuple(model.input_shape)
     for shape in dict.fromkeys((takes, frames)):
         if x.shape[1:] != shape and x.ndim == 2 and x.shape[1] == int(np.prod(shape)):
@@ -206,6 +209,25 @@ def evaluation_set(path: str, model: ModelConfig) -> tuple[np.ndarray, np.ndarra
     raise ConfigError("eval", f"{path} holds samples of shape {x.shape[1:]}; the model takes "
                       f"{what}: export the evaluation set as the devices' cameras deliver "
                       "frames ([model] input_shape), or give another --eval")
+
+
+def _photos(folder: str, model: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    from edge_client.sources.preprocess import Preprocess
+    from edge_client.sources.replay import ImageFolderSource
+
+    shape = tuple(model.input_shape)
+    channels, (h, w) = (shape[0] if len(shape) == 3 else 1), shape[-2:]
+    preprocess = Preprocess(sample_shape=shape, resize=(w, h), rgb=channels == 3,
+                            grayscale=channels == 1)
+    try:
+        source = ImageFolderSource(folder, preprocess, num_classes=model.num_classes,
+                                   rng=np.random.default_rng(0))
+        pairs = list(source.samples())
+    except SourceError as exc:
+        raise ConfigError("eval", str(exc)) from exc
+    if not pairs:
+        raise ConfigError("eval", f"no photo under {folder} could be read as {shape}")
+    return np.stack([p[0] for p in pairs]), np.array([p[1] for p in pairs])
 
 
 @dataclass

@@ -143,6 +143,21 @@ class Line:
             big = np.kron(image.reshape(side, side), np.ones((HEIGHT // side, WIDTH // side)))
         return np.repeat(np.clip(big * 255, 0, 255).astype(np.uint8)[:, :, None], 3, axis=2)
 
+    def photo(self, label: int) -> np.ndarray:
+        """A picture of an item of class ``label`` as the camera shows it (BGR, 64 x 64)."""
+        return self._noisy(self._picture(label))
+
+    def _noisy(self, picture: np.ndarray) -> np.ndarray:
+        return np.clip(picture.astype(np.int16) + self.rng.integers(-12, 13, picture.shape),
+                       0, 255).astype(np.uint8)
+
+    def item_at(self, t: float) -> int | None:
+        """The class of the item in front of the camera at time ``t``, if one was."""
+        for start, label, _ in reversed(self.items):
+            if start <= t < start + self.item_s:
+                return label
+        return None
+
     def _next_item(self, start: float) -> None:
         label = int(self.rng.choice(self.classes))
         self.items.append((start, label, self._picture(label)))
@@ -168,8 +183,7 @@ class Line:
             while now >= self.items[-1][0] + self.item_s:
                 self._next_item(self.items[-1][0] + self.item_s)
             picture = self.items[-1][2]
-            noisy = np.clip(picture.astype(np.int16) + self.rng.integers(-12, 13, picture.shape),
-                            0, 255).astype(np.uint8)
+            noisy = self._noisy(picture)
             for server in servers:
                 server.write(noisy.tobytes())
             frame_no += 1

@@ -462,6 +462,20 @@ def test_the_cloud_embeds_frames_for_its_evaluation_and_refuses_what_the_model_c
         got, labels = evaluation_set(str(tmp_path / f"{name}.npz"), model)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         assert labels.tolist() == y.tolist()
+    # Photos, a sub-folder per class, as a factory keeps them: read as a camera's frames.
+    import cv2
+    for k, frame in enumerate(frames):
+        (tmp_path / "photos" / str(y[k])).mkdir(parents=True, exist_ok=True)
+        bgr = (frame.transpose(1, 2, 0)[:, :, ::-1] * 255).round().astype(np.uint8)
+        cv2.imwrite(str(tmp_path / "photos" / str(y[k]) / f"{k}.png"), bgr)
+    got, labels = evaluation_set(str(tmp_path / "photos"), model)
+    assert got.shape == want.shape and sorted(labels.tolist()) == sorted(y.tolist())
+    order = [int(np.argmin(np.abs(want - g).sum(axis=1))) for g in got]
+    np.testing.assert_allclose(got, want[order], atol=0.05)  # 8-bit pixels, the same frames
+    assert [y[i] for i in order] == labels.tolist()
+    (tmp_path / "photos" / "cat").mkdir()
+    with pytest.raises(ConfigError, match=r"'eval'.*not label numbers"):
+        evaluation_set(str(tmp_path / "photos"), model)
     np.savez(tmp_path / "wrong.npz", x=probe_frames((3, 8, 8), 6), y=y)
     with pytest.raises(ConfigError, match=r"'eval'.*wrong\.npz holds samples of shape "
                                           r"\(3, 8, 8\).*frames of \(3, 16, 16\)"):

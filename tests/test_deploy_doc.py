@@ -17,16 +17,15 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from brokers import free_port
+from doc_blocks import blocks_of, localise, run_block, venv_runs_as_safl
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
-SAFL = Path(sys.executable).with_name("safl")
 
 pytestmark = [
     pytest.mark.slow,
@@ -50,31 +49,9 @@ def _fleet_file(text: str, cloud: int, station: int) -> str:
     return fleet.replace("\nport = 8883", f"\nport = {station}")
 
 
-def _blocks(text: str) -> list[str]:
-    return re.findall(r"<!-- run -->\n```sh\n(.*?)```", text, re.S)
-
-
-def _localise(block: str, root: Path) -> str:
-    block = block.replace("/etc/safl", f"{root}/etc/safl")
-    block = block.replace("/var/lib/safl", f"{root}/var/lib/safl")
-    return re.sub(r"(?<![\w/-])safl (provision|cloud|station|device|status|monitor)\b",
-                  rf"{SAFL} \1", block)
-
-
-def _run(block: str, cwd: Path, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd,
-                          capture_output=True, text=True, timeout=120, **kw)
-
-
-def _venv_runs_as_safl() -> bool:
-    probe = subprocess.run(["runuser", "-u", "safl", "--", str(SAFL), "--version"],
-                           capture_output=True, timeout=60)
-    return probe.returncode == 0
-
-
 def test_deploy_md_runs_as_written():
     text = DOC.read_text()
-    blocks = _blocks(text)
+    blocks = blocks_of(text)
     assert len(blocks) == 6, "provision, cloud host, factory server, board, dry run, watch"
     provision_cmd, cloud_host, factory, board, dry_run, watch = blocks
     root = Path(tempfile.mkdtemp(prefix="safl-deploy-"))
@@ -87,10 +64,10 @@ def test_deploy_md_runs_as_written():
     dry = None
     try:
         for block in (provision_cmd, cloud_host, factory):
-            out = _run(_localise(block, root), work)
+            out = run_block(localise(block, root), work)
             assert out.returncode == 0, (block, out.stdout, out.stderr)
         for device in devices:
-            out = _run(_localise(board.replace("cam-01", device), root), work)
+            out = run_block(localise(board.replace("cam-01", device), root), work)
             assert out.returncode == 0, (device, out.stderr)
         etc = root / "etc" / "safl"
         # Each key belongs to the one user that reads it.
@@ -109,15 +86,15 @@ def test_deploy_md_runs_as_written():
             assert out.returncode == 0, (config, out.stderr)
         last = dry_run.strip().splitlines()[-1]
         dry_all = dry_run + "".join(last.replace("cam-01", d) + "\n" for d in devices[1:])
-        if not _venv_runs_as_safl():
+        if not venv_runs_as_safl():
             # This checkout's Python lies where only root may look (a pyenv under /root):
             # the roles run as root here, after the reads above proved the unit's user can.
             dry_all = dry_all.replace("runuser -u safl -- ", "")
-        dry = subprocess.Popen(["bash", "-euo", "pipefail", "-c", _localise(dry_all, root)],
+        dry = subprocess.Popen(["bash", "-euo", "pipefail", "-c", localise(dry_all, root)],
                                cwd=work, start_new_session=True)
         deadline, status = time.monotonic() + 120, ""
         while time.monotonic() < deadline:
-            out = _run(_localise(watch, root), work)
+            out = run_block(localise(watch, root), work)
             status = out.stdout + out.stderr
             found = re.search(r"cloud: online, state \w+, round (\d+)", status)
             if out.returncode == 0 and found and int(found.group(1)) >= 1 \

@@ -1,0 +1,39 @@
+"""Running a page of docs/ as written: its ``<!-- run -->`` shell blocks, its
+``<!-- file: NAME -->`` blocks, and the few things a test on one machine must change (the
+folders ``/etc/safl`` and ``/var/lib/safl``, and ``safl``, this checkout's command)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SAFL = Path(sys.executable).with_name("safl")
+
+
+def blocks_of(text: str) -> list[str]:
+    return re.findall(r"<!-- run -->\n```sh\n(.*?)```", text, re.S)
+
+
+def localise(block: str, root: Path) -> str:
+    block = block.replace("/etc/safl", f"{root}/etc/safl")
+    block = block.replace("/var/lib/safl", f"{root}/var/lib/safl")
+    commands = "provision|cloud|station|device|status|monitor|models|predictions"
+    return re.sub(rf"(?<![\w/-])safl ({commands})\b", rf"{SAFL} \1", block)
+
+
+def run_block(block: str, cwd: Path, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd,
+                          capture_output=True, text=True, timeout=120, **kw)
+
+
+def venv_runs_as_safl() -> bool:
+    probe = subprocess.run(["runuser", "-u", "safl", "--", str(SAFL), "--version"],
+                           capture_output=True, timeout=60)
+    return probe.returncode == 0
+
+
+def files_of(text: str) -> dict[str, str]:
+    """The page's ``<!-- file: NAME -->`` blocks: what a reader saves as NAME."""
+    return dict(re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", text, re.S))

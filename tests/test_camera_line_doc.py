@@ -1,0 +1,203 @@
+"""docs/camera-line.md, run as written: a body fleet of two network cameras learning from the
+labels its line application publishes, over the provisioned TLS brokers.
+
+The page's ``<!-- run -->`` blocks run in order, as root, with deploy.md's two broker blocks
+and its board block (once per device) where the page says so, and the page's line
+application saved from its ``<!-- file: line_app.py -->`` block.  What the test provides is
+what a factory has: two MJPEG cameras (ffmpeg on loopback) filming a conveyor of four
+products, photos of those products for the cloud's evaluation set, and the inspection
+station's labels (0.5-3 s after each item) written into the line application's label feed.
+What it changes: the addresses and ports (loopback, free ports), the camera URIs, ``/etc/safl``
+and ``/var/lib/safl`` (folders of the test), ``safl`` and ``/opt/safl/bin/python`` (this
+checkout's), the label feed's path, and the second board's metrics port (both boards are
+this one machine).  It asserts what the line gets: predictions from both cameras reach the
+line application, and each device's prequential accuracy rises well above chance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from brokers import free_port
+from doc_blocks import blocks_of, files_of, localise, run_block, venv_runs_as_safl
+from stream_servers import Line, StreamServer, have_ffmpeg
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+CLASSES = (0, 1, 2, 3)
+SECONDS = 300.0  # the longest the line is given to learn
+TARGET = 0.6  # each device's prequential accuracy (chance: 0.25)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the page is run as root, as on a server"),
+    pytest.mark.skipif(shutil.which("mosquitto") is None,
+                       reason="Mosquitto is installed by .ci/run"),
+    pytest.mark.skipif(not have_ffmpeg(), reason="ffmpeg is installed by .ci/run"),
+    pytest.mark.skipif(shutil.which("runuser") is None or shutil.which("curl") is None,
+                       reason="needs runuser and curl"),
+]
+
+
+def _fleet_file(text: str, root: Path, ports: dict[str, int], cameras: list[str]) -> str:
+    block = re.search(r"## 1\. The fleet file\n\n```toml\n(.*?)```", text, re.S)
+    assert block, "camera-line.md lost its fleet file"
+    fleet = block.group(1).replace('"/etc/safl/', f'"{root}/etc/safl/')
+    for host in ("cloud.example.com", "10.1.0.2"):
+        fleet = fleet.replace(f'"{host}"', '"127.0.0.1"')
+    fleet = fleet.replace("cloud_port = 8883", f"cloud_port = {ports['cloud']}")
+    fleet = fleet.replace("\nport = 8883", f"\nport = {ports['station']}")
+    fleet = re.sub(r"^metrics_port = \d+", f"metrics_port = {ports['metrics']}", fleet,
+                   flags=re.M)
+    for address, uri in zip(("http://10.1.0.21:8080/cam.mjpg", "http://10.1.0.22:8080/cam.mjpg"),
+                            cameras, strict=True):
+        assert address in fleet
+        fleet = fleet.replace(address, uri)
+    return fleet
+
+
+def _metrics(port: int) -> dict[str, float]:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+    except OSError:
+        return {}
+    found = (re.match(r"^(\w+)(?:\{[^}]*\})? (\S+)$", line) for line in text.decode().split("\n"))
+    return {f.group(1): float(f.group(2)) for f in found if f}
+
+
+def _feed(path: Path, devices: tuple[str, ...]):
+    """The line's label feed: each verdict of the inspection station, for both cameras."""
+    fifo = open(path, "w", buffering=1)  # noqa: SIM115 - open while the line runs
+    lock = threading.Lock()
+
+    def publish(_topic: str, payload: bytes) -> None:
+        label = json.loads(payload)
+        with lock:
+            for device in devices:
+                fifo.write(json.dumps({"device": device, **label}) + "\n")
+    return fifo, publish
+
+
+def test_camera_line_md_runs_as_written(digits):
+    began = time.monotonic()
+    text, deploy = (DOCS / "camera-line.md").read_text(), (DOCS / "deploy.md").read_text()
+    export, body, evaluation, start, line_app, watch = blocks_of(text)
+    _, cloud_host, factory, board, _, _ = blocks_of(deploy)
+    root = Path(tempfile.mkdtemp(prefix="safl-line-"))
+    root.chmod(0o755)
+    work = root / "work"
+    work.mkdir()
+    ports = {"cloud": free_port(), "station": free_port(), "metrics": free_port()}
+    device_ports = {"cam-01": ports["metrics"] + 2, "cam-02": ports["metrics"] + 3}
+    servers = [StreamServer("mjpeg", free_port(), work / f"cam{k}.log") for k in (1, 2)]
+    (work / "fleet.toml").write_text(_fleet_file(text, root, ports, [s.uri for s in servers]))
+    (work / "line_app.py").write_text(files_of(text)["line_app.py"])
+    conveyor = Line(digits.x_train, digits.y_train, CLASSES, topic="", publish=None, seed=3)
+    import cv2
+    for label in CLASSES:  # the factory's photos of its products, a folder per class
+        (work / "photos" / str(label)).mkdir(parents=True)
+        for k in range(40):
+            cv2.imwrite(str(work / "photos" / str(label) / f"{k}.png"), conveyor.photo(label))
+    feed_path = work / "press-1-labels"
+    os.mkfifo(feed_path)
+    shell = {"pids": []}
+    as_safl = venv_runs_as_safl()
+
+    def background(block: str) -> None:
+        block = localise(block, root).replace("/opt/safl/bin/python", sys.executable)
+        block = block.replace("/run/press-1-labels", str(feed_path))
+        if not as_safl:  # this checkout's Python lies where only root may look
+            block = block.replace("runuser -u safl -- ", "")
+        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block], cwd=work,
+                                start_new_session=True)
+        shell["pids"].append(proc.pid)
+        assert proc.wait(60) == 0, block
+
+    fifo = None
+    try:
+        for block in (export, cloud_host, factory, body):
+            out = run_block(localise(block, root), work)
+            assert out.returncode == 0, (block, out.stdout, out.stderr)
+        for device in device_ports:
+            out = run_block(localise(board.replace("cam-01", device), root), work)
+            assert out.returncode == 0, (device, out.stderr)
+        out = run_block(localise(evaluation, root), work)
+        assert out.returncode == 0, out.stderr
+        last = start.strip().splitlines()[-1]
+        assert "cam-01" in last
+        second = last.replace("cam-01", "cam-02").replace(
+            " --keep-running", f" --keep-running --metrics-port {device_ports['cam-02']}")
+        started = time.monotonic()
+        background(start + second + "\n")
+        background(line_app)
+        fifo, publish = _feed(feed_path, tuple(device_ports))
+        conveyor.publish_fn = publish
+        conveyor.run(servers)
+        curve: list[tuple[float, dict[str, float]]] = []
+        predictions = work / "predictions.jsonl"
+        first_prediction = None
+        var = root / "var" / "lib" / "safl"
+        while time.monotonic() - started < SECONDS:
+            time.sleep(5.0)
+            failed = [p for p in var.glob("*.log") if "safl: error" in p.read_text()]
+            assert not failed, {p.name: p.read_text()[-2000:] for p in failed}
+            if first_prediction is None and predictions.exists() and predictions.stat().st_size:
+                first_prediction = time.monotonic() - started
+            read = {d: _metrics(p) for d, p in device_ports.items()}
+            now = {d: (m.get("safl_prequential_accuracy", float("nan")),
+                       m.get("safl_label_joined_total", 0)) for d, m in read.items()}
+            curve.append((time.monotonic() - started, now))
+            if len(curve) > 6 and all(v >= TARGET for v, _ in now.values()):
+                break
+        out = run_block(localise(watch, root).replace(
+            "127.0.0.1:9103/", f"127.0.0.1:{device_ports['cam-01']}/"), work)
+        status = out.stdout + out.stderr
+        logs = {p.name: p.read_text() for p in var.glob("*.log")}
+    finally:
+        conveyor.stop()
+        if fifo is not None:
+            fifo.close()
+        for pid in shell["pids"]:
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for server in servers:
+            server.stop()
+        time.sleep(2)
+        subprocess.run(["pkill", "-f", str(root)], capture_output=True)
+        time.sleep(0.5)
+    seen = [json.loads(line) for line in predictions.read_text().splitlines()]
+    recent = [p for p in seen if p["t"] > time.time() - 60]
+    # A frame is read about 0.15 s after it was filmed (sources.md, label_lag).
+    right = [conveyor.item_at(p["t"] - 0.15) == p["label"] for p in recent]
+    print(f"\ncamera-line.md: {time.monotonic() - began:.0f} s in all; the first prediction "
+          f"reached the line {first_prediction} s after the roles started; "
+          f"{len(seen)} predictions ({Counter(p['device'] for p in seen)}); the line's "
+          f"accuracy over the last 60 s {np.mean(right):.3f}")
+    print("  prequential accuracy: " + ", ".join(
+        f"{t:.0f}s " + "/".join(f"{v:.2f}" for v, _ in acc.values()) for t, acc in curve))
+    shutil.rmtree(root, ignore_errors=True)
+    assert {p["device"] for p in seen} == set(device_ports), "predictions from both cameras"
+    for device in device_ports:  # from its first 50 labelled frames to the end
+        values = [acc[device][0] for _, acc in curve if acc[device][1] >= 50]
+        assert values and values[-1] >= TARGET and values[-1] >= values[0] + 0.2, \
+            (device, curve)
+    assert "devices online: 2 of 2" in status and "ERROR" not in status, status
+    assert "safl_prequential_accuracy" in status and "safl_body_ms_per_frame" in status, status
+    for name, log in logs.items():
+        assert "Traceback" not in log and "lost the broker" not in log, (name, log[-3000:])
+
