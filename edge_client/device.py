@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -353,9 +353,9 @@ class Device(RoleBase[DeviceState]):
         # Stats go first so the station selects the next super node on fresh histograms.
         return [self._stats(model.round, t), reply]
 
-    def summary(self, *, error: str = "", **extra: Mapping[str, int]) -> DeviceSummary:
+    def summary(self, *, error: str = "", **extra: Any) -> DeviceSummary:
         """What the device says of itself for the monitor; ``extra``: its service's
-        ``transport`` and ``source`` counters; ``error``: its service's last error."""
+        ``transport`` and ``source`` counters and figures; ``error``: its last error."""
         model, line = self._model, self.line
         pre = line.prequential
         acc, samples = self.local.accuracy

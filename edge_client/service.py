@@ -6,7 +6,6 @@ describe, the metrics endpoint, and the device service.  The loop itself is
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import logging
 from collections.abc import Callable
@@ -211,12 +210,11 @@ class DeviceService:
         # Every 2 s, the pace the monitor's page redraws at: about 500 bytes, against an
         # update's hundreds of kilobytes on the factory's Wi-Fi.
         published = summaries(transport, summary_topic(cfg.fleet, m.Participant.DEVICE,
-                                                       device.id), lambda: dataclasses.replace(
-            device.summary(
-                error=runner.last_error, transport=dict(transport.counters),
-                source={**{k: int(v) for k, v in (pump.metrics() if pump else {}).items()
-                           if k != "queued"},
-                        **(dict(self.labels.counters) if self.labels else {})}),
+                                                       device.id), lambda: device.summary(
+            error=runner.last_error, transport=dict(transport.counters),
+            source={**{k: int(v) for k, v in (pump.metrics() if pump else {}).items()
+                       if k != "queued"},
+                    **(dict(self.labels.counters) if self.labels else {})},
             **self._gauges()), every=2.0)
         metrics = with_metrics(self.service, "device", lambda: (
             {**device.counters, **transport.counters,

@@ -196,6 +196,7 @@ def test_camera_line_md_runs_as_written(digits):
         values = [acc[device][0] for _, acc in curve if acc[device][1] >= 50]
         assert values and values[-1] >= TARGET and values[-1] >= values[0] + 0.2, \
             (device, curve)
+    assert out.returncode == 0, status
     assert "devices online: 2 of 2" in status and "ERROR" not in status, status
     assert "safl_prequential_accuracy" in status and "safl_body_ms_per_frame" in status, status
     for name, log in logs.items():
