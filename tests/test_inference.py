@@ -174,6 +174,7 @@ def test_live_labels_join_the_frame_captured_nearest_before_them():
                         (b'{"t": 10.0, "label": true}', "out_of_range"),
                         (b'{"t": NaN, "label": 1}', "bad_time"),
                         (b'{"t": 1e999, "label": 1}', "bad_time"),
+                        (b'{"t": 1e10, "label": 1}', "bad_time"),  # from the future
                         (b'{"t": 10, "label": 1, "pad": "' + b"x" * 2000 + b'"}', "oversized")):
         assert labels.add_label(bad) == []
         assert labels.counters[f"label_refused.{reason}"] >= 1, bad[:30]

@@ -130,6 +130,9 @@ class LiveLabels:
         (:meth:`add_frames`); refused messages are counted."""
         try:
             t, label = parse_label(payload, self.num_classes)
+            if t > self.clock() + self.delay_max:  # it would wait for frames for ever
+                raise MessageError("bad_time", f"t = {t} is more than {self.delay_max} s ahead "
+                                   "of this device's clock")
         except MessageError as exc:
             self.counters[f"label_refused.{exc.reason}"] += 1
             if self._limiter.allow("labels", exc.reason):
