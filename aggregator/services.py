@@ -36,13 +36,15 @@ from edge_client.mqtt import MqttTransport
 from edge_client.privacy import keep_privacy_ledger
 from edge_client.runner import RoleRunner, StopFlag, serve
 from edge_client.service import model_trainer, role_transport, summaries, with_metrics
-from edge_client.sources.replay import load_arrays
+from edge_client.sources.preprocess import Preprocess
+from edge_client.sources.replay import ImageFolderSource, load_arrays
 from edge_client.topics import CLOUD_ID, manifest_topic, summary_topic
 
 from .checkpoint import CloudCheckpoint, StationCheckpoint, load_checkpoint, save_checkpoint
 from .cloud import Cloud, CloudState
 from .config import CloudConfig, StationConfig
 from .fedbuff import station_role
+from .role_files import camera_preprocess
 from .selection import blas_threads
 from .station import Station, StationState
 
@@ -187,7 +189,7 @@ def evaluation_set(path: str, model: ModelConfig) -> tuple[np.ndarray, np.ndarra
     ``[model] input_shape``: with a body the cloud embeds them once, here, as devices embed
     theirs at ingest.  A flat row of the right size is reshaped.  A folder holds photos, one
     sub-folder per class (``0/``, ``1/``, ...), read as a provisioned camera device reads its
-    frames (resized to ``input_shape``, RGB for three channels, grey for one)."""
+    frames (``role_files.camera_preprocess``)."""
     x, y = (_photos(path, model) if Path(path).is_dir()
             else load_arrays(path, num_classes=model.num_classes))
     takes, frames = head_input_shape(model), tuple(model.input_shape)
@@ -212,13 +214,11 @@ def evaluation_set(path: str, model: ModelConfig) -> tuple[np.ndarray, np.ndarra
 
 
 def _photos(folder: str, model: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    from edge_client.sources.preprocess import Preprocess
-    from edge_client.sources.replay import ImageFolderSource
-
     shape = tuple(model.input_shape)
-    channels, (h, w) = (shape[0] if len(shape) == 3 else 1), shape[-2:]
-    preprocess = Preprocess(sample_shape=shape, resize=(w, h), rgb=channels == 3,
-                            grayscale=channels == 1)
+    # Read as a provisioned camera device of this model reads its frames.
+    settings = camera_preprocess(shape, model.body)
+    preprocess = Preprocess(sample_shape=shape, grayscale=settings["grayscale"],
+                            resize=tuple(settings["resize"]), rgb=settings.get("rgb", False))
     try:
         source = ImageFolderSource(folder, preprocess, num_classes=model.num_classes,
                                    rng=np.random.default_rng(0))

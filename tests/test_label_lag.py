@@ -176,3 +176,28 @@ def test_label_lag_is_auto_or_seconds_within_the_range_measured():
     for bad in ("soon", -0.1, 6.0, True):
         with pytest.raises(ConfigError, match="label_lag"):
             from_mapping(SourceConfig, {**source, "label_lag": bad})
+
+
+def test_the_estimator_keeps_a_bounded_history_and_finds_the_lag_after_hours_of_frames():
+    """Frames past the estimator's history are dropped as they come (its arrays hold twice
+    the history and move the newest to the front when full): 40,000 frames at 20 fps, 0.3 s
+    late, still give the lag, from a history that never exceeds its bound."""
+    from edge_client.sources.label_lag import HISTORY, LagEstimator
+
+    rng = np.random.default_rng(0)
+    estimator, fps, lag, item_s = LagEstimator(4, window=0.5, history_s=30.0), 20.0, 0.3, 1.0
+    classes = rng.integers(4, size=2100)
+    centres = rng.normal(size=(4, 32))
+    verdicts, biggest = [], 0
+    for batch in range(400):
+        k = np.arange(batch * 100, (batch + 1) * 100)
+        captured = k / fps
+        x = centres[classes[(captured // item_s).astype(int)]] + rng.normal(0, 0.3, (100, 32))
+        estimator.frames(x, captured + lag)
+        biggest = max(biggest, estimator._hi - estimator._lo)
+        for item in range(int(captured[0] // item_s), int(captured[-1] // item_s)):
+            estimator.label(item * item_s + 0.5, int(classes[item]))
+        if (verdict := estimator.estimate(0.0)) is not None:
+            verdicts.append(verdict.lag)
+    assert biggest <= HISTORY and estimator._hi <= 2 * HISTORY
+    assert verdicts and all(0.1 <= v <= 0.5 for v in verdicts[-10:]), verdicts[-10:]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,12 +45,14 @@ BETTER = 0.05  # R^2 a shift must gain over the lag in use to call for it
 HISTORY = 16384  # frames kept (labels may come label_delay_max late)
 
 
+@dataclass(frozen=True)
 class LagVerdict:
     """An estimate: the lag, the share of the frames' variance the labels explain there and
-    at ``applied`` (the lag in use), and whether the labels call for the estimate."""
+    at the lag in use, and whether the labels call for the estimate."""
 
-    def __init__(self, lag: float, explained: float, at_applied: float) -> None:
-        self.lag, self.explained, self.at_applied = lag, explained, at_applied
+    lag: float
+    explained: float
+    at_applied: float
 
     @property
     def called_for(self) -> bool:
@@ -63,8 +66,11 @@ class LagEstimator:
         self.num_classes, self.window, self.history_s = num_classes, window, history_s
         self.grid = np.round(np.arange(0.0, MAX_LAG + STEP / 2, STEP), 6)
         self._projection: np.ndarray | None = None  # drawn at the first frame, fixed seed
-        self._times: deque[float] = deque(maxlen=HISTORY)
-        self._seen: deque[np.ndarray] = deque(maxlen=HISTORY)
+        # Frames read, oldest first, in [lo, hi) of two arrays of twice the history: appends
+        # are slices, and the scoring searches the live part in place.
+        self._t = np.empty(2 * HISTORY)
+        self._v = np.empty((2 * HISTORY, DIMS), dtype=np.float32)
+        self._lo = self._hi = 0
         self._waiting: list[tuple[float, int]] = []  # (t, label) until frames pass t + MAX_LAG
         # Per scored label: the projected frame joined at each shift, and whether one was.
         self._rows: deque[np.ndarray] = deque(maxlen=KEEP)
@@ -75,19 +81,25 @@ class LagEstimator:
 
     def frames(self, x: np.ndarray, times: np.ndarray) -> None:
         """Frames (or embeddings) read, with their read times, ascending."""
-        if not len(times):
+        n = min(len(times), HISTORY)
+        if not n:
             return
-        flat = np.asarray(x, dtype=np.float32).reshape(len(times), -1)
+        flat = np.asarray(x, dtype=np.float32).reshape(len(times), -1)[-n:]
         if self._projection is None or self._projection.shape[0] != flat.shape[1]:
             rng = np.random.default_rng(0)
             self._projection = rng.standard_normal((flat.shape[1], DIMS)).astype(np.float32)
-        self._times.extend(float(t) for t in times)
-        self._seen.extend(flat @ self._projection)
-        oldest = self._times[-1] - self.history_s - MAX_LAG - self.window
-        while self._times and self._times[0] < oldest:
-            self._times.popleft()
-            self._seen.popleft()
-        self._score(self._times[-1])
+        if self._hi + n > len(self._t):  # move the newest to the front
+            keep = min(self._hi - self._lo, HISTORY - n)
+            self._t[:keep] = self._t[self._hi - keep:self._hi]
+            self._v[:keep] = self._v[self._hi - keep:self._hi]
+            self._lo, self._hi = 0, keep
+        self._t[self._hi:self._hi + n] = np.asarray(times, dtype=np.float64)[-n:]
+        self._v[self._hi:self._hi + n] = flat @ self._projection
+        self._hi += n
+        oldest = self._t[self._hi - 1] - self.history_s - MAX_LAG - self.window
+        self._lo += int(np.searchsorted(self._t[self._lo:self._hi], oldest))
+        self._lo = max(self._lo, self._hi - HISTORY)
+        self._score(self._t[self._hi - 1])
 
     def label(self, t: float, label: int) -> None:
         if len(self._waiting) < HISTORY:
@@ -99,8 +111,7 @@ class LagEstimator:
             ready.append(heapq.heappop(self._waiting))
         if not ready:
             return
-        times = np.fromiter(self._times, dtype=np.float64, count=len(self._times))
-        seen = np.stack(self._seen)
+        times, seen = self._t[self._lo:self._hi], self._v[self._lo:self._hi]
         target = np.array([r[0] for r in ready])[:, None] + self.grid[None, :]
         i = np.searchsorted(times, target, side="right") - 1
         found = (i >= 0) & (target - times[np.maximum(i, 0)] <= self.window)
