@@ -18,6 +18,7 @@ import csv
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -27,6 +28,7 @@ from typing import Any
 
 from edge_client import messages as m
 from edge_client.config import BrokerConfig
+from edge_client.config.sources import MAX_LABEL_LAG
 from edge_client.documents import CloudSummary, DeviceSummary, Document, StationSummary
 from edge_client.errors import SaflError
 from edge_client.files import write_atomic
@@ -94,16 +96,22 @@ class FleetHistory:
             self._count_bytes(doc, now)
 
     def _plausible(self, doc: DeviceSummary) -> DeviceSummary:
-        """A device's claimed accuracies outside [0, 1] are shown as not measured, counted."""
-        def fraction(key: str, value: float | None) -> float | None:
-            if value is None or 0.0 <= value <= 1.0:
+        """A device's claimed accuracies outside [0, 1], lags outside [0, MAX_LABEL_LAG] and
+        negative body times are shown as not measured, counted."""
+        def within(key: str, high: float = 1.0) -> float | None:
+            value = getattr(doc, key)
+            if value is None or 0.0 <= value <= high:
                 return value
             self.counters[f"fleet.implausible_{key}"] += 1
             return None
         checked = dataclasses.replace(
-            doc, local_accuracy=fraction("local_accuracy", doc.local_accuracy),
-            prequential_accuracy=fraction("prequential_accuracy", doc.prequential_accuracy),
-            shadow_accuracy=fraction("shadow_accuracy", doc.shadow_accuracy))
+            doc, local_accuracy=within("local_accuracy"),
+            prequential_accuracy=within("prequential_accuracy"),
+            shadow_accuracy=within("shadow_accuracy"),
+            # A lag the device cannot have applied or measured, a body that ran backwards.
+            label_lag=within("label_lag", MAX_LABEL_LAG),
+            label_lag_estimate=within("label_lag_estimate", MAX_LABEL_LAG),
+            body_ms_per_frame=within("body_ms_per_frame", math.inf))
         self.status.devices[doc.device] = checked
         return checked
 

@@ -179,6 +179,11 @@ def test_live_labels_join_the_frame_captured_nearest_before_them():
         assert labels.add_label(bad) == []
         assert labels.counters[f"label_refused.{reason}"] >= 1, bad[:30]
     assert labels.pending == 4  # no refusal touched the frames waiting
+    # A label exactly delay_max ahead of the device's clock waits; a hair past it is refused.
+    assert labels.add_label(json.dumps({"t": clock[0] + 30.0, "label": 1}).encode()) == []
+    before = labels.counters["label_refused.bad_time"]
+    labels.add_label(json.dumps({"t": clock[0] + 30.001, "label": 1}).encode())
+    assert labels.counters["label_refused.bad_time"] == before + 1
     clock[0] = 10.4 + 30.0 + 0.01
     assert labels.expire() == 2 and labels.counters["label_expired"] == 2  # 10.0 and 10.4
     assert labels.pending == 2
@@ -187,6 +192,17 @@ def test_live_labels_join_the_frame_captured_nearest_before_them():
     clock[0] += 30.01
     labels.expire()
     assert labels.counters["label_unmatched"] == 2
+
+
+def test_labels_waiting_for_their_frames_are_bounded():
+    """A line that floods labels no frame has reached: the waiting labels stay at capacity,
+    the ones pushed out counted unmatched; at capacity exactly, none is."""
+    labels = LiveLabels(3, window=0.5, delay_max=30.0, capacity=4, clock=lambda: 100.0)
+    for k in range(4):
+        labels.add_label(json.dumps({"t": 101.0 + k, "label": 1}).encode())
+    assert labels.counters["label_unmatched"] == 0 and len(labels._waiting) == 4
+    labels.add_label(b'{"t": 110.0, "label": 1}')
+    assert labels.counters["label_unmatched"] == 1 and len(labels._waiting) == 4
 
 
 def test_frames_wait_for_their_label_and_are_trained_on_only_then(digits):

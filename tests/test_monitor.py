@@ -142,6 +142,20 @@ def test_what_devices_claim_is_checked_before_it_is_shown(monkeypatch):
     assert doc["devices"][0]["local_accuracy"] is None  # shown as not measured, and counted
     assert doc["monitor"]["fleet.implausible_local_accuracy"] == 1
     assert doc["monitor"]["fleet.implausible_prequential_accuracy"] == 1
+    # Lags on their bound are shown, one past it not; a body time may not be negative.
+    from edge_client.config.sources import MAX_LABEL_LAG
+    on_bound = dataclasses.replace(liar, label_lag=MAX_LABEL_LAG, label_lag_estimate=0.0,
+                                   body_ms_per_frame=0.0)
+    past = dataclasses.replace(liar, label_lag=MAX_LABEL_LAG + 0.01, label_lag_estimate=-0.01,
+                               body_ms_per_frame=-0.01)
+    for claim, shown in ((on_bound, (MAX_LABEL_LAG, 0.0, 0.0)), (past, (None, None, None))):
+        history.status.take(claim)
+        history.take(claim)
+        row = history.snapshot(Counter())["devices"][0]
+        assert (row["label_lag"], row["label_lag_estimate"], row["body_ms_per_frame"]) == shown
+    counted = history.snapshot(Counter())["monitor"]
+    assert [counted[f"fleet.implausible_{k}"] for k in (
+        "label_lag", "label_lag_estimate", "body_ms_per_frame")] == [1, 1, 1]
     monkeypatch.setattr(monitor, "MAX_DEVICES", 1)
     for k in range(3):  # an open broker's flood of made-up ids
         flood = dataclasses.replace(liar, device=f"x{k}", local_accuracy=0.5)
