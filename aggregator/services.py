@@ -220,8 +220,10 @@ def _photos(folder: str, model: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     preprocess = Preprocess(sample_shape=shape, grayscale=settings["grayscale"],
                             resize=tuple(settings["resize"]), rgb=settings.get("rgb", False))
     try:
+        # Sub-folders are class numbers: the cloud has no class names to map others by.
         source = ImageFolderSource(folder, preprocess, num_classes=model.num_classes,
-                                   rng=np.random.default_rng(0))
+                                   rng=np.random.default_rng(0),
+                                   classes=[str(k) for k in range(model.num_classes)])
         pairs = list(source.samples())
     except SourceError as exc:
         raise ConfigError("eval", str(exc)) from exc

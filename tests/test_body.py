@@ -474,7 +474,7 @@ def test_the_cloud_embeds_frames_for_its_evaluation_and_refuses_what_the_model_c
     np.testing.assert_allclose(got, want[order], atol=0.05)  # 8-bit pixels, the same frames
     assert [y[i] for i in order] == labels.tolist()
     (tmp_path / "photos" / "cat").mkdir()
-    with pytest.raises(ConfigError, match=r"'eval'.*not label numbers"):
+    with pytest.raises(ConfigError, match=r"'eval'.*cat is not one of the classes"):
         evaluation_set(str(tmp_path / "photos"), model)
     np.savez(tmp_path / "wrong.npz", x=probe_frames((3, 8, 8), 6), y=y)
     with pytest.raises(ConfigError, match=r"'eval'.*wrong\.npz holds samples of shape "
