@@ -187,14 +187,15 @@ def evaluation_set(path: str, model: ModelConfig) -> tuple[np.ndarray, np.ndarra
 
     It may hold what the federated model takes (a body fleet's embeddings), or frames of
     ``[model] input_shape``: with a body the cloud embeds them once, here, as devices embed
-    theirs at ingest.  A flat row of the right size is reshaped.  A folder holds photos, one
+    theirs at ingest.  A sample of the right size is reshaped, as a device's replay reshapes
+    its own (28x28 images for a (1, 28, 28) CNN).  A folder holds photos, one
     sub-folder per class (``0/``, ``1/``, ...), read as a provisioned camera device reads its
     frames (``role_files.camera_preprocess``)."""
     x, y = (_photos(path, model) if Path(path).is_dir()
             else load_arrays(path, num_classes=model.num_classes))
     takes, frames = head_input_shape(model), tuple(model.input_shape)
     for shape in dict.fromkeys((takes, frames)):
-        if x.shape[1:] != shape and x.ndim == 2 and x.shape[1] == int(np.prod(shape)):
+        if x.shape[1:] != shape and x[0].size == int(np.prod(shape)):
             x = x.reshape(len(x), *shape)
         if x.shape[1:] != shape:
             continue

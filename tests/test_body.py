@@ -446,7 +446,8 @@ def test_the_pretrained_extra_holds_everything_export_body_imports():
 def test_the_cloud_embeds_frames_for_its_evaluation_and_refuses_what_the_model_cannot_take(
         tiny, tmp_path):
     """A body fleet's cloud scores each round on embeddings: an ``--eval`` of frames is
-    embedded at start-up, one of embeddings taken as it is, flat rows reshaped; anything
+    embedded at start-up, one of embeddings taken as it is, samples of the right size
+    reshaped; anything
     else stops the cloud in seconds naming the evaluation set, before it connects (it used
     to fail in every round's evaluation and never publish round 0)."""
     import subprocess
@@ -457,7 +458,11 @@ def test_the_cloud_embeds_frames_for_its_evaluation_and_refuses_what_the_model_c
     model = _model(tiny)
     frames, y = probe_frames(TINY, 6), np.arange(6) % 2
     want = open_body(model).embed(frames)
-    for name, x in (("frames", frames), ("flat", frames.reshape(6, -1)), ("embedded", want)):
+    # Samples of the right size in another shape are reshaped, as a device's replay does:
+    # a CNN's (1, 28, 28) fleet evaluated on the 28x28 images its devices replay.
+    for name, x in (("frames", frames), ("flat", frames.reshape(6, -1)),
+                    ("unchannelled", frames.reshape(6, TINY[0] * TINY[1], TINY[2])),
+                    ("embedded", want)):
         np.savez(tmp_path / f"{name}.npz", x=x, y=y)
         got, labels = evaluation_set(str(tmp_path / f"{name}.npz"), model)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
