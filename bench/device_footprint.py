@@ -115,7 +115,7 @@ dev = Device(DeviceConfig(device_id="d", station="s", mix=0.5, temperature=50.0,
                           nu=1.0 if "gate" in features else 0.0, buffer_capacity=4096), trainer,
              num_classes=10, sample_shape=shape, rng=np.random.default_rng(0),
              inference=InferenceConfig(promote="not_worse" if "promotion" in features
-                                       else "always") if serving else None)
+                                       else "always", budget=1.0) if serving else None)
 rng = np.random.default_rng(1)
 zbar = trainer.get_flat()
 scores = lambda: dev.counters["promotions"] + dev.counters["promotions_refused"]

@@ -138,7 +138,9 @@ class Device(RoleBase[DeviceState]):
         return [self._stats(0, 0)]
 
     def tick(self, now: float) -> list[m.Message]:
-        """Until a station model arrives, repeat the stats: the station may start later."""
+        """Measure what the last selection left to measure (its reply has gone); until a
+        station model arrives, repeat the stats: the station may start later."""
+        self.local.catch_up()
         if self.state != _D.WAITING:
             self.silence.heard()
             return []
@@ -303,8 +305,8 @@ class Device(RoleBase[DeviceState]):
 
     def begin_steps(self, model: m.StationModel) -> LocalSteps:
         """Everything before the local steps: the learning rate, the annealed merge (the
-        trainer then holds the start), the deployed model, the local accuracy, and the
-        batches, drawn from the buffer."""
+        trainer then holds the start), the deployed model, the local accuracy's schedule,
+        and the batches, drawn from the buffer."""
         cfg, t = self.config, model.iteration
         lr = cfg.lr * cfg.lr_decay if cfg.lr_decay_at and t >= cfg.lr_decay_at else cfg.lr
         if self.trainer.lr != lr:  # ONNX Runtime's optimizer is told only of a change
@@ -313,7 +315,8 @@ class Device(RoleBase[DeviceState]):
         start = self.local.start(model.weights, t)
         self.trainer.set_flat(start)
         self.line.offer(model, start, merged=True)
-        self.local.measure(t)
+        self.local.catch_up()
+        self.local.schedule(start, t)
         return LocalSteps(model, start, self.local.batches(), lr, time.perf_counter())
 
     def take_steps(self, steps: LocalSteps) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import messages as m
 from .config import InferenceConfig
-from .inference import NOT_PREDICTED, Prequential, one_in, predict
+from .inference import NOT_PREDICTED, PredictionBudget, Prequential, one_in, predict
 from .promotion import Promoter, Verdict
 from .trainers import Trainer
 
@@ -43,6 +43,7 @@ class Line:
         self.promoter = (Promoter(inference, sample_shape, counters, name)
                          if inference is not None else None)
         self.last_inference_s = 0.0  # per sample, of the last prediction
+        self.budget = PredictionBudget(inference.budget if inference is not None else 1.0)
 
     @property
     def last_verdict(self) -> Verdict:
@@ -56,17 +57,28 @@ class Line:
             self.counters["inference.no_model"] += len(x)
             return None
         self.counters["predictions"] += len(x)
-        started = time.perf_counter()  # a measurement for metrics, like the training step's
+        started = time.perf_counter()
         out = predict(self.trainer, x, self.deployable)
-        self.last_inference_s = (time.perf_counter() - started) / max(1, len(x))
+        took = time.perf_counter() - started
+        self.last_inference_s = took / max(1, len(x))
+        self.budget.charge(took, len(x))
         return out
+
+    def within_budget(self, chosen: np.ndarray) -> np.ndarray:
+        """The newest of the ``chosen`` sample indices the prediction budget pays for; the
+        rest are counted (``inference.over_budget``) and go unpredicted."""
+        n = self.budget.affordable(len(chosen)) if len(chosen) else 0
+        if n < len(chosen):
+            self.counters["inference.over_budget"] += len(chosen) - n
+            chosen = chosen[len(chosen) - n:]
+        return chosen
 
     def predict_every(self, x: np.ndarray, seen: int) -> np.ndarray:
         """Predictions of one sample in ``[inference] every`` of ``x`` (``seen`` samples
         came before it), ``NOT_PREDICTED`` elsewhere."""
         predicted = np.full(len(x), NOT_PREDICTED, dtype=np.int64)
         every = self.inference.every if self.inference is not None else 1
-        chosen = one_in(every, seen, len(x))
+        chosen = self.within_budget(one_in(every, seen, len(x)))
         if len(chosen):
             out = self.infer(x[chosen])
             if out is not None:
@@ -94,7 +106,10 @@ class Line:
         """Judge the pending candidate where it is due, and put it into use if it won."""
         if self.promoter is None:
             return
-        won = self.promoter.judge(self.trainer, self.deployable, self._holdout)
+        started = time.perf_counter()
+        won = self.promoter.judge(self.trainer, self.deployable, self._holdout,
+                                  self.budget.affordable)
+        self.budget.charge(time.perf_counter() - started)
         if won is not None:
             model, weights = won
             self.restore(model.round, model.iteration, weights)

@@ -45,6 +45,7 @@ class LocalModel:
         self.iteration = 0  # station iteration at which the weights were trained
         self.accuracy: tuple[float, int] = (0.0, 0)  # device-local accuracy, samples
         self._evaluated_at: int | None = None
+        self._due: np.ndarray | None = None  # a start whose accuracy is to be measured
         self._tensor_sizes = [int(np.prod(shape)) for _, shape in trainer.layout]
 
     def start(self, zbar: np.ndarray, t: int) -> np.ndarray:
@@ -68,17 +69,28 @@ class LocalModel:
         if self.config.mix < 1.0:  # only a merge reads it: with mix = 1 no copy is kept
             self.weights, self.iteration = z, t
 
-    def measure(self, t: int) -> None:
-        """Device-local accuracy of the model it would deploy (now in the trainer)."""
+    def schedule(self, start: np.ndarray, t: int) -> None:
+        """Measure the device-local accuracy of ``start``, the model it would deploy from
+        iteration ``t``, where it is due: in :meth:`catch_up`, after the reply has left.
+        Under emulation the held-out pass took as long as three training steps, and made the
+        reply of every iteration that measured one miss its deadline."""
         cfg = self.config
         if not cfg.local_eval_interval or (self._evaluated_at is not None and
                                            t - self._evaluated_at < cfg.local_eval_interval):
             return
-        hx, hy = self.buffer.holdout()
-        if len(hy) < cfg.gate_min_holdout or not len(hy):
+        if len(self.buffer.holdout()[1]) < max(1, cfg.gate_min_holdout):
             return
-        _, acc = self.trainer.evaluate(hx, hy)
-        self.accuracy, self._evaluated_at = (float(acc), len(hy)), t
+        self._due, self._evaluated_at = start, t
+
+    def catch_up(self) -> None:
+        """The measurement :meth:`schedule` left, if any (a role's tick, or the next
+        selection where nothing ticks between: the simulators)."""
+        if self._due is None:
+            return
+        start, self._due = self._due, None
+        hx, hy = self.buffer.holdout()
+        _, acc = self.trainer.evaluate(hx, hy, weights=start)
+        self.accuracy = (float(acc), len(hy))
         self.counters["local_evaluations"] += 1
 
     def batches(self) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -76,19 +76,34 @@ class ShadowWindow:
         self._written += len(y)
 
     def judge(self, trainer: Trainer, candidate: np.ndarray, deployed: np.ndarray,
-              margin: float) -> Verdict:
-        """Score ``candidate`` on the window beside ``deployed`` (whose unknown hits are
-        filled in first); a promoted candidate's hits become the deployed model's."""
+              margin: float, affordable: Callable[[int], int] = lambda n: n) -> Verdict:
+        """Score ``candidate`` beside ``deployed`` on the window's samples whose deployed
+        hits are known, after filling in as many unknown ones (the newest first) as
+        ``affordable`` pays for: all of them where nothing limits the line, and all in any
+        case while fewer than :data:`MIN_EVIDENCE` are known.  A slow board predicts few
+        samples on arrival, and filling in the rest doubled each shadow score's cost.  A
+        promoted candidate's hits become the deployed model's."""
         n = len(self)
         x, y, hits = self._x[:n], self._y[:n], self._hits[:n]
-        unknown = np.flatnonzero(hits == _UNKNOWN)
-        if len(unknown):
-            hits[unknown] = _classes(trainer, x[unknown], deployed) == y[unknown]
-        shadow = _classes(trainer, x, candidate) == y
-        verdict = _verdict(float(shadow.mean()), float(hits.mean()), margin, n)
+        unknown = self._newest_first(np.flatnonzero(hits == _UNKNOWN))
+        known = n - len(unknown)
+        fill = len(unknown) if known < min(MIN_EVIDENCE, n) else affordable(len(unknown))
+        if fill:
+            some = unknown[:fill]
+            hits[some] = _classes(trainer, x[some], deployed) == y[some]
+        scored = np.flatnonzero(hits != _UNKNOWN)
+        shadow = _classes(trainer, x[scored], candidate) == y[scored]
+        verdict = _verdict(float(shadow.mean()), float(hits[scored].mean()), margin,
+                           len(scored))
         if verdict.promoted:
-            hits[:] = shadow
+            hits[:] = _UNKNOWN
+            hits[scored] = shadow
         return verdict
+
+    def _newest_first(self, slots: np.ndarray) -> np.ndarray:
+        """Ring ``slots`` ordered from the most recently written back."""
+        age = (self._written - 1 - slots) % self.size
+        return slots[np.argsort(age, kind="stable")]
 
 
 def judge_on(trainer: Trainer, x: np.ndarray, y: np.ndarray, candidate: np.ndarray,
@@ -141,9 +156,11 @@ class Promoter:
         self._pending = (model, weights, merged)
         return self.window is None or not deployed or model.final
 
-    def judge(self, trainer: Trainer, deployed: np.ndarray | None,
-              holdout: Holdout) -> tuple[m.StationModel, np.ndarray] | None:
-        """Score the pending candidate if it is due; the candidate where it is promoted."""
+    def judge(self, trainer: Trainer, deployed: np.ndarray | None, holdout: Holdout,
+              affordable: Callable[[int], int] = lambda n: n
+              ) -> tuple[m.StationModel, np.ndarray] | None:
+        """Score the pending candidate if it is due; the candidate where it is promoted.
+        ``affordable``: how many of the window's unknown deployed hits may be filled in."""
         if self._pending is None:
             return None
         model, weights, merged = self._pending
@@ -156,7 +173,8 @@ class Promoter:
         self._pending = None
         if scored:
             self._scored_at = model.iteration
-        verdict = self.last_verdict = (self._verdict(trainer, weights, deployed, holdout)
+        verdict = self.last_verdict = (self._verdict(trainer, weights, deployed, holdout,
+                                                     affordable)
                                        if deployed is not None and scored else Verdict(True))
         if verdict.promoted:
             self.counters["promotions"] += 1
@@ -172,13 +190,13 @@ class Promoter:
         return None
 
     def _verdict(self, trainer: Trainer, weights: np.ndarray, deployed: np.ndarray,
-                 holdout: Holdout) -> Verdict:
+                 holdout: Holdout, affordable: Callable[[int], int]) -> Verdict:
         """On the recent labelled samples, or the held-out slice while too few have
         arrived; promoted unscored where no evidence exists (``promotions.unscored``)."""
         assert self.window is not None
         margin = self.config.promote_margin
         if len(self.window) >= min(MIN_EVIDENCE, self.window.size):
-            return self.window.judge(trainer, weights, deployed, margin)
+            return self.window.judge(trainer, weights, deployed, margin, affordable)
         hx, hy = holdout()
         if len(hy) >= MIN_EVIDENCE:
             return judge_on(trainer, hx, hy, weights, deployed, margin)

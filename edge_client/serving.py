@@ -5,8 +5,9 @@ from that embedding, and the embedding is what is buffered, parked for a label a
 
 :class:`StreamFeed` is the device service's hook.  Each loop turn it drains the source's
 pump; predicts the frames ``[inference]`` allows (``fps``, ``every``) in one batched
-forward pass, at most ``max_batch`` of the newest, the rest of a backlog skipped and
-counted (``inference_skipped``) so that inference never holds training up and never
+forward pass, at most ``max_batch`` of the newest and as many as its ``budget`` pays for
+(``inference.py``), the rest of a backlog skipped and counted (``inference_skipped``,
+``inference.over_budget``) so that inference never holds training up and never
 drops a frame training would take; hands labelled samples to the device with their
 predictions, and parks unlabelled ones with :class:`~edge_client.sources.LiveLabels` until
 the line's label arrives (:meth:`on_label`).
@@ -116,7 +117,7 @@ class StreamFeed:
         if len(chosen) > cfg.max_batch:
             self.counters["inference_skipped"] += len(chosen) - cfg.max_batch
             chosen = chosen[-cfg.max_batch:]  # the newest: what is in front of the camera
-        return chosen
+        return self.device.line.within_budget(chosen)
 
     def _infer(self, batch: Drained) -> np.ndarray:
         predicted = np.full(len(batch.y), NOT_PREDICTED, dtype=np.int64)

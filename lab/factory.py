@@ -155,8 +155,10 @@ class Factory:
             dev = Device(cfg, shared[backend] if spec.share_trainers else trainer(backend),
                          num_classes=plan.num_classes, sample_shape=plan.sample_shape,
                          rng=np.random.default_rng(cfg.seed),
+                         # a simulation's results must not depend on the host's speed:
+                         # every sample [inference] every picks is predicted
                          inference=InferenceConfig(every=spec.prequential_every, publish=False,
-                                                   promote=PREQUENTIAL_PROMOTE)
+                                                   promote=PREQUENTIAL_PROMOTE, budget=1.0)
                          if spec.prequential_every else None)
             source = ReplaySource(x, y, np.random.default_rng(seed))
             dev.buffer.push(*source.read(spec.initial_samples))

@@ -16,6 +16,7 @@ from edge_client.cli import main as device_main
 from edge_client.config import DeviceConfig, InferenceConfig
 from edge_client.device import Device
 from edge_client.documents import Prediction, decode_document, encode_document
+from edge_client.errors import ConfigError
 from edge_client.inference import NOT_PREDICTED, Prequential
 from edge_client.serving import StreamFeed, load_deployable, save_deployable
 from edge_client.sources import LiveLabels
@@ -340,3 +341,64 @@ def test_safl_status_shows_held_out_and_prequential_accuracy():
                          prequential_mean=0.88, prequential_worst10=0.75)
     text = format_status(FleetStatus(stations={"st0": doc}), "plant")
     assert "held-out 0.910 (0.800), prequential 0.880 (0.750)" in text
+
+
+def test_the_prediction_budget_pays_for_a_share_of_wall_time():
+    """Credit accrues at ``share`` of the wall time, at most BURST seconds of it; a
+    prediction costs the last one's time a sample, a shadow score what it took."""
+    from edge_client.inference import PredictionBudget
+
+    now = [0.0]
+    budget = PredictionBudget(0.5, clock=lambda: now[0])
+    assert budget.affordable(100) == 100  # no cost known yet: the first batch measures it
+    budget.charge(1.0, 100)  # 10 ms a sample: 1 s of the 2 s of credit left
+    assert budget.affordable(1000) == 100
+    budget.charge(3.0)  # a shadow score that took longer than what was left
+    assert budget.credit == pytest.approx(-2.0) and budget.affordable(10) == 0
+    now[0] = 4.0  # 4 s of wall time repay 2 s
+    assert budget.affordable(10) == 0
+    now[0] = 4.2  # and 0.1 s more buys 10 predictions
+    assert budget.affordable(1000) == 10
+    now[0] = 100.0  # a quiet spell saves at most BURST seconds
+    assert budget.affordable(10_000) == int(PredictionBudget.BURST / 0.01)
+    unlimited = PredictionBudget(1.0, clock=lambda: now[0])
+    unlimited.charge(50.0, 10)
+    assert unlimited.affordable(10_000) == 10_000
+    with pytest.raises(ConfigError, match="budget"):
+        InferenceConfig(budget=0.0)
+
+
+def test_a_slow_board_predicts_within_its_budget_and_keeps_the_newest(digits):
+    """A device whose forward pass is the most of its work (a CNN on a board) predicts at
+    most its ``budget`` share of the time, the newest samples of each batch, and counts the
+    rest; with the budget at 1 every sample is predicted.  Under emulation such a device
+    spent 73% of its time predicting and answered no selection in time."""
+    def run(budget: float, seconds: float = 1.5) -> tuple[Device, float, float]:
+        trainer = build_trainer("small_cnn", input_shape=(1, 8, 8), num_classes=10, lr=0.1,
+                                seed=0)
+        dev = Device(DeviceConfig(device_id="d0", station="s0"), trainer, num_classes=10,
+                     sample_shape=(1, 8, 8), rng=np.random.default_rng(0),
+                     inference=InferenceConfig(budget=budget, promote="always"))
+        dev.line.budget.BURST = 0.05  # so that a short test measures the share, not a burst
+        dev.handle(_model(trainer.get_flat()), 0.0)
+        x, y = digits.x_train[:64].reshape(64, 1, 8, 8), digits.y_train[:64]
+        predicting, began = 0.0, time.perf_counter()
+        while time.perf_counter() - began < seconds:
+            before = dev.counters["predictions"]
+            dev.ingest(x, y, 0.0)
+            predicting += (dev.counters["predictions"] - before) * dev.line.last_inference_s
+        return dev, predicting, time.perf_counter() - began
+
+    dev, predicting, wall = run(0.2)
+    assert dev.counters["inference.over_budget"] > 0
+    assert predicting <= 0.2 * wall + 0.05 + 0.05  # the share, the burst, one batch's cost
+    assert dev.line.prequential.scored == dev.counters["predictions"]  # unpredicted: unscored
+    # What the credit pays for is the newest of a batch: what is in front of the camera.
+    budget = dev.line.budget
+    budget.credit = 10.5 * budget._per_sample
+    x = digits.x_train[:64].reshape(64, 1, 8, 8)
+    got = np.flatnonzero(dev.line.predict_every(x, 0) != NOT_PREDICTED)
+    assert len(got) in (10, 11) and got.tolist() == list(range(64 - len(got), 64))
+    dev, predicting, wall = run(1.0, seconds=0.3)
+    assert dev.counters["inference.over_budget"] == 0
+    assert dev.counters["predictions"] == dev.counters["prequential.scored"] > 0

@@ -13,6 +13,7 @@ from edge_client import messages as m
 from edge_client.config import DeviceConfig, InferenceConfig
 from edge_client.device import Device
 from edge_client.errors import ConfigError
+from edge_client.inference import NOT_PREDICTED
 from edge_client.promotion import ShadowWindow
 from edge_client.trainers import build_trainer
 
@@ -219,6 +220,32 @@ def test_a_candidate_exactly_at_the_margin_is_promoted_and_one_sample_below_is_n
     y2[:2] = 1 - label
     w._y[:] = y2
     assert not w.judge(trainer, candidate, deployed, margin=0.02).promoted  # 0.96
+
+
+def test_a_shadow_score_fills_in_only_the_deployed_hits_its_budget_pays_for(digits):
+    """On a slow board most samples arrive unpredicted: the candidate is scored on the
+    samples whose deployed hits are known, after filling in the newest unknown ones the
+    budget pays for (all where nothing limits the line), never on fewer than MIN_EVIDENCE."""
+    trainer = build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.5, seed=1)
+    flat, asked = _trained(digits), []
+    x, y = digits.x_train[:200], digits.y_train[:200]
+    predicted = np.full(200, NOT_PREDICTED)
+    predicted[-40:] = trainer.logits(x[-40:], flat).argmax(1)  # the newest 40 were predicted
+
+    def affordable(n: int) -> int:
+        asked.append(n)
+        return 10
+
+    w = ShadowWindow(200, (8, 8))
+    w.add(x, y, predicted)
+    verdict = w.judge(trainer, flat, flat, 0.02, affordable)
+    assert asked == [160] and verdict.samples == 50
+    assert (w._hits[-50:] != -1).all() and (w._hits[:150] == -1).all()  # the newest filled
+    assert w.judge(trainer, flat, flat, 0.02).samples == 200  # unlimited: all of them
+    few = ShadowWindow(200, (8, 8))
+    few.add(x, y, np.where(np.arange(200) < 190, NOT_PREDICTED, predicted))
+    asked.clear()
+    assert few.judge(trainer, flat, flat, 0.02, affordable).samples == 200 and asked == []
 
 
 def test_the_deployed_round_and_shadow_accuracy_travel_in_stats_and_are_checked(digits):

@@ -432,9 +432,15 @@ def test_devices_report_the_local_accuracy_of_their_deployable_model(digits):
         stats = dev.handle(m.Selection(fleet="t", sender="s", round=0, iteration=it,
                                        members=("d0",), deadline=1.0), 0)[0]
         if it == 0:  # the first deployable model is the aggregate: no local model yet
+            # Measured after the reply has left (the serve loop's next tick), not before:
+            # under emulation the held-out pass made that iteration's reply miss its deadline.
+            assert stats.local_samples == 0
+            assert dev.tick(0) == [] and dev.counters["local_evaluations"] == 1
+            stats = dev._stats(0, it)
             assert stats.local_samples == len(hy)
             assert stats.local_accuracy == pytest.approx(probe.evaluate(hx, hy)[1])
-    assert dev.counters["local_evaluations"] == 2  # iterations 0 and 3
+    # iterations 0 and 3: the second measured when iteration 4 begins, with no tick between
+    assert dev.counters["local_evaluations"] == 2
     st = Station(StationConfig(fleet="t", station_id="s", devices=("d0",), super_node_size=1,
                                rand_per_group=0), num_params=4,
                  num_classes=F, rng=np.random.default_rng(0))

@@ -28,7 +28,8 @@ class InferenceConfig:
     the deployed model's less ``promote_margin``, and scores one candidate in
     ``promote_every`` station iterations (the newest when labelled samples next arrive
     once they have passed; a candidate costs a forward pass over the window, the rest are
-    passed over); "always" uses every model that arrives.
+    passed over); "always" uses every model that arrives.  ``budget`` is the share of the
+    device's time its predictions and shadow scores may take (``PredictionBudget``).
     """
 
     enabled: bool = True  # predict on every sample the source delivers
@@ -43,6 +44,9 @@ class InferenceConfig:
     promote_window: int = 200  # labelled samples a candidate is scored on against the model in use
     promote_margin: float = 0.02  # how much worse than the model in use a candidate may score
     promote_every: int = 10  # station iterations between two candidates scored
+    # share of the device's time its predictions and shadow scores may take; beyond it
+    # samples go unpredicted (inference.over_budget), so a slow board keeps training (1: all)
+    budget: float = 0.5
 
     def __post_init__(self) -> None:
         check_range("fps", self.fps, 0)
@@ -54,3 +58,4 @@ class InferenceConfig:
         check_range("promote_window", self.promote_window, 1)
         check_range("promote_margin", self.promote_margin, 0, 1)
         check_range("promote_every", self.promote_every, 1)
+        check_range("budget", self.budget, 0, 1, low_open=True)
