@@ -99,7 +99,8 @@ class MqttTransport:
         self._subs: list[tuple[str, Handler]] = []
         self._doc_subs: list[tuple[str, DocumentHandler]] = []
         self._raw_subs: list[tuple[str, RawHandler]] = []
-        self._inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, bytes, float]] = queue.SimpleQueue()
+        self.arrived_at = 0.0  # monotonic: when the frame being delivered came off the socket
         self._socket = SocketOwner(client_id, self.counters)
         self.admission = Admission(fleet=fleet, layout_hash=layout_hash, num_params=num_params,
                                    max_message=config.max_message,
@@ -169,7 +170,7 @@ class MqttTransport:
         self._connected.clear()
 
     def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
-        self._inbox.put((msg.topic, bytes(msg.payload)))
+        self._inbox.put((msg.topic, bytes(msg.payload), time.monotonic()))
         self._arrived.set()
 
     def wait(self, timeout: float) -> None:
@@ -326,7 +327,7 @@ class MqttTransport:
         self.admission.expire(now)
         while True:
             try:
-                topic, payload = self._inbox.get_nowait()
+                topic, payload, self.arrived_at = self._inbox.get_nowait()
             except queue.Empty:
                 break
             raw = [h for f, h in self._raw_subs if matches(f, topic)]

@@ -79,15 +79,15 @@ class ShadowWindow:
               margin: float, affordable: Callable[[int], int] = lambda n: n) -> Verdict:
         """Score ``candidate`` beside ``deployed`` on the window's samples whose deployed
         hits are known, after filling in as many unknown ones (the newest first) as
-        ``affordable`` pays for: all of them where nothing limits the line, and all in any
-        case while fewer than :data:`MIN_EVIDENCE` are known.  A slow board predicts few
+        ``affordable`` pays for (all of them where nothing limits the line), and up to
+        :data:`MIN_EVIDENCE` known in any case.  A slow board predicts few
         samples on arrival, and filling in the rest doubled each shadow score's cost.  A
         promoted candidate's hits become the deployed model's."""
         n = len(self)
         x, y, hits = self._x[:n], self._y[:n], self._hits[:n]
         unknown = self._newest_first(np.flatnonzero(hits == _UNKNOWN))
         known = n - len(unknown)
-        fill = len(unknown) if known < min(MIN_EVIDENCE, n) else affordable(len(unknown))
+        fill = max(affordable(len(unknown)), min(MIN_EVIDENCE, n) - known)
         if fill:
             some = unknown[:fill]
             hits[some] = _classes(trainer, x[some], deployed) == y[some]

@@ -65,6 +65,10 @@ class RoleRunner(Generic[R]):
         # `safl status` and the monitor's page show beside the counter.
         self.last_error = ""
         self._limiter = LogLimiter()
+        # Seconds from a message's arrival (where the transport stamps it) to the answer it
+        # caused leaving: the last and the longest.  A device's answer to its selection is
+        # what the station's deadline waits for; a board that falls behind shows it here.
+        self.answer_s = self.answer_max_s = 0.0
         self.observers: list[Callable[[m.Message], None]] = []  # see what the role sends
         for topic_filter in role.subscriptions():
             transport.subscribe(topic_filter, self._on_message)
@@ -108,7 +112,11 @@ class RoleRunner(Generic[R]):
                                      type(self.role).__name__, type(message).__name__)
             self.transport.publish(topic_for(message), message)
 
+    def figures(self) -> dict[str, float]:
+        return {"answer_seconds": self.answer_s, "answer_max_seconds": self.answer_max_s}
+
     def _on_message(self, topic: str, message: m.Message) -> None:
+        began = time.monotonic()
         try:
             out = self.role.handle(message, self.clock())
         except Exception:
@@ -117,6 +125,9 @@ class RoleRunner(Generic[R]):
                              type(self.role).__name__, type(message).__name__, topic)
             return
         self.publish(out)
+        if out:
+            self.answer_s = time.monotonic() - getattr(self.transport, "arrived_at", began)
+            self.answer_max_s = max(self.answer_max_s, self.answer_s)
 
 
 def serve(runners: RoleRunner[Any] | Sequence[RoleRunner[Any]], transport: Transport, *,

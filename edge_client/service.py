@@ -221,8 +221,8 @@ class DeviceService:
              **({f"source.{k}": v for k, v in pump.metrics().items() if k != "queued"}
                 if pump else {}),
              **(dict(self.labels.counters) if self.labels else {})},
-            {**device.metrics(), **({"source_queued": pump.metrics()["queued"]} if pump
-                                    else {}),
+            {**device.metrics(), **runner.figures(),
+             **({"source_queued": pump.metrics()["queued"]} if pump else {}),
              # Prometheus names a time by its unit.
              **{k + ("_seconds" if k.startswith("label_lag") else ""): v
                 for k, v in self._gauges().items() if v is not None}}),
@@ -243,5 +243,6 @@ class DeviceService:
                 self.feed.close()
             if pump is not None:
                 pump.stop()
-        log.info("device %s finished: %s %s", device.id, dict(device.counters), device.metrics())
+        log.info("device %s finished: %s %s", device.id, dict(device.counters),
+                 {**device.metrics(), **runner.figures()})
         return device

@@ -391,6 +391,44 @@ def test_qos1_duplicates_are_applied_once_and_reconnects_resubscribe(tmp_path):
         server.stop()
 
 
+def test_a_devices_answer_is_timed_from_its_selections_arrival(tmp_path, digits):
+    """A board that falls behind shows it: the time a selection waited in the device's
+    inbox (it was busy) counts towards its answer time, which /metrics and the device's
+    last log line carry (the emulated-Pi check bounds it)."""
+    from edge_client.config import DeviceConfig
+    from edge_client.device import Device
+    from edge_client.runner import RoleRunner
+    from edge_client.trainers import build_trainer
+
+    server = Mosquitto(tmp_path, ["d0", "st0"], acl_lines("f", {"st0": ["d0"]}))
+    station, transport = _pair(server)
+    trainer = build_trainer("softmax", input_shape=(8, 8), num_classes=10, lr=0.1, seed=0)
+    device = Device(DeviceConfig(device_id="d0", station="st0", fleet="f"), trainer,
+                    num_classes=10, sample_shape=(8, 8), rng=np.random.default_rng(0))
+    device.ingest(digits.x_train[:64], digits.y_train[:64], 0.0)
+    runner = RoleRunner(device, transport)
+    replies: list[m.Message] = []
+    runner.observers.append(replies.append)
+    try:
+        station.connect()
+        transport.connect()
+        time.sleep(0.2)
+        for msg in (m.StationModel(fleet="f", sender="st0", round=0, iteration=0,
+                                   weights=trainer.get_flat()),
+                    m.Selection(fleet="f", sender="st0", round=0, iteration=0,
+                                members=("d0",), deadline=1.0)):
+            station.publish(topic_for(msg), msg)
+        time.sleep(0.6)  # the device is busy elsewhere: both wait in its inbox
+        _pump(transport, replies, 2)
+        assert any(isinstance(r, m.DeviceUpdate) for r in replies)
+        figures = runner.figures()
+        assert 0.5 <= figures["answer_seconds"] <= figures["answer_max_seconds"] < 15
+    finally:
+        transport.close()
+        station.close()
+        server.stop()
+
+
 def test_a_device_service_stops_cleanly_on_sigterm(tmp_path, digits):
     import subprocess
     import sys
