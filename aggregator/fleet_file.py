@@ -15,9 +15,18 @@ from edge_client.config import ModelConfig, TrainingSettings, check_id, from_map
 from edge_client.errors import ConfigError
 from edge_client.pipeline import UpdatePipeline
 
-__all__ = ["FleetFile", "StationEntry", "LineEntry", "load_fleet_file", "line_id", "MONITOR"]
+__all__ = ["FleetFile", "StationEntry", "LineEntry", "load_fleet_file", "line_id", "MONITOR",
+           "STATUS", "watch_id"]
 
-MONITOR = "monitor"  # read-only user for `safl status`
+MONITOR = "monitor"  # read-only user for `safl monitor`'s page
+# `safl status`'s own read-only user: a broker binds client ids to certificate names, and a
+# status run on the monitor's certificate took the page's session.
+STATUS = "status"
+
+
+def watch_id(line: str) -> str:
+    """The login of ``safl predictions`` for ``line``: read-only, beside the application's."""
+    return f"watch-{line}"
 
 
 def line_id(station: str) -> str:
@@ -93,12 +102,13 @@ def load_fleet_file(path: str | Path) -> FleetFile:
     stations = _stations(doc, seen)
     if not stations:
         raise ConfigError("stations", "the fleet needs at least one station")
-    if MONITOR in seen or "cloud" in seen:
-        raise ConfigError("stations.id", f"'cloud' and {MONITOR!r} are reserved ids")
-    lines = sorted(i for i in seen if i.startswith("line-"))
+    if seen & {MONITOR, STATUS, "cloud"}:
+        raise ConfigError("stations.id", f"'cloud', {MONITOR!r} and {STATUS!r} are reserved "
+                          "ids")
+    lines = sorted(i for i in seen if i.startswith(("line-", "watch-")))
     if lines:
-        raise ConfigError("stations.id", f"{lines[0]!r}: ids beginning 'line-' are the "
-                          "factory lines' logins")
+        raise ConfigError("stations.id", f"{lines[0]!r}: ids beginning 'line-' and 'watch-' "
+                          "are the factory lines' logins")
     metrics_port = fleet.get("metrics_port", 0)
     if type(metrics_port) is not int or not 0 <= metrics_port <= 65533:
         raise ConfigError("fleet.metrics_port", f"must be a port number up to 65533 (the "
@@ -201,9 +211,10 @@ def _lines(raws: list[dict[str, Any]], stations: list[StationEntry], seen: set[s
     for raw in raws:
         lid, sid = str(raw.get("id", "")), str(raw.get("station", ""))
         check_id("lines.id", lid)
-        if lid in seen or lid in (MONITOR, "cloud") or lid.startswith("line-"):
+        if lid in seen or lid in (MONITOR, STATUS, "cloud") or lid.startswith(("line-",
+                                                                                  "watch-")):
             raise ConfigError("lines.id", f"{lid!r} is taken, or reserved (ids beginning "
-                              "'line-' are the default lines' logins)")
+                              "'line-' and 'watch-' are the lines' logins)")
         seen.add(lid)
         if sid not in by_station:
             raise ConfigError("lines.station", f"line {lid!r} names unknown station {sid!r}")

@@ -11,8 +11,12 @@ Output folder (``--out``):
 - ``devices/<did>/``: ``device.toml`` (complete but for a camera the fleet file does not
   name), a client certificate and key;
 - ``lines/<id>/``: each line application's certificate and ``line.toml``: it reads its
-  devices' predictions and writes their label topics;
-- ``monitor/``: a status-only certificate and ``status-<broker>.toml`` for ``safl status``;
+  devices' predictions and writes their label topics; ``watch/`` and ``watch.toml``, a
+  certificate that reads the predictions only, for ``safl predictions`` beside the running
+  application (a broker binds a session to a certificate: one login, one session);
+- ``monitor/``: read-only certificates and, per broker, ``monitor-<broker>.toml`` for
+  ``safl monitor``'s page and ``status-<broker>.toml`` (``status/``'s certificate) for
+  ``safl status``, so that a status run leaves the page's session alone;
 - ``state.json``: ids issued and revoked, revoked serials, so re-runs only add.
 
 A client certificate is its participant's identity: brokers require one and take its common
@@ -40,7 +44,7 @@ from edge_client.errors import ConfigError
 from edge_client.messages import Participant
 from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES, label_topic
 
-from .fleet_file import MONITOR, FleetFile, StationEntry, load_fleet_file
+from .fleet_file import MONITOR, STATUS, FleetFile, StationEntry, load_fleet_file, watch_id
 from .pki import issue, make_ca, serial_of, write_crl, write_private
 from .prometheus import ALERT_RULES, scrape_config
 from .role_files import device_file, line_file, model_table, training_table
@@ -156,9 +160,11 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
         run.station_broker(s, [d for d in s.devices if d not in revoked])
     for name, url in (("cloud", cloud_url), *((s.id, f"mqtts://{s.host}:{s.port}")
                                               for s in stations)):
-        (out / "monitor" / f"status-{name}.toml").write_text(toml_text(
+        (out / "monitor" / f"monitor-{name}.toml").write_text(toml_text(
             {"broker": run.broker_section(MONITOR, url),
              "monitor": {"http": fleet.monitor_http}}))
+        (out / "monitor" / f"status-{name}.toml").write_text(toml_text(
+            {"broker": run.broker_section(STATUS, url)}))
     if fleet.metrics_port:
         run.prometheus(stations, revoked)
     run.state.save()
@@ -191,7 +197,8 @@ class _Provisioner:
             for cert in (out / "devices" / user / "client.pem",
                          out / "stations" / user / "client.pem",
                          out / "stations" / user / "broker" / "bridge.pem",
-                         out / "lines" / user / "client.pem"):
+                         out / "lines" / user / "client.pem",
+                         out / "lines" / user / "watch" / "client.pem"):
                 if cert.exists() and serial_of(cert) not in doc["revoked_serials"]:
                     doc["revoked_serials"].append(serial_of(cert))
             if user not in doc["revoked"]:
@@ -217,6 +224,7 @@ class _Provisioner:
         out = self.out
         self.credential(out / "cloud" / "client", "cloud")
         self.credential(out / "monitor", MONITOR)
+        self.credential(out / "monitor" / "status", STATUS)
         for s in stations:
             self.credential(out / "stations" / s.id, s.id)
             self.credential(out / "stations" / s.id / "broker", s.id, "bridge")
@@ -226,6 +234,7 @@ class _Provisioner:
         for line in self.fleet.lines:
             if line.id not in revoked and line.station not in revoked:
                 self.credential(out / "lines" / line.id, line.id)
+                self.credential(out / "lines" / line.id / "watch", watch_id(line.id))
 
     def service_section(self, role: Participant) -> dict:
         """The ``[service]`` table: metrics for the fleet's Prometheus, where it has one, on
@@ -275,7 +284,7 @@ class _Provisioner:
             bind=fleet.cloud_bind))
         rules = {"cloud": [*_grant("write", topics.prefix(name, _CLOUD), CLOUD_LEAVES),
                            *_grant("read", topics.prefix(name, _STATION, "+"), STATION_UP)],
-                 MONITOR: _monitor_rules(name)}
+                 MONITOR: _monitor_rules(name), STATUS: _monitor_rules(name)}
         for s in stations:
             rules[s.id] = [*_grant("write", topics.prefix(name, _STATION, s.id), STATION_UP),
                            *_grant("read", topics.prefix(name, _CLOUD), CLOUD_LEAVES)]
@@ -313,13 +322,13 @@ class _Provisioner:
                         *_grant("read", topics.prefix(name, _DEV, "+"), ("stats", "status")),
                         *(f"topic read {topics.prefix(name, _DEV, d)}/update" for d in devices),
                         *_grant("read", topics.prefix(name, _CLOUD), CLOUD_LEAVES)],
-                 MONITOR: _monitor_rules(name)}
+                 MONITOR: _monitor_rules(name), STATUS: _monitor_rules(name)}
         for line in self.fleet.lines:
             if line.station == s.id and line.id in self.credential_dirs:
                 mine = [d for d in line.devices if d in devices]
-                rules[line.id] = [
-                    *(f"topic read {topics.predictions_topic(name, d)}" for d in mine),
-                    *(f"topic write {label_topic(s.id, d)}" for d in mine)]
+                reads = [f"topic read {topics.predictions_topic(name, d)}" for d in mine]
+                rules[line.id] = [*reads, *(f"topic write {label_topic(s.id, d)}" for d in mine)]
+                rules[watch_id(line.id)] = reads
         for did in devices:
             rules[did] = [*_grant("write", topics.prefix(name, _DEV, did), DEVICE_LEAVES),
                           *_grant("read", topics.prefix(name, _STATION, s.id),
@@ -345,6 +354,11 @@ class _Provisioner:
                 (self.credential_dirs[line.id] / "line.toml").write_text(line_file(
                     fleet, line.id, s.id, broker=self.broker_section(line.id, url),
                     devices=[d for d in line.devices if d in devices]))
+                (self.credential_dirs[line.id] / "watch.toml").write_text(
+                    f"# Generated by safl provision: `safl predictions` for line {line.id}, "
+                    "on a\n# certificate of its own that reads its devices' predictions and "
+                    "nothing else.\n\n" + toml_text(
+                        {"broker": self.broker_section(watch_id(line.id), url)}))
 
 
 def _rel(out: Path, folder: Path) -> Path:

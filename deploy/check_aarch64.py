@@ -17,7 +17,12 @@ What a Raspberry Pi user does, done here under emulation (``qemu-user-static`` t
    device in one mixed fleet; then a fleet of four emulated body-plus-head devices (camera
    frames through EfficientNet-Lite0 on ONNX Runtime, a linear head on numpy).  It
    asserts that every round completes, that the emulated devices uploaded, and that the global
-   model learns; it records each device's peak RSS and step time, and the body's ms a frame.
+   model learns; it records each device's peak RSS and step time, and the body's ms a frame;
+6. run the fleet ``safl demo --fleet-out`` writes, its model switched to ``small_cnn`` (two
+   stations, 12 devices, 20 rounds), with one device emulated and the rest on the host: the
+   emulated device must answer every selection within ``ANSWER_BOUND_S`` of its arrival,
+   follow the federation to its last round, and peak at ``RSS_BOUND_MB`` or less (issue 57:
+   it once answered none in 4 minutes).
 
 It prints a table and writes ``aarch64.json`` to ``--out``.  Where it cannot run (not root,
 no ``binfmt_misc``, no qemu) it says why and exits 0 with SKIPPED: CI installs what it needs.
@@ -364,10 +369,7 @@ def run_fleet(name: str, rootfs: Path, folder: Path, broker: str, credentials) -
         last_read[0] = time.monotonic()
         for who, proc in fleet.procs.items():
             if who.startswith("dev") and proc.poll() is None:
-                with contextlib.suppress(OSError, StopIteration, ValueError):
-                    status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-                    kb = next(int(x.split()[1]) for x in status if x.startswith("VmHWM"))
-                    peaks[who] = max(peaks.get(who, 0.0), kb / 1024)
+                peaks[who] = max(peaks.get(who, 0.0), _peak_rss(proc.pid))
 
     started = time.monotonic()
     log(f"fleet {name}: {model} on {note}, devices {sorted(commands)} emulated")
@@ -390,6 +392,94 @@ def run_fleet(name: str, rootfs: Path, folder: Path, broker: str, credentials) -
               "devices": devices}
     _check_fleet(result, rounds)
     return result
+
+
+# The demo fleet (step 6).  Its emulated device trains a numpy small_cnn step in about 2 s
+# while 14 host processes share the 2 cores: answering takes that step, the merge and the
+# wait behind whatever it was doing when the selection came (a prediction batch, a shadow
+# score): 9.9 s at most measured, against 17.6 s before its predictions kept to a budget
+# (issue 57).  15 s is half the stations' iteration_timeout, past which an answer is never
+# used; a device that falls behind its inbox for good also ends short of the last round.
+ANSWER_BOUND_S = 15.0
+RSS_BOUND_MB = 200.0  # a Pi Zero 2's 512 MB, shared with the OS and the camera's reader
+DEMO_DEVICE = "dev000"
+
+
+def run_demo_fleet(rootfs: Path, folder: Path) -> dict:
+    """``safl demo --fleet-out``'s fleet on small_cnn, ``DEMO_DEVICE`` emulated (numpy),
+    over a broker on loopback, until the cloud's last round."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from brokers import free_port
+
+    fleet = folder / "demo"
+    run([sys.executable, "-m", "safl", "demo", "--fleet-out", str(fleet)], timeout=600)
+    for toml in fleet.glob("*.toml"):  # what a user switching the model edits
+        toml.write_text(toml.read_text().replace('name = "mlp"', 'name = "small_cnn"')
+                        .replace("input_shape = [28, 28]", "input_shape = [1, 28, 28]"))
+    logs = fleet / "logs"
+    logs.mkdir()
+    url = f"mqtt://127.0.0.1:{(port := free_port())}"
+    safl = [sys.executable, "-m", "safl", "-v"]
+    commands = {"broker": ["mosquitto", "-p", str(port)],
+                "cloud": [*safl, "cloud", "--config", str(fleet / "cloud.toml"), "--eval",
+                          str(fleet / "data" / "test.npz"), "--out", str(fleet)]}
+    commands.update({t.stem: [*safl, "station" if t.stem.startswith("st") else "device",
+                              "--config", str(t)] for t in sorted(fleet.glob("[sd]*.toml"))})
+    commands[DEMO_DEVICE] = guest(rootfs, f"{VENVS['numpy'][0]}/bin/safl-device", "-v",
+                                  "--config", str(fleet / f"{DEMO_DEVICE}.toml"))
+    procs: dict[str, subprocess.Popen] = {}
+    peak, started = 0.0, time.monotonic()
+    log(f"fleet demo: small_cnn, 2 stations x 6 devices, {DEMO_DEVICE} emulated")
+    try:
+        for name, cmd in commands.items():
+            extra = [] if name == "broker" else ["--broker", url]
+            procs[name] = subprocess.Popen([*cmd, *extra], stdout=open(logs / f"{name}.log", "w"),
+                                           stderr=subprocess.STDOUT,
+                                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+            if name == "broker":
+                time.sleep(1.0)
+        while procs["cloud"].poll() is None and time.monotonic() - started < 1200:
+            peak = max(peak, _peak_rss(procs[DEMO_DEVICE].pid))
+            time.sleep(1.0)
+    finally:
+        for proc in reversed(list(procs.values())):
+            proc.terminate()
+        for proc in procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+    counters, metrics = _finished((logs / f"{DEMO_DEVICE}.log").read_text(), DEMO_DEVICE)
+    rows = (fleet / "metrics.csv").read_text().splitlines()[1:] \
+        if (fleet / "metrics.csv").exists() else []
+    result = {"fleet": "demo", "model": "small_cnn", "rounds": len(rows) - 1,
+              "wall_s": round(time.monotonic() - started), "device": DEMO_DEVICE,
+              "accuracy": float(rows[-1].split(",")[4]) if rows else float("nan"),
+              # the round of the last model it took: a device behind its inbox ends short
+              "device_round": int(metrics.get("round", 0)),
+              "uploads": counters.get("uploads", 0), "predictions": counters.get("predictions", 0),
+              "over_budget": counters.get("inference.over_budget", 0),
+              "answer_max_s": round(metrics.get("answer_max_seconds", float("nan")), 2),
+              "step_s": round(metrics.get("train_step_seconds", float("nan")), 2),
+              "peak_rss_mb": round(peak, 1)}
+    log(f"fleet demo: {result}")
+    if result["rounds"] != 20 or result["device_round"] != 20 or not result["uploads"]:
+        raise CheckFailed(f"fleet demo: {result['rounds']} of 20 rounds, {DEMO_DEVICE} "
+                          f"reached round {result['device_round']} and uploaded "
+                          f"{result['uploads']} times: {result}")
+    if not result["answer_max_s"] <= ANSWER_BOUND_S:
+        raise CheckFailed(f"fleet demo: the emulated {DEMO_DEVICE} took {result['answer_max_s']}"
+                          f" s to answer a selection (bound {ANSWER_BOUND_S} s): {result}")
+    if not 0 < result["peak_rss_mb"] <= RSS_BOUND_MB:
+        raise CheckFailed(f"fleet demo: the emulated {DEMO_DEVICE} peaked at "
+                          f"{result['peak_rss_mb']} MB (bound {RSS_BOUND_MB} MB): {result}")
+    return result
+
+
+def _peak_rss(pid: int) -> float:
+    """The process's peak RSS in MB (VmHWM; 0 where it cannot be read)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        return int(next(x for x in status if x.startswith("VmHWM")).split()[1]) / 1024
+    return 0.0
 
 
 def _camera_data(data, folder: Path):
@@ -461,6 +551,14 @@ def report(result: dict) -> str:
                          f"{d['uploads']} | {d['step_ms']} | {d['peak_rss_mb']} |")
         lines.append(f"\nfleet {f['fleet']}: {f['rounds']} rounds in {f['wall_s']} s, "
                      f"accuracy {f['accuracy'][0]:.3f} -> {f['accuracy'][-1]:.3f}\n")
+    if "demo" in result:
+        d = result["demo"]
+        lines.append(f"fleet demo (small_cnn, {d['device']} emulated): {d['rounds']} rounds in "
+                     f"{d['wall_s']} s, accuracy {d['accuracy']:.3f}; {d['device']}: "
+                     f"{d['uploads']} uploads, answers within "
+                     f"{d['answer_max_s']} s (bound {ANSWER_BOUND_S}), last step {d['step_s']} "
+                     f"s, {d['predictions']} predictions ({d['over_budget']} over its budget), "
+                     f"peak RSS {d['peak_rss_mb']} MB (bound {RSS_BOUND_MB})\n")
     for v in result["install"].values():
         lines.append(f"venv {v['venv']} (safl-edge[{v['extra']}]): {v['venv_mb']} MB, "
                      f"installed in {v['install_s']} s")
@@ -473,8 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, default=CACHE, help="where the root filesystem is kept")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "aarch64")
     p.add_argument("--steps", type=int, default=10, help="timed steps per probe")
-    p.add_argument("--fleets", nargs="*", default=list(FLEETS), choices=list(FLEETS),
-                   help="the fleets to run (default: all)")
+    p.add_argument("--fleets", nargs="*", default=[*FLEETS, "demo"],
+                   choices=[*FLEETS, "demo"], help="the fleets to run (default: all)")
     args = p.parse_args(argv)
     started = time.monotonic()
     # A terminated check still unmounts /proc, /dev, /sys and the run folder from the chroot.
@@ -509,8 +607,11 @@ def main(argv: list[str] | None = None) -> int:
                       "body": body_probe(rootfs, args.out / "body", args.steps)}
             with mosquitto(args.out) as (broker, credentials):
                 for name in args.fleets:
-                    result["fleets"].append(run_fleet(name, rootfs, args.out, broker,
-                                                      credentials))
+                    if name in FLEETS:
+                        result["fleets"].append(run_fleet(name, rootfs, args.out, broker,
+                                                          credentials))
+            if "demo" in args.fleets:
+                result["demo"] = run_demo_fleet(rootfs, args.out)
     except CheckFailed as exc:
         print(f"aarch64 check: FAILED: {exc}", file=sys.stderr)
         return 1

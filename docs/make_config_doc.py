@@ -140,7 +140,8 @@ def render() -> str:
            "(`'retrys': unknown key in [source]; did you mean 'retries'?`). "
            "`safl status` and `safl monitor` read `[broker]` (and the monitor "
            "`[monitor] http = \"HOST:PORT\"`, where its page listens), as provisioning "
-           "writes them in `monitor/status-*.toml`; `safl provision` reads the fleet file "
+           "writes them in `monitor/status-*.toml` and `monitor/monitor-*.toml` (each on "
+           "a certificate of its own); `safl provision` reads the fleet file "
            "(`docs/deploy.md`).", ""]
     done: set[str] = set()
     for role, command, tables in ROLES:

@@ -156,7 +156,7 @@ def _predictions(args: argparse.Namespace) -> int:
 def _monitor(args: argparse.Namespace) -> int:
     from aggregator.monitor import run_monitor
 
-    # --http, else the [monitor] table provisioning writes into monitor/status-*.toml
+    # --http, else the [monitor] table provisioning writes into monitor/monitor-*.toml
     from edge_client.config import BrokerConfig, load_config, read_toml
     from edge_client.errors import ConfigError
     table = read_toml(args.config, "config").get("monitor", {}) if args.config else {}
@@ -301,7 +301,8 @@ def _add_status(sub) -> None:
         p.add_argument("--broker", default=None, help="mqtt://host:port")
         p.add_argument("--config", type=Path, default=None,
                        help="a TOML file with [broker] (provisioning writes monitor/status-*.toml "
-                       "and lines/<id>/line.toml)")
+                       "for status, monitor/monitor-*.toml for monitor and lines/<id>/watch.toml "
+                       "for predictions)")
         p.add_argument("--fleet", default="default")
     status.add_argument("--wait", type=float, default=1.5, help="seconds to collect retained state")
     predictions.add_argument("--device", action="append", default=[],

@@ -161,7 +161,7 @@ def test_the_monitor_reads_presence_and_summaries_never_models(factory):
     out, ports, _ = factory
     station = _transport(_cfg(out, "stations", "st0", "station.toml"), "st0")
     cam = _transport(_cfg(out, "devices", "cam1", "device.toml"), "cam1")
-    monitor = _raw(_cfg(out, "monitor", "status-st0.toml"), ports["st0"], "monitor")
+    monitor = _raw(_cfg(out, "monitor", "monitor-st0.toml"), ports["st0"], "monitor")
     seen = []
     monitor.on_message = lambda c, u, msg: seen.append(msg.topic)
     monitor.subscribe("safl/plant/#", qos=1)
@@ -289,7 +289,7 @@ def test_a_role_whose_certificate_names_someone_else_is_refused_before_connectin
                       fleet="plant", presence=_presence("cam2", "dev"))
     status = MqttTransport(_cfg(out, "monitor", "status-st0.toml"), client_id="safl-status-1",
                            fleet="plant", persistent=False)
-    assert status.client_id == "monitor"
+    assert status.client_id == "status"  # its own certificate: the page keeps "monitor"
 
 
 @needs_mosquitto

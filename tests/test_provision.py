@@ -118,8 +118,8 @@ def test_brokers_listen_where_the_fleet_file_says(lined, tmp_path):
     provision(path, tmp_path / "open")
     assert f"listener {ports['st0']}\n" in (
         tmp_path / "open" / "stations" / "st0" / "broker" / "mosquitto.conf").read_text()
-    status = (out / "monitor" / "status-st0.toml").read_text()
-    assert '[monitor]\nhttp = "127.0.0.1:8080"' in status
+    page = (out / "monitor" / "monitor-st0.toml").read_text()
+    assert '[monitor]\nhttp = "127.0.0.1:8080"' in page
 
 
 @pytest.mark.parametrize("text, key", [
@@ -251,12 +251,12 @@ def test_each_line_reads_its_devices_predictions_and_writes_only_their_labels(li
         acl = (out / "stations" / "st0" / "broker" / "acl").read_text()
         block = acl.split("user line-st0\n")[1].split("\n\n")[0]
         assert "cam3" in block and "cam1" not in block and "cam2" not in block
-        press.close()  # the watch below connects with the press line's certificate: its session
-        # `safl predictions` with the line's own file prints what its devices predict, and
-        # nothing of the devices it may not read.
+        # `safl predictions` with the line's watch file prints what its devices predict, and
+        # nothing of the devices it may not read, on a certificate of its own: the running
+        # line application keeps its session (on the line's own, the broker ended it).
         watch = subprocess.Popen(
             [sys.executable, "-m", "safl", "predictions", "--config",
-             str(out / "lines" / "press-line" / "line.toml"), "--fleet", "plant",
+             str(out / "lines" / "press-line" / "watch.toml"), "--fleet", "plant",
              "--seconds", "6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(3)  # its subscription
         for k, (d, t) in enumerate(cams.items()):
@@ -267,7 +267,23 @@ def test_each_line_reads_its_devices_predictions_and_writes_only_their_labels(li
         assert watch.returncode == 0, said
         assert printed.splitlines() == ["cam1 frame 7 t 100.000 label 2 confidence 0.750 model "
                                         "round 3 latency 41 ms"], (printed, said)
-        for t in (paint, default, *cams.values()):
+        press.deliver()
+        assert press.connected and press.counters["disconnects"] == 0
+        # The watch may read, and nothing more: no label reaches cam1 from it.
+        block = acl.split("user watch-press-line\n")[1].split("\n\n")[0]
+        assert "predictions" in block and "labels" not in block and "cam2" not in block
+        # `safl status` beside a running `safl monitor`: each on its own certificate, so the
+        # page's session survives the status run (it was taken over, and said so twice).
+        page = connect("monitor", "monitor-st0.toml", client="monitor")
+        page.connect()
+        status = subprocess.run([sys.executable, "-m", "safl", "status", "--config",
+                                 str(out / "monitor" / "status-st0.toml"), "--fleet", "plant"],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        time.sleep(0.5)
+        page.deliver()
+        assert page.connected and page.counters["disconnects"] == 0
+        for t in (press, paint, default, page, *cams.values()):
             t.close()
     finally:
         broker.stop()
