@@ -24,6 +24,10 @@ MONITOR = "monitor"  # read-only user for `safl monitor`'s page
 STATUS = "status"
 
 
+RESERVED_IDS = frozenset({MONITOR, STATUS, "cloud"})  # the logins no participant may take
+RESERVED_PREFIXES = ("line-", "watch-")  # the lines' logins: line-<station>, watch-<line>
+
+
 def watch_id(line: str) -> str:
     """The login of ``safl predictions`` for ``line``: read-only, beside the application's."""
     return f"watch-{line}"
@@ -102,10 +106,9 @@ def load_fleet_file(path: str | Path) -> FleetFile:
     stations = _stations(doc, seen)
     if not stations:
         raise ConfigError("stations", "the fleet needs at least one station")
-    if seen & {MONITOR, STATUS, "cloud"}:
-        raise ConfigError("stations.id", f"'cloud', {MONITOR!r} and {STATUS!r} are reserved "
-                          "ids")
-    lines = sorted(i for i in seen if i.startswith(("line-", "watch-")))
+    if seen & RESERVED_IDS:
+        raise ConfigError("stations.id", f"{sorted(RESERVED_IDS)} are reserved ids")
+    lines = sorted(i for i in seen if i.startswith(RESERVED_PREFIXES))
     if lines:
         raise ConfigError("stations.id", f"{lines[0]!r}: ids beginning 'line-' and 'watch-' "
                           "are the factory lines' logins")
@@ -211,8 +214,7 @@ def _lines(raws: list[dict[str, Any]], stations: list[StationEntry], seen: set[s
     for raw in raws:
         lid, sid = str(raw.get("id", "")), str(raw.get("station", ""))
         check_id("lines.id", lid)
-        if lid in seen or lid in (MONITOR, STATUS, "cloud") or lid.startswith(("line-",
-                                                                                  "watch-")):
+        if lid in seen or lid in RESERVED_IDS or lid.startswith(RESERVED_PREFIXES):
             raise ConfigError("lines.id", f"{lid!r} is taken, or reserved (ids beginning "
                               "'line-' and 'watch-' are the lines' logins)")
         seen.add(lid)

@@ -430,23 +430,11 @@ def run_demo_fleet(rootfs: Path, folder: Path) -> dict:
     procs: dict[str, subprocess.Popen] = {}
     peak, started = 0.0, time.monotonic()
     log(f"fleet demo: small_cnn, 2 stations x 6 devices, {DEMO_DEVICE} emulated")
-    try:
-        for name, cmd in commands.items():
-            extra = [] if name == "broker" else ["--broker", url]
-            procs[name] = subprocess.Popen([*cmd, *extra], stdout=open(logs / f"{name}.log", "w"),
-                                           stderr=subprocess.STDOUT,
-                                           env={**os.environ, "PYTHONPATH": str(ROOT)})
-            if name == "broker":
-                time.sleep(1.0)
+    with contextlib.ExitStack() as files:
+        _run_demo(commands, url, logs, procs, files)
         while procs["cloud"].poll() is None and time.monotonic() - started < 1200:
             peak = max(peak, _peak_rss(procs[DEMO_DEVICE].pid))
             time.sleep(1.0)
-    finally:
-        for proc in reversed(list(procs.values())):
-            proc.terminate()
-        for proc in procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
     counters, metrics = _finished((logs / f"{DEMO_DEVICE}.log").read_text(), DEMO_DEVICE)
     rows = (fleet / "metrics.csv").read_text().splitlines()[1:] \
         if (fleet / "metrics.csv").exists() else []
@@ -472,6 +460,28 @@ def run_demo_fleet(rootfs: Path, folder: Path) -> dict:
         raise CheckFailed(f"fleet demo: the emulated {DEMO_DEVICE} peaked at "
                           f"{result['peak_rss_mb']} MB (bound {RSS_BOUND_MB} MB): {result}")
     return result
+
+
+def _run_demo(commands: dict[str, list[str]], url: str, logs: Path,
+              procs: dict[str, subprocess.Popen], files: contextlib.ExitStack) -> None:
+    """Start the demo fleet's processes (the broker first), each logging to ``logs``; all
+    are stopped when ``files`` closes."""
+    files.callback(_stop_all, procs)
+    for name, cmd in commands.items():
+        extra = [] if name == "broker" else ["--broker", url]
+        out = files.enter_context(open(logs / f"{name}.log", "w"))
+        procs[name] = subprocess.Popen([*cmd, *extra], stdout=out, stderr=subprocess.STDOUT,
+                                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if name == "broker":
+            time.sleep(1.0)
+
+
+def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    for proc in reversed(list(procs.values())):
+        proc.terminate()
+    for proc in procs.values():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
 
 
 def _peak_rss(pid: int) -> float:

@@ -156,3 +156,8 @@ class StreamBuffer:
     def holdout(self) -> tuple[np.ndarray, np.ndarray]:
         """The held-out evaluation slice (never trained on)."""
         return self._holdout.take(self._holdout.oldest, self._holdout.written)
+
+    @property
+    def held_out(self) -> int:
+        """Samples in the held-out slice, without copying them."""
+        return self._holdout.written - self._holdout.oldest

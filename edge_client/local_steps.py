@@ -78,7 +78,7 @@ class LocalModel:
         if not cfg.local_eval_interval or (self._evaluated_at is not None and
                                            t - self._evaluated_at < cfg.local_eval_interval):
             return
-        if len(self.buffer.holdout()[1]) < max(1, cfg.gate_min_holdout):
+        if self.buffer.held_out < max(1, cfg.gate_min_holdout):
             return
         self._due, self._evaluated_at = start, t
 

@@ -126,6 +126,9 @@ def test_brokers_listen_where_the_fleet_file_says(lined, tmp_path):
     ('[[lines]]\nid = "x"\nstation = "st0"\ndevices = ["cam1"]\n', "lines.devices"),
     ('[[lines]]\nid = "cam3"\nstation = "st0"\ndevices = ["cam3"]\n', "lines.id"),
     ('[[lines]]\nid = "y"\nstation = "st9"\ndevices = ["cam3"]\n', "lines.station"),
+    # The watchers' logins: `safl status`'s, and each line's `safl predictions`'.
+    ('[[lines]]\nid = "status"\nstation = "st0"\ndevices = ["cam3"]\n', "lines.id"),
+    ('[[lines]]\nid = "watch-a"\nstation = "st0"\ndevices = ["cam3"]\n', "lines.id"),
     ('[[lines]]\nid = "y"\nstation = "st0"\ndevices = ["cam9"]\n', "lines.devices"),
     ('[training]\nupdate_stages = ["int8:256"]\n', "training.update_stages"),
 ])

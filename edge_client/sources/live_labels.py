@@ -106,7 +106,8 @@ class LiveLabels:
 
     @property
     def estimate(self) -> float | None:
-        """The lag the labels point to, once the model in use agrees with them (seconds)."""
+        """The lag the labels point to, once they explain the frames well enough to say
+        (seconds; None before)."""
         return self.estimator.last.lag if self.estimator.last is not None else None
 
     def add_frames(self, x: np.ndarray, times: np.ndarray, predicted: np.ndarray) -> list[Joined]:
