@@ -16,6 +16,7 @@ __all__ = [
     "SourceError",
     "ConnectError",
     "BrokerRefused",
+    "RoleStalled",
 ]
 
 
@@ -78,3 +79,10 @@ class BrokerRefused(SaflError):
     """The broker answered but refused us (credentials, ACL, protocol)."""
 
     exit_code = 7
+
+
+class RoleStalled(SaflError):
+    """The role's own work (its start, its ticks, its parent's models) failed on every try
+    for longer than it can wait: the federation cannot go on through it, so it ends."""
+
+    exit_code = 9

@@ -13,7 +13,7 @@ from edge_client.config import DeviceConfig
 from edge_client.device import Device
 from edge_client.errors import ShapeError
 from edge_client.runner import RoleRunner
-from edge_client.topics import global_model_topic
+from edge_client.topics import global_model_topic, station_model_topic
 from edge_client.trainers import build_trainer
 from edge_client.transport import LocalBus
 
@@ -540,6 +540,113 @@ def test_a_role_bug_is_counted_every_time_and_logged_once(caplog):
             runner.tick()
     assert role.counters["rejected.internal"] == 50 and role.counters["errors.tick"] == 50
     assert len(caplog.records) == 2  # one traceback per kind of failure a minute
+
+
+def _stepping_clock(step=0.5):
+    now = [0.0]
+
+    def clock():
+        now[0] += step
+        return now[0]
+    return clock
+
+
+def test_a_role_whose_every_tick_fails_ends_naming_why_and_says_so_last(caplog):
+    """A tick that fails on every try for the watchdog's window ends the service with
+    RoleStalled (exit code 9), logged at error level and in the last summary; one that
+    fails only now and then never ends it."""
+    from collections import Counter
+
+    from edge_client.errors import RoleStalled
+    from edge_client.runner import STALL_AFTER_S, StopFlag, serve
+
+    class Ticks:
+        def __init__(self, fail_every):
+            self.counters, self.n, self.fail_every = Counter(), 0, fail_every
+
+        def subscriptions(self):
+            return []
+
+        def start(self, now):
+            return []
+
+        def tick(self, now):
+            self.n += 1
+            if self.n % self.fail_every == 0:
+                raise OSError("the state folder is read-only")
+            return []
+
+    summaries = []
+    runner = RoleRunner(Ticks(fail_every=1), LocalBus(), _stepping_clock())
+    with caplog.at_level("ERROR", logger="edge_client.runner"), \
+            pytest.raises(RoleStalled, match="tick failed on every one of .* read-only") as err:
+        serve(runner, runner.transport, stop=StopFlag(install=False), idle_sleep=0.0,
+              on_stop=lambda: summaries.append(runner.last_error))
+    assert err.value.exit_code == 9
+    assert STALL_AFTER_S <= runner.role.n <= STALL_AFTER_S + 2  # a turn reads the clock twice
+    assert "cannot go on and ends (exit code 9)" in caplog.text
+    assert summaries and summaries[0].startswith("stalled: tick failed")
+
+    runner = RoleRunner(Ticks(fail_every=2), LocalBus(), _stepping_clock())
+    turns = iter(range(1000))
+    serve(runner, runner.transport, stop=StopFlag(install=False), idle_sleep=0.0, linger=0.0,
+          done=lambda: next(turns) == 999)  # 500 failures over 1,000 s, a success between each
+    assert runner.role.counters["errors.tick"] == runner.role.n // 2 >= 499
+
+
+def test_only_a_parents_model_that_always_fails_ends_a_role_never_a_participants_message():
+    """A device that cannot take its station's model on any try ends (RoleStalled); a station
+    whose handler fails on every device message keeps serving: one compromised device must
+    not be able to stop it."""
+    from edge_client.errors import RoleStalled
+
+    dev = Device(DeviceConfig(device_id="d0", station="s", fleet="t", holdout_every=0),
+                 _trainer(), num_classes=F, sample_shape=(8, 8), rng=np.random.default_rng(0))
+    bus, clock = LocalBus(), _stepping_clock(10.0)
+    runner = RoleRunner(dev, bus, clock)
+
+    def broken(*args):
+        raise MemoryError("no room for the model")
+    dev.line.offer = broken
+    with pytest.raises(RoleStalled, match="handling StationModel failed .* no room"):
+        for i in range(20):
+            bus.publish(station_model_topic("t", "s"), m.StationModel(
+                fleet="t", sender="s", round=0, iteration=i,
+                weights=np.zeros(dev.trainer.num_params, np.float32)))
+            bus.deliver()
+            runner.watchdog.check(clock())
+    assert 3 <= dev.counters["rejected.internal"] <= 8  # 60 s of models 10 s apart
+
+    station = Station(StationConfig(fleet="t", station_id="s", devices=("d0", "d1"),
+                                    super_node_size=2),
+                      num_params=10, num_classes=F, rng=np.random.default_rng(0))
+    runner = RoleRunner(station, LocalBus(), _stepping_clock(10.0))
+    station.handle = lambda message, now: 1 / 0
+    for _ in range(50):
+        runner._on_message("t/s/stats", m.SkipNotice(fleet="t", sender="d0", round=0,
+                                                     iteration=0, station="s", gap=0.0))
+        runner.tick()
+        runner.watchdog.check(runner.clock())
+    assert station.counters["rejected.internal"] == 50
+
+
+def test_a_role_that_cannot_start_ends_naming_why():
+    from collections import Counter
+
+    from edge_client.errors import RoleStalled
+    from edge_client.runner import StopFlag, serve
+
+    class NoStart:
+        counters = Counter()
+
+        def subscriptions(self):
+            return []
+
+        def start(self, now):
+            raise KeyError("first model")
+
+    with pytest.raises(RoleStalled, match="NoStart could not start: KeyError: 'first model'"):
+        serve(RoleRunner(NoStart(), LocalBus()), LocalBus(), stop=StopFlag(install=False))
 
 
 def test_with_rounds_0_the_cloud_never_marks_a_model_final(digits):
