@@ -21,7 +21,7 @@ import logging
 import numpy as np
 
 from edge_client import messages as m
-from edge_client.errors import ShapeError
+from edge_client.errors import MessageError, ShapeError
 from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import CloudState
 from edge_client.topics import CLOUD_ID, cloud_topics
@@ -31,6 +31,7 @@ from .central_dp import CentralDP
 from .checkpoint import CloudCheckpoint, group, grouped
 from .config import CloudConfig
 from .fusion import Fold, fold_for
+from .heads import HeadLedger
 from .server_optimizers import build_server_optimizer
 from .trust import claimed_total
 
@@ -83,6 +84,7 @@ class Cloud(RoleBase[CloudState]):
         self._fold = self._new_fold()
         self._consumed: dict[str, int] = {}  # samples each station claimed over the run
         self.offline: set[str] = set()
+        self.heads: HeadLedger | None = None  # where the head is solved in closed form
 
     @property
     def id(self) -> str:
@@ -110,7 +112,8 @@ class Cloud(RoleBase[CloudState]):
     def snapshot(self) -> tuple[dict[str, np.ndarray], CloudCheckpoint]:
         """Arrays and scalars that :meth:`restore` needs to continue bit for bit."""
         arrays = {"weights": self.weights, **grouped("opt", self.optimizer.state()),
-                  **grouped("counts", self._counts)}
+                  **grouped("counts", self._counts),
+                  **(self.heads.arrays() if self.heads is not None else {})}
         meta = CloudCheckpoint(state=self.state, round=self.round, iteration=self.iteration,
                                consumed=dict(self._consumed), counters=dict(self.counters),
                                dp_bound=self.dp.adaptive_bound)
@@ -128,6 +131,8 @@ class Cloud(RoleBase[CloudState]):
         self._consumed = {k: int(v) for k, v in meta.consumed.items()}
         self.dp.resume(meta.dp_bound)
         self.counters.update(meta.counters)
+        if self.heads is not None:
+            self.heads.restore(arrays)
         self._updates, self._fold = {}, self._new_fold()
 
     def tick(self, now: float) -> list[m.Message]:
@@ -150,10 +155,12 @@ class Cloud(RoleBase[CloudState]):
             return self._on_presence(message, now)
         if isinstance(message, m.Refusal):
             return []  # counted by the transport; the station repeats its upload on presence
-        if not isinstance(message, (m.StationStats, m.StationUpdate)):
+        if not isinstance(message, (m.StationStats, m.StationUpdate, m.HeadStats)):
             return self._reject("unexpected_type", type(message).__name__)
         if message.sender not in self.config.stations:
             return self._reject("unknown_sender", f"station {message.sender!r}")
+        if isinstance(message, m.HeadStats):
+            return self._on_head(message)
         if message.seen_counts.size != self.num_classes:
             return self._reject("wrong_length", f"counts of width {message.seen_counts.size}")
         if isinstance(message, m.StationStats):
@@ -180,6 +187,12 @@ class Cloud(RoleBase[CloudState]):
         if all(s in self._updates or s in self.offline for s in self.config.stations):
             return self._close_round(now)
         return []
+
+    def _on_head(self, msg: m.HeadStats) -> list[m.Message]:
+        """A station's head statistics, checked against its counts and its devices' seen."""
+        refused = self.heads.refused(msg, self._counts.get(msg.sender)) if self.heads else \
+            MessageError("unexpected_type", "head statistics, and this head is not solved")
+        return self._reject(refused.reason, str(refused)) if refused else []
 
     def _note_accuracies(self, msg: m.StationUpdate) -> None:
         """Keep the station's device accuracies for the summary: a metric, so values outside
@@ -253,6 +266,9 @@ class Cloud(RoleBase[CloudState]):
             self.weights = self.optimizer.step(self.weights,
                                                self.dp.release(self._fold, self.counters))
             self.iteration = max(self._updates.values())
+        if self.heads is not None:  # the head from all the fleet's statistics, where due
+            solved = self.heads.solve(again=self.heads.spec.resolve == "every")
+            self.weights = self.weights if solved is None else solved
         self._updates, self._fold = {}, self._new_fold()
         self.round += 1
         return self._broadcast(new, now)
@@ -266,4 +282,5 @@ class Cloud(RoleBase[CloudState]):
     def _global_model(self) -> m.GlobalModel:
         return m.GlobalModel(fleet=self.config.fleet, sender=CLOUD_ID, round=self.round,
                              iteration=self.iteration, weights=self.weights,
-                             p_real=self.p_real, final=self.state == _C.DONE)
+                             p_real=self.p_real, final=self.state == _C.DONE,
+                             head_samples=self.heads.solved if self.heads else 0)

@@ -58,7 +58,8 @@ _DEV, _STATION, _CLOUD = Participant.DEVICE, Participant.STATION, Participant.CL
 # Every frame travels in chunks of at most this size; brokers refuse packets much larger.
 CHUNK_SIZE = DEFAULT_CHUNK_SIZE
 MAX_PACKET = CHUNK_SIZE + 4096  # the chunk plus MQTT's fixed header, topic and properties
-STATION_UP = ("update", "stats", "status", "summary")  # what the bridge carries to the cloud
+# What the bridge carries to the cloud.
+STATION_UP = ("update", "stats", "head", "status", "summary")
 
 
 def _broker_conf(folder: Path, port: int, prefix: Path, extra: Sequence[str] = (),

@@ -32,6 +32,7 @@ from edge_client.documents import (
     encode_document,
 )
 from edge_client.errors import ConfigError, SourceError
+from edge_client.head_stats import head_spec
 from edge_client.mqtt import MqttTransport
 from edge_client.privacy import keep_privacy_ledger
 from edge_client.runner import RoleRunner, StopFlag, serve
@@ -44,6 +45,7 @@ from .checkpoint import CloudCheckpoint, StationCheckpoint, load_checkpoint, sav
 from .cloud import Cloud, CloudState
 from .config import CloudConfig, StationConfig
 from .fedbuff import station_role
+from .heads import attach_heads
 from .role_files import camera_preprocess
 from .selection import blas_threads
 from .station import Station, StationState
@@ -122,6 +124,7 @@ class StationService:
         role = station_role(cfg, num_params=trainer.num_params,
                             num_classes=self.model.num_classes,
                             rng=np.random.default_rng(cfg.seed))
+        attach_heads(role, head_spec(self.model))  # before its checkpoint is read
         if cfg.central_dp_noise:
             keep_privacy_ledger(role.dp, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.STATION,
@@ -246,6 +249,7 @@ class CloudService:
         trainer = model_trainer(self.model, lr=0.01)
         cfg = self.cloud
         role = Cloud(cfg, initial_weights=trainer.get_flat(), num_classes=self.model.num_classes)
+        attach_heads(role, head_spec(self.model))
         if cfg.central_dp_noise:
             keep_privacy_ledger(role.dp, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.CLOUD,

@@ -19,7 +19,7 @@ import logging
 import numpy as np
 
 from edge_client import messages as m
-from edge_client.errors import ShapeError
+from edge_client.errors import MessageError
 from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, station_topics
@@ -29,6 +29,7 @@ from .central_dp import CentralDP
 from .config import StationConfig
 from .external_sync import ExternalSync
 from .fusion import Fold, fold_for
+from .heads import HeadLedger
 from .internal_sync import InternalSync
 from .roster import Roster
 from .seating import Seating
@@ -97,6 +98,7 @@ class Station(StationResume, RoleBase[StationState]):
         self.external = ExternalSync(config, self.roster, self.counters)
         self.dp, self.tally = CentralDP(config, config.seed), ClaimTally(config.devices)
         self.stragglers = StragglerWatch.for_station(config)
+        self.heads: HeadLedger | None = None  # where the head is solved in closed form
 
     @property
     def id(self) -> str:
@@ -178,7 +180,7 @@ class Station(StationResume, RoleBase[StationState]):
             return self._on_presence(message, now)
         if isinstance(message, m.Refusal):
             return self._on_refusal(message, now)
-        if not isinstance(message, (m.DeviceStats, m.DeviceUpdate, m.SkipNotice)):
+        if not isinstance(message, (m.DeviceStats, m.DeviceUpdate, m.SkipNotice, m.HeadStats)):
             return self._reject("unexpected_type", type(message).__name__)
         if message.station != self.id:
             return []  # another factory's device on the shared tree
@@ -186,7 +188,16 @@ class Station(StationResume, RoleBase[StationState]):
             return self._reject("unknown_sender", f"device {message.sender!r} is not on the roster")
         if isinstance(message, m.DeviceStats):
             return self._on_stats(message, now)
+        if isinstance(message, m.HeadStats):
+            return self._on_head(message)
         return self._on_reply(message, now)
+
+    def _on_head(self, msg: m.HeadStats) -> list[m.Message]:
+        """A device's head statistics, checked against its counts and what it saw."""
+        seen = self.stats[msg.sender].seen_counts if msg.sender in self.stats else None
+        refused = self.heads.refused(msg, seen) if self.heads else MessageError(
+            "unexpected_type", "head statistics, and this federation's head is not solved")
+        return self._reject(refused.reason, str(refused)) if refused else []
 
     def _on_refusal(self, msg: m.Refusal, now: float) -> list[m.Message]:
         """The transport refused a member's frame: its answer for this iteration."""
@@ -288,6 +299,8 @@ class Station(StationResume, RoleBase[StationState]):
         new = self.next_state(_E.FINAL_MODEL if msg.final else self._iteration_event(ready))
         self.external.answered()
         self.weights, self.p_real = np.array(msg.weights), np.array(msg.p_real)
+        if self.heads is not None and not msg.head_samples:  # the cloud has solved none yet
+            self.weights = self.heads.latest(self.weights)  # this factory's head, if any
         self.round, self.iteration = msg.round, msg.iteration
         self._new_round()
         if msg.final:
@@ -379,22 +392,9 @@ class Station(StationResume, RoleBase[StationState]):
     def _external_sync(self, new: StationState) -> list[m.Message]:
         """The synchronisation period is over: upload ``w^m`` and wait for the cloud."""
         self.state = new
-        return [self.external.upload(self._model(), self.round, self.iteration)]
+        return [*(self.heads.upstream(self.id, self.round, self.iteration) if self.heads else []),
+                self.external.upload(self._model(), self.round, self.iteration)]
 
     def _model_message(self, final: bool = False) -> m.StationModel:
         return m.StationModel(fleet=self.config.fleet, sender=self.id, round=self.round,
                               iteration=self.iteration, weights=self._model(), final=final)
-
-    def _model(self) -> np.ndarray:
-        """``w^m``: every path that sends or checks against it runs after the first global
-        model set it; before, this refuses (a bug, counted as such) instead of sending None."""
-        return self._set(self.weights, "model")
-
-    def _target(self) -> np.ndarray:
-        """``P_real``, which comes with every global model."""
-        return self._set(self.p_real, "P_real")
-
-    def _set(self, value: np.ndarray | None, what: str) -> np.ndarray:
-        if value is None:
-            raise ShapeError(f"station {self.id} has no {what} yet")
-        return value

@@ -21,6 +21,7 @@ from .admission import UpdateAdmission
 from .central_dp import CentralDP
 from .checkpoint import StationCheckpoint
 from .external_sync import ExternalSync
+from .heads import HeadLedger
 from .roster import Roster
 from .seating import Seating
 from .trust import ClaimTally
@@ -46,6 +47,7 @@ class StationResume:
     external: ExternalSync
     dp: CentralDP
     tally: ClaimTally
+    heads: HeadLedger | None
 
     @property
     def id(self) -> str:
@@ -57,6 +59,8 @@ class StationResume:
         arrays = {k: v for k, v in models.items() if v is not None}
         arrays.update(self.roster.arrays())
         arrays.update(self.admission.arrays())
+        if self.heads is not None:  # the sums so far, and what the cloud is owed
+            arrays.update(self.heads.arrays())
         meta = StationCheckpoint(
             id=self.id, state=self.state, round=self.round, iteration=self.iteration,
             **self.external.state(), **self.seating.state(), **self.roster.state(),
@@ -78,6 +82,8 @@ class StationResume:
         self.round, self.iteration = meta.round, meta.iteration
         self.external.restore(meta.consumed, meta.consumed_before)
         self.admission.restore(arrays, meta.norms)
+        if self.heads is not None:
+            self.heads.restore(arrays)
         self.seating.restore(meta.recent, meta.sitting_out)
         self.dp.resume(meta.dp_bound)
         self.seating.new_round()  # a checkpoint is a round's start
@@ -90,3 +96,17 @@ class StationResume:
                 raise ShapeError("the checkpoint owes the cloud an upload but has no model")
             self.external.restore_upload(self.weights, self.round, self.iteration,
                                          meta.upload_samples)
+
+    def _model(self) -> np.ndarray:
+        """``w^m``: every path that sends or checks against it runs after the first global
+        model set it; before, this refuses (a bug, counted as such) instead of sending None."""
+        return self._set(self.weights, "model")
+
+    def _target(self) -> np.ndarray:
+        """``P_real``, which comes with every global model."""
+        return self._set(self.p_real, "P_real")
+
+    def _set(self, value: np.ndarray | None, what: str) -> np.ndarray:
+        if value is None:
+            raise ShapeError(f"station {self.id} has no {what} yet")
+        return value

@@ -85,12 +85,21 @@ class BodyManifest:
     factory: str = ""  # the torch definition, where there is one (registry name or spec)
     normalisation: str = "(x - 0.5) / 0.5, inside the graph"
     folder: Path = Path()
+    # What a closed-form head's statistics centre embeddings by and clip their rows to
+    # (edge_client/head_stats.py), from public photos at export: no fleet's data.  Empty
+    # and 0 in a manifest exported before heads were solved.
+    centre: tuple[float, ...] = ()
+    row_clip: float = 0.0
 
     @property
     def hash(self) -> str:
-        """16 hex digits naming the body: its file, shape, embedding and probe."""
-        canon = json.dumps([self.name, list(self.input_shape), self.embedding, self.onnx_sha256,
-                            self.normalisation], separators=(",", ":"))
+        """16 hex digits naming the body: its file, shape, embedding and probe (and its
+        head statistics' centre and clip, where it has them)."""
+        parts: list[Any] = [self.name, list(self.input_shape), self.embedding,
+                            self.onnx_sha256, self.normalisation]
+        if self.centre:
+            parts += [[round(v, 6) for v in self.centre], round(self.row_clip, 6)]
+        canon = json.dumps(parts, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     @property
@@ -104,7 +113,9 @@ class BodyManifest:
                 "input": "float32 frames (n, C, H, W) in [0, 1]",
                 "normalisation": self.normalisation, "file": BODY_FILE,
                 "onnx_sha256": self.onnx_sha256, "factory": self.factory,
-                "probe": [list(p) for p in self.probe], **extra}
+                "probe": [list(p) for p in self.probe],
+                **({"centre": [round(v, 6) for v in self.centre],
+                    "row_clip": round(self.row_clip, 6)} if self.centre else {}), **extra}
 
 
 def load_body_manifest(folder: str | Path) -> BodyManifest:
@@ -129,15 +140,18 @@ def _read_manifest(folder: Path, stamp: tuple[int, int]) -> BodyManifest:
             name=str(raw["name"]), input_shape=shape, embedding=int(raw["embedding"]),  # type: ignore[arg-type]
             onnx_sha256=str(raw["onnx_sha256"]), factory=str(raw.get("factory", "")),
             normalisation=str(raw["normalisation"]),
-            probe=tuple(tuple(float(v) for v in p) for p in raw["probe"]), folder=folder)
+            probe=tuple(tuple(float(v) for v in p) for p in raw["probe"]), folder=folder,
+            centre=tuple(float(v) for v in raw.get("centre", ())),
+            row_clip=float(raw.get("row_clip", 0.0)))
     except FileNotFoundError as exc:
         raise ArtifactError(f"no exported body in {folder} (no {BODY_MANIFEST}): run safl "
                             "models export-body NAME --out DIR") from exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ArtifactError(f"{folder / BODY_MANIFEST} is not a body manifest: {exc!r}") from exc
-    if len(shape) != 3 or min(shape) < 1 or manifest.embedding < 1:
-        raise ArtifactError(f"{folder / BODY_MANIFEST}: input_shape must be (C, H, W) and "
-                            "embedding positive")
+    if len(shape) != 3 or min(shape) < 1 or manifest.embedding < 1 \
+            or len(manifest.centre) not in (0, manifest.embedding):
+        raise ArtifactError(f"{folder / BODY_MANIFEST}: input_shape must be (C, H, W), "
+                            "embedding positive and centre of the embedding's size")
     if raw.get("hash") != manifest.hash:
         raise ArtifactError(f"{folder / BODY_MANIFEST} says hash {raw.get('hash')}, its "
                             f"contents hash to {manifest.hash}: edited by hand?")

@@ -118,7 +118,7 @@ _HEAD = struct.Struct("<4sB")  # magic and version: enough to know how to read t
 _CHUNK = struct.Struct("<4sB16sIIQ")  # magic, version, message id, index, count, total length
 _TYPES: dict[int, type[m.Message]] = {
     1: m.DeviceStats, 2: m.DeviceUpdate, 3: m.SkipNotice, 4: m.StationModel, 5: m.Selection,
-    6: m.StationStats, 7: m.StationUpdate, 8: m.GlobalModel, 9: m.Presence,
+    6: m.StationStats, 7: m.StationUpdate, 8: m.GlobalModel, 9: m.Presence, 10: m.HeadStats,
 }
 _CODES = {cls: code for code, cls in _TYPES.items()}
 def _dtype(spec: str | type) -> np.dtype[Any]:

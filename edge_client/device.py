@@ -19,6 +19,7 @@ from . import messages as m
 from .buffer import StreamBuffer
 from .config import DeviceConfig, InferenceConfig
 from .documents import DeviceSummary
+from .head_stats import HeadStatsPath
 from .line import Line
 from .local_steps import LocalModel, LocalSteps
 from .pipeline import UpdatePipeline
@@ -52,20 +53,13 @@ class Device(RoleBase[DeviceState]):
     """One edge device: ``waiting`` for its station's first model, ``ready`` with one, and
     ``done`` after the final model (:class:`DeviceState`, moved by :class:`DeviceEvent`).
 
-    Parameters
-    ----------
-    config : DeviceConfig
-    trainer : Trainer
-        Backend holding the model; its flat size is the federation's model size.
-    num_classes : int
-        Label histogram width ``F``.
-    sample_shape : tuple of int
-        Shape of one sample in the stream.
-    rng : numpy.random.Generator
-        Source of the merge mask and the upload-gate draw.
-    inference : InferenceConfig, optional
-        Serve the deployable model on the stream (``line``: :class:`Line`) and score it
-        prequentially; None (the simulator's default) keeps no deployable model at all.
+    ``trainer`` holds the model (its flat size is the federation's); ``num_classes`` is
+    the label histograms' width ``F``, ``sample_shape`` one sample's; ``rng`` draws the merge
+    masks and the upload gate.  ``inference`` serves the deployable model on the stream
+    (:class:`Line`) and scores it prequentially; None (the simulator's default) keeps no
+    deployable model.  ``head``, set by whoever builds the device where the federation solves
+    its head in closed form, sums each labelled sample's statistics at ingest
+    (:class:`~edge_client.head_stats.HeadStatsPath`) and sends them every few models.
     """
 
     INITIAL = _D.WAITING
@@ -110,6 +104,7 @@ class Device(RoleBase[DeviceState]):
         self._reported_next: np.ndarray | None = None
         self.local = LocalModel(config, trainer, self.buffer, rng, self.counters)
         self.upload = UploadPath(config, trainer, self.buffer, rng, self.counters)
+        self.head: HeadStatsPath | None = None
 
     @property
     def id(self) -> str:
@@ -169,6 +164,8 @@ class Device(RoleBase[DeviceState]):
             predicted = self.line.predict_every(x, self.buffer.samples_seen)
         self.buffer.push(x, y)  # validates shapes and labels before anything is scored
         self.line.take(x, y, predicted)
+        if self.head is not None:  # once, as it arrives: no second pass over the buffer
+            self.head.take(x, y)
         nxt = self._next_counts()
         if self._reported_next is not None and np.array_equal(nxt, self._reported_next):
             return []
@@ -183,7 +180,7 @@ class Device(RoleBase[DeviceState]):
         if isinstance(message, m.Presence):
             return self._on_station_presence(message, now)
         if isinstance(message, m.StationModel):
-            return self._on_model(message)
+            return self._on_model(message) + (self.head.due(message) if self.head else [])
         if isinstance(message, m.Selection):
             return self._on_selection(message)
         return self._reject("unexpected_type", type(message).__name__)

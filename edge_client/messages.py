@@ -33,6 +33,7 @@ __all__ = [
     "StationStats",
     "StationUpdate",
     "GlobalModel",
+    "HeadStats",
     "Presence",
     "Refusal",
     "NamedEnum",
@@ -311,7 +312,23 @@ class GlobalModel(Message):
     weights: np.ndarray
     p_real: np.ndarray
     final: bool = False
+    # Samples the cloud's closed-form head was last solved from (0: not yet): until then a
+    # station starts its rounds from its own factory's solve.
+    head_samples: int = field(default=0, metadata=OPTIONAL)
     _vectors = _WEIGHTS + (("p_real", np.float64),)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadStats(Message):
+    """Device -> station, station -> cloud: the statistics of a closed-form head on the
+    body's embeddings added since the sender's last send (``edge_client/head_stats.py``):
+    the Gram's upper triangle (empty for class means only), the cross term, the counts."""
+
+    station: str
+    gram: np.ndarray
+    cross: np.ndarray
+    counts: np.ndarray
+    _vectors = (("gram", np.float32), ("cross", np.float32), ("counts", np.int64))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,7 @@ from .config import (
 from .device import Device
 from .documents import Document
 from .errors import ConfigError
+from .head_stats import HeadStatsPath, head_spec
 from .metrics import Collect, MetricsServer
 from .mqtt import MqttTransport
 from .privacy import keep_privacy_ledger
@@ -157,6 +158,7 @@ class DeviceService:
         device = Device(cfg, trainer, num_classes=mc.num_classes,
                         sample_shape=head_input_shape(mc),
                         rng=np.random.default_rng(cfg.seed), inference=self.inference)
+        HeadStatsPath.attach(device, head_spec(mc), cfg.head_stats_every)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,
                                    participant=cfg.device_id, trainer=trainer, model=mc)
         runner = RoleRunner(device, transport)

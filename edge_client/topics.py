@@ -37,8 +37,8 @@ __all__ = [
 
 # The leaves below each participant's prefix: everything it publishes (broker ACLs grant
 # them one by one, ``aggregator/provision.py``).
-DEVICE_LEAVES = ("stats", "update", "status", "summary", "predictions")
-STATION_LEAVES = ("model", "select", "update", "stats", "status", "summary")
+DEVICE_LEAVES = ("stats", "update", "head", "status", "summary", "predictions")
+STATION_LEAVES = ("model", "select", "update", "stats", "head", "status", "summary")
 CLOUD_LEAVES = ("model", "model/manifest", "status", "summary")
 
 
@@ -73,6 +73,9 @@ def topic_for(message: m.Message) -> str:
         return f"{prefix(message.fleet, _STATION, message.sender)}/stats"
     if isinstance(message, m.StationUpdate):
         return f"{prefix(message.fleet, _STATION, message.sender)}/update"
+    if isinstance(message, m.HeadStats):
+        role = _DEV if message.sender != message.station else _STATION
+        return f"{prefix(message.fleet, role, message.sender)}/head"
     if isinstance(message, m.GlobalModel):
         return global_model_topic(message.fleet)
     if isinstance(message, m.Presence):
@@ -163,13 +166,13 @@ def station_topics(fleet: str, devices: list[str] | tuple[str, ...]) -> list[str
     devs = prefix(fleet, _DEV, "+")
     return [f"{devs}/stats", f"{devs}/status", global_model_topic(fleet),
             status_topic(fleet, _CLOUD, CLOUD_ID),
-            *(f"{prefix(fleet, _DEV, d)}/update" for d in devices)]
+            *(f"{prefix(fleet, _DEV, d)}/{leaf}" for d in devices for leaf in ("update", "head"))]
 
 
 def cloud_topics(fleet: str) -> list[str]:
     """What the cloud subscribes to."""
     stations = prefix(fleet, _STATION, "+")
-    return [f"{stations}/stats", f"{stations}/update", f"{stations}/status"]
+    return [f"{stations}/stats", f"{stations}/update", f"{stations}/head", f"{stations}/status"]
 
 
 def matches(topic_filter: str, topic: str) -> bool:

@@ -128,6 +128,30 @@ def sample_photos(shape: tuple[int, ...]) -> np.ndarray:
     return np.stack(out)
 
 
+def photo_crops(shape: tuple[int, ...], n: int = 256, seed: int = 0) -> np.ndarray:
+    """``n`` random square crops (a tenth of the short side to all of it) of scikit-learn's
+    two photos, resized to ``shape``, half of them grey: public frames a body's head
+    statistics are centred on at export, so the constant carries no fleet's data."""
+    import cv2
+    from sklearn.datasets import load_sample_images
+
+    c, h, w = shape
+    rng = np.random.default_rng(seed)
+    images = load_sample_images().images
+    out = np.empty((n, c, h, w), np.float32)
+    for i in range(n):
+        image = images[i % len(images)]
+        side = int(rng.uniform(0.1, 1.0) * min(image.shape[:2]))
+        top = int(rng.integers(0, image.shape[0] - side + 1))
+        left = int(rng.integers(0, image.shape[1] - side + 1))
+        crop = cv2.resize(image[top:top + side, left:left + side], (w, h),
+                          interpolation=cv2.INTER_AREA).astype(np.float32) / 255.0
+        if rng.random() < 0.5:
+            crop[...] = crop.mean(axis=2, keepdims=True)
+        out[i] = np.resize(crop.transpose(2, 0, 1), (c, h, w))
+    return out
+
+
 def as_camera(data: Dataset, shape: tuple[int, ...]) -> Dataset:
     """``data`` as camera frames of ``shape`` (:func:`camera_frames`)."""
     return dataclasses.replace(data, name=f"{data.name}@{'x'.join(map(str, shape))}",

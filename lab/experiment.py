@@ -28,8 +28,9 @@ from aggregator.central_dp import MECHANISMS, CentralPrivacy, tree_sensitivity
 from aggregator.selection import blas_threads
 from aggregator.server_optimizers import SERVER_OPTIMIZERS
 from edge_client.body import load_body_manifest
-from edge_client.config import TrainingSettings, check_range, load_config
+from edge_client.config import ModelConfig, TrainingSettings, check_range, load_config
 from edge_client.errors import ConfigError
+from edge_client.head_stats import HeadSpec, head_spec
 from edge_client.privacy import noise_for_epsilon
 from edge_client.trainers import BodyTail
 
@@ -155,6 +156,12 @@ class ExperimentConfig(RecipeSettings):
     # The body's last blocks that train with the head (torch; the data are then the
     # activations before them, cached as the embeddings are).
     train_body_blocks: int = 0
+    # The head solved in closed form from the devices' statistics ([model] head_init and
+    # head_resolve, [device] head_stats_every; docs/bodies.md).  The lab's default is
+    # "random", as every run before heads were solved: name "ridge" or "ncm" to solve it.
+    head_init: str = "random"
+    head_resolve: str = "every"
+    head_stats_every: int = 10
 
     def __post_init__(self) -> None:
         if self.partition not in ("dirichlet", "safl"):
@@ -231,7 +238,8 @@ def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> Flee
                      share_trainers=True, attack=attack,
                      attackers=tuple(range(cfg.attackers)) if attack != "none" else (),
                      prequential_every=cfg.prequential_every, body=cfg.body,
-                     hidden=cfg.hidden, tail=_tail(cfg))
+                     hidden=cfg.hidden, tail=_tail(cfg), head=_head(cfg, data.num_classes),
+                     head_stats_every=cfg.head_stats_every)
 
 
 # Privacy and update stages, per role, passed on only where set: a plain run keeps the cache
@@ -311,6 +319,16 @@ def _tail(cfg: ExperimentConfig) -> BodyTail | None:
     folder = body_folder(cfg.body, tuple(cfg.camera_shape), cfg.body_dir)
     manifest = load_body_manifest(folder)
     return BodyTail(manifest.factory, manifest.input_shape, cfg.train_body_blocks)
+
+
+def _head(cfg: ExperimentConfig, classes: int) -> HeadSpec | None:
+    """The closed-form head ``head_init`` asks for, as a field fleet's [model] would."""
+    if cfg.head_init == "random":
+        return None
+    folder = body_folder(cfg.body, tuple(cfg.camera_shape), cfg.body_dir)
+    return head_spec(ModelConfig(name=cfg.model, body=cfg.body, body_dir=str(folder),
+                                 input_shape=tuple(cfg.camera_shape), num_classes=classes,
+                                 head_init=cfg.head_init, head_resolve=cfg.head_resolve))
 
 
 @dataclass(frozen=True)
@@ -393,7 +411,8 @@ _NOT_RUN_KEYS = frozenset({"name", "strategies", "seeds", "seed", "attacks", "ta
 _OFF_UNLESS_SET = frozenset({*_DEVICE_KEYS, *_STATION_KEYS, *_CLOUD_KEYS, "central_dp_epsilon",
                              "central_dp_mechanism", "max_participations", "cloud_dp_epsilon",
                              "local_dp_epsilon", "local_dp_clip", "camera_shape", "body",
-                             "body_dir", "hidden", "train_body_blocks"})
+                             "body_dir", "hidden", "train_body_blocks", "head_init",
+                             "head_resolve", "head_stats_every"})
 _DEFAULT = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
 
 

@@ -20,11 +20,13 @@ import numpy as np
 
 from aggregator.config import StationConfig
 from aggregator.fedbuff import station_role
+from aggregator.heads import attach_heads
 from aggregator.roster import SHAPE_TOLERANCE
 from edge_client import messages as m
 from edge_client.admission import Admission
 from edge_client.config import DeviceConfig, InferenceConfig, from_mapping
 from edge_client.device import Device, LocalSteps
+from edge_client.head_stats import HeadStatsPath
 from edge_client.metrics import counted
 from edge_client.runner import RoleRunner, pace_replay
 from edge_client.sources.replay import ReplaySource
@@ -112,6 +114,7 @@ class Factory:
         self.station = station_role(cfg, num_params=plan.num_params,
                                     num_classes=plan.num_classes,
                                     rng=np.random.default_rng(cfg.seed))
+        attach_heads(self.station, plan.spec.head)
         clock = plan.spec.clock
         self.bus: LocalBus = LocalBus()
         self.links: _Links | None = None
@@ -160,8 +163,12 @@ class Factory:
                          inference=InferenceConfig(every=spec.prequential_every, publish=False,
                                                    promote=PREQUENTIAL_PROMOTE, budget=1.0)
                          if spec.prequential_every else None)
+            HeadStatsPath.attach(dev, spec.head, spec.head_stats_every)
             source = ReplaySource(x, y, np.random.default_rng(seed))
-            dev.buffer.push(*source.read(spec.initial_samples))
+            first = source.read(spec.initial_samples)
+            dev.buffer.push(*first)
+            if dev.head is not None:  # what it starts with was sensed too
+                dev.head.take(*first)
             diverted = self.steps.divert(dev) if self.steps else None
             runner = RoleRunner(dev, diverted, SIM_CLOCK) if diverted else \
                 self._runner(dev, values)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.config import DeviceConfig, TrainingSettings
+from edge_client.head_stats import HeadSpec
 from edge_client.trainers import BodyTail
 
 from .clock import ClockConfig, assign_profiles, check_batched_steps
@@ -89,6 +90,10 @@ class FleetSpec:
     # The body's last blocks that train with the head ([model] train_body_blocks): the data
     # are then the activations before them, and the model is those blocks and the head.
     tail: BodyTail | None = None
+    # A head solved in closed form from the statistics every device sums ([model] head_init
+    # ridge or ncm, edge_client/head_stats.py); None: the head starts random.
+    head: HeadSpec | None = None
+    head_stats_every: int = 10  # station models between a device's sends of them
 
     def __post_init__(self) -> None:
         check_batched_steps(self.batched_steps, self.clock is not None)

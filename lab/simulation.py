@@ -21,6 +21,7 @@ from typing import Any
 from aggregator.accuracy import device_accuracy_summary
 from aggregator.cloud import Cloud, CloudState
 from aggregator.config import CloudConfig
+from aggregator.heads import attach_heads
 from edge_client import messages as m
 from edge_client.errors import SaflError
 from edge_client.runner import RoleRunner
@@ -89,6 +90,7 @@ def run_federation(data: Dataset, strategy: Strategy, spec: FleetSpec,
     layout = layout_hash(evaluator.layout)
     cloud = Cloud(simulated(CloudConfig, plan.cloud),
                   initial_weights=evaluator.get_flat(), num_classes=data.num_classes)
+    attach_heads(cloud, spec.head)
     plans = factory_plans(plan, spec, data.x_train, data.y_train, num_classes=data.num_classes,
                           num_params=evaluator.num_params, layout=layout)
     factories = open_factories(plans, engine or SimulationConfig(),

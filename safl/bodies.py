@@ -28,10 +28,16 @@ def check_frames(shape: tuple[int, ...]) -> dict[str, np.ndarray]:
 
 def export_checked(name: str, out: str | Path, shape: tuple[int, ...] = (3, 64, 64)
                    ) -> BodyManifest:
+    from lab.datasets import photo_crops
     from models.body import export_body
 
     frames = {} if name.endswith(".onnx") else check_frames(shape)
-    return export_body(name, out, input_shape=shape, check_frames=frames)
+    onnx_shape = shape
+    if name.endswith(".onnx"):
+        from models.body import onnx_input_shape
+        onnx_shape = onnx_input_shape(Path(name))
+    return export_body(name, out, input_shape=shape, check_frames=frames,
+                       centre_frames=photo_crops(onnx_shape))
 
 
 def ensure_body(name: str, shape: tuple[int, ...], body_dir: str = "") -> Path:

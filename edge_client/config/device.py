@@ -74,6 +74,9 @@ class DeviceConfig(TrainingSettings):
     # Seconds of hellos no station answers before the device warns (then at each doubling
     # of the silence); 0: never.
     unanswered_warning: float = 30.0
+    # Station models between two sends of the closed-form head's statistics (where [model]
+    # head_init comes to ridge or ncm): each send is the increment since the last.
+    head_stats_every: int = 10
 
     def __post_init__(self) -> None:
         from ..safl import GRANULARITIES
@@ -95,6 +98,7 @@ class DeviceConfig(TrainingSettings):
         check_range("holdout_capacity", self.holdout_capacity, 1)
         check_range("hello_interval", self.hello_interval, 0, low_open=True)
         check_range("unanswered_warning", self.unanswered_warning, 0)
+        check_range("head_stats_every", self.head_stats_every, 1)
         check_range("privacy_budget", self.privacy_budget, 0)
         check_range("privacy_delta", self.privacy_delta, 0, 1, low_open=True)
         if self.privacy_budget and not UpdatePipeline(self.update_stages).noise:

@@ -42,6 +42,23 @@ class ModelConfig:
     # Fine-tuning (docs/bodies.md): the body's last N blocks train and federate with the head
     # (torch backend only; 0: the body stays frozen).
     train_body_blocks: int = 0
+    # How the head starts (docs/bodies.md, "A head solved from what the fleet has seen"):
+    # "random", "ridge" (solved in closed form from the statistics every device sums), "ncm"
+    # (class means only); "auto": ridge for a linear head on a frozen body, else random.
+    head_init: str = "auto"
+    # "every": each round's solve from all the statistics so far replaces the fine-tuned
+    # head (measured better under label skew: docs/bodies.md); "once": the first solve
+    # starts the federation's fine-tuning, which then goes on from it.
+    head_resolve: str = "every"
+
+    @property
+    def head_kind(self) -> str:
+        """What ``head_init`` comes to: ``random``, ``ridge`` or ``ncm``."""
+        if self.head_init != "auto":
+            return self.head_init
+        solvable = self.body != "none" and self.name in ("linear", "softmax") \
+            and not self.train_body_blocks and not self.module
+        return "ridge" if solvable else "random"
 
     def __post_init__(self) -> None:
         if self.backend not in ("numpy", "torch", "ort"):
@@ -68,6 +85,18 @@ class ModelConfig:
         if self.body_dir and self.body == "none":
             raise ConfigError("body", "body_dir is set but body is 'none': name the body")
         check_range("train_body_blocks", self.train_body_blocks, 0)
+        if self.head_init not in ("auto", "random", "ridge", "ncm"):
+            raise ConfigError("head_init", f"must be auto, random, ridge or ncm, got "
+                              f"{self.head_init!r}")
+        if self.head_resolve not in ("once", "every"):
+            raise ConfigError("head_resolve", f"must be once or every, got "
+                              f"{self.head_resolve!r}")
+        if self.head_init in ("ridge", "ncm") and (
+                self.body == "none" or self.name not in ("linear", "softmax")
+                or self.train_body_blocks or self.module):
+            raise ConfigError("head_init", f"{self.head_init!r} solves a linear head on a "
+                              "frozen body: it needs a body, name = 'linear' and "
+                              "train_body_blocks = 0")
         if self.train_body_blocks and self.body == "none":
             raise ConfigError("train_body_blocks", "needs a body (body = 'none')")
         if self.train_body_blocks and self.backend != "torch":

@@ -1,0 +1,114 @@
+"""The closed-form head's sums at a station and at the cloud (``edge_client/head_stats.py``):
+each participant's statistics checked as a claim, summed, owed upstream, solved, and kept
+in the role's checkpoint.
+
+A station adds its devices' increments and owes the cloud the sum of what it admitted since
+its last upload; the cloud adds its stations'.  A participant's statistics are a claim: their
+bias entries must equal their counts, their rows lie within the body's clip, and the counts
+a participant has claimed in all count for no more than the samples it has reported seeing
+(which the trust layer already bounds: ``aggregator/roster.py``).  Refused statistics are
+counted under ``rejected.<reason>`` and change nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from edge_client import messages as m
+from edge_client.errors import MessageError
+from edge_client.head_stats import HeadSpec, HeadSums
+
+from .checkpoint import group, grouped
+
+__all__ = ["HeadLedger", "attach_heads"]
+
+
+class HeadLedger:
+    """One aggregator's sums: ``total`` (everything admitted), ``pending`` (admitted since
+    the last send upstream), what each participant has claimed, and the last solve's size."""
+
+    def __init__(self, spec: HeadSpec, counters: Counter[str], fleet: str) -> None:
+        self.spec, self.counters, self.fleet = spec, counters, fleet
+        self.total, self.pending = spec.zeros(), spec.zeros()
+        self.claimed: dict[str, float] = {}  # samples each participant's sums count, weighted
+        self.solved = 0  # samples the last solve was made from
+        self.head: np.ndarray | None = None  # the last solve
+
+    def refused(self, msg: m.HeadStats, seen: np.ndarray | None) -> MessageError | None:
+        """:meth:`admit`, its refusal returned (for the role to count) instead of raised."""
+        try:
+            self.admit(msg, seen)
+        except MessageError as exc:
+            return exc
+        return None
+
+    def admit(self, msg: m.HeadStats, seen: np.ndarray | None) -> None:
+        """Add ``msg``'s sums, checked (:class:`MessageError`, nothing added, where they
+        contradict their counts).  ``seen``: the sender's label counts as the trust layer
+        keeps them; statistics of more samples in all than that are weighted down to it
+        (``clipped.head_stats``), as a claim at its bound is."""
+        sums = self.spec.unpack(msg)
+        so_far = self.claimed.get(msg.sender, 0.0)
+        room = float(seen.sum()) - so_far if seen is not None else 0.0
+        weight = min(1.0, max(room, 0.0) / max(sums.n, 1))
+        if weight < 1.0:
+            self.counters["clipped.head_stats"] += 1
+        self.total.add(sums, weight)
+        self.pending.add(sums, weight)
+        self.claimed[msg.sender] = so_far + weight * sums.n
+        self.counters["head_stats"] += 1
+
+    def upstream(self, sender: str, round_: int, iteration: int) -> list[m.Message]:
+        """What was admitted since the last send, for the level above (none where nothing)."""
+        if self.pending.n == 0:
+            return []
+        gram, cross, counts = self.pending.taken().packed()
+        return [m.HeadStats(fleet=self.fleet, sender=sender, round=round_, iteration=iteration,
+                            station=sender, gram=gram, cross=cross, counts=counts)]
+
+    def solve(self, *, again: bool) -> np.ndarray | None:
+        """The head from every admitted statistic, where there are any and a solve is due:
+        the first one, or each time with ``again``.  None otherwise."""
+        if self.total.n == 0 or (self.solved and not again) or self.total.n == self.solved:
+            return None
+        self.solved = self.total.n
+        self.counters["head_solves"] += 1
+        self.head = self.spec.solve(self.total)
+        return self.head
+
+    def latest(self, otherwise: np.ndarray) -> np.ndarray:
+        """The head from everything admitted so far (solved again where more came), else
+        ``otherwise``."""
+        self.solve(again=True)
+        return otherwise if self.head is None else self.head.copy()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {}
+        for name, sums in (("head_total", self.total), ("head_pending", self.pending)):
+            out.update(grouped(name, {"gram": sums.gram, "cross": sums.cross,
+                                      "counts": sums.counts}))
+        out.update(grouped("head_claimed", {k: np.array([v]) for k, v in self.claimed.items()}))
+        out["head_solved"] = np.array([self.solved], np.int64)
+        return out
+
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """From :meth:`arrays`; a checkpoint without them (written before heads were
+        solved) leaves the sums empty."""
+        if "head_solved" not in arrays:
+            return
+        for name in ("head_total", "head_pending"):
+            part = group(arrays, name)
+            setattr(self, name.removeprefix("head_"),
+                    HeadSums(np.array(part["gram"]), np.array(part["cross"]),
+                             np.array(part["counts"])))
+        self.claimed = {k: float(v[0]) for k, v in group(arrays, "head_claimed").items()}
+        self.solved = int(arrays["head_solved"][0])
+
+
+def attach_heads(role: Any, spec: HeadSpec | None) -> None:
+    """Give a station or the cloud its ledger, where the federation solves its head."""
+    if spec is not None:
+        role.heads = HeadLedger(spec, role.counters, role.config.fleet)

@@ -1,0 +1,250 @@
+"""Closed-form heads from summed statistics (edge_client/head_stats.py): exact against a
+centralised solve, whatever the split and order; checked as claims; packed for the wire."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_client.errors import MessageError
+from edge_client.head_stats import (
+    HeadSpec,
+    HeadSums,
+    augment,
+    check_claim,
+    head_vector,
+    solve_ncm,
+    solve_ridge,
+)
+
+D, C = 24, 5
+
+
+def _blobs(n, seed=0, skew=None):
+    rng = np.random.default_rng(seed)
+    centres = np.random.default_rng(99).normal(0, 1.0, (C, D)) + 3.0
+    y = rng.choice(C, n, p=skew) if skew is not None else rng.integers(0, C, n)
+    return (centres[y] + rng.normal(0, 1.2, (n, D))).astype(np.float32), y
+
+
+def _sums(x, y, centre, clip, kind="ridge"):
+    s = HeadSums.zeros(D, C, kind=kind)
+    s.add_rows(augment(x, centre, clip), y)
+    return s
+
+
+def test_the_head_from_summed_device_statistics_is_the_centralised_ridge_head():
+    """Ten devices, each of one or two classes (label skew at its worst), in any order: the
+    head solved from the summed statistics is the one solved on every row at once, and
+    the one an explicit regression with an unpenalised bias gives."""
+    x, y = _blobs(2000)
+    centre, clip, lam = np.full(D, 2.0, np.float32), 100.0, 5.0
+    whole = _sums(x, y, centre, clip)
+    total = HeadSums.zeros(D, C)
+    order = np.random.default_rng(1).permutation(10)
+    for k in order:
+        mine = (y % 5 == k % 5) & (np.arange(len(y)) % 2 == k // 5)
+        total.add(_sums(x[mine], y[mine], centre, clip))
+    w1, b1, _ = solve_ridge(whole, lam)
+    w2, b2, _ = solve_ridge(total, lam)
+    np.testing.assert_allclose(w1, w2, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(b1, b2, rtol=1e-9, atol=1e-9)
+    # The same regression, written out: [X 1] theta = onehot, penalty on X's columns only.
+    a = np.hstack([x - centre, np.ones((len(x), 1))])
+    penalty = np.diag([lam] * D + [0.0])
+    theta = np.linalg.solve(a.T @ a + penalty, a.T @ np.eye(C)[y])
+    np.testing.assert_allclose(w1, theta[:D].T, rtol=1e-6, atol=1e-8)
+    flat = head_vector(w1, b1, centre)
+    logits = x @ flat[:D * C].reshape(C, D).T + flat[D * C:]
+    np.testing.assert_allclose(logits, a @ theta, rtol=1e-4, atol=1e-4)
+
+
+def test_gcv_chooses_lambda_from_the_statistics_alone_and_it_predicts():
+    x, y = _blobs(3000)
+    xt, yt = _blobs(2000, seed=5)
+    centre = x[:50].mean(axis=0)
+    s = _sums(x, y, centre, 1e3)
+    w, b, lam = solve_ridge(s)
+    flat = head_vector(w, b, centre)
+    acc = ((xt @ flat[:D * C].reshape(C, D).T + flat[D * C:]).argmax(1) == yt).mean()
+    assert lam > 0 and acc > 0.9
+    # and lambda tracks the noise: on pure noise labels it regularises far harder
+    noise = _sums(x, np.random.default_rng(3).integers(0, C, len(y)), centre, 1e3)
+    assert solve_ridge(noise)[2] > 10 * lam
+
+
+def test_class_means_alone_make_a_cosine_head():
+    x, y = _blobs(3000)
+    xt, yt = _blobs(1000, seed=7)
+    centre = np.zeros(D, np.float32)
+    s = _sums(x, y, centre, 1e3, kind="ncm")
+    assert s.gram.size == 0
+    w, b = solve_ncm(s)
+    flat = head_vector(w, b, centre)
+    acc = ((xt @ flat[:D * C].reshape(C, D).T + flat[D * C:]).argmax(1) == yt).mean()
+    assert acc > 0.85
+
+
+def test_packing_for_the_wire_keeps_the_sums_and_refuses_wrong_sizes():
+    x, y = _blobs(300)
+    s = _sums(x, y, np.zeros(D, np.float32), 50.0)
+    tri, cross, counts = s.packed()
+    assert tri.size == (D + 1) * (D + 2) // 2 and tri.dtype == np.float32
+    back = HeadSums.unpacked(D, C, tri, cross, counts)
+    np.testing.assert_allclose(back.gram, s.gram, rtol=1e-6)
+    np.testing.assert_allclose(back.cross, s.cross, rtol=1e-6)
+    with pytest.raises(MessageError, match="a head on 24 features"):
+        HeadSums.unpacked(D, C, tri[:-1], cross, counts)
+    taken = s.taken()
+    assert taken.n == 300 and s.n == 0 and not s.gram.any()
+
+
+def _double_counts(s):
+    s.counts *= 2
+
+
+def _rows_beyond_the_clip(s):  # every row twice as long: consistent, but past the clip
+    s.gram[:D, :D] *= 4.0
+    s.gram[D, :D] *= 2.0
+    s.gram[:D, D] *= 2.0
+    s.cross[:D] *= 2.0
+
+
+def _one_class_inflated(s):
+    s.cross[:D, 0] *= 50.0
+
+
+def _bias_row_off(s):
+    s.gram[D, 0] += 40.0
+
+
+@pytest.mark.parametrize("forge, reason", [
+    (_double_counts, "stats_inconsistent"), (_rows_beyond_the_clip, "stats_out_of_bounds"),
+    (_one_class_inflated, "stats_out_of_bounds"), (_bias_row_off, "stats_inconsistent")])
+def test_statistics_are_checked_against_what_their_counts_imply(forge, reason):
+    """Honest sums pass; counts that disagree with the bias entries, rows beyond the clip,
+    a class's sum beyond its count times the clip, a bias row that is not the classes' sum:
+    each refused with its reason."""
+    x, y = _blobs(400)
+    centre = x.mean(axis=0)
+    clip = float(np.linalg.norm(x - centre, axis=1).max()) * 1.01  # honest rows unclipped
+    s = _sums(x, y, centre, clip)
+    check_claim(s, clip)
+    forged = HeadSums(s.gram.copy(), s.cross.copy(), s.counts.copy())
+    forge(forged)
+    with pytest.raises(MessageError) as err:
+        check_claim(forged, clip)
+    assert err.value.reason == reason
+
+
+def _spec_sums(spec, x, y):
+    s = spec.zeros()
+    s.add_rows(augment(x, spec.centre, spec.clip), y)
+    return s
+
+
+def _head_fleet(digits, spec, n_devices=4, per_device=150):
+    """Cloud, one station and devices of one or two classes each on a LocalBus, every
+    device with its statistics; each device's samples ingested as a sensor delivers them."""
+    from aggregator.cloud import Cloud
+    from aggregator.config import CloudConfig, StationConfig
+    from aggregator.heads import attach_heads
+    from aggregator.station import Station
+    from edge_client.config import DeviceConfig
+    from edge_client.device import Device
+    from edge_client.head_stats import HeadStatsPath
+    from edge_client.runner import RoleRunner
+    from edge_client.trainers import build_trainer
+    from edge_client.transport import LocalBus
+
+    bus, ids = LocalBus(), tuple(f"d{k}" for k in range(n_devices))
+    trainer = lambda seed: build_trainer("softmax", input_shape=(64,), num_classes=10,  # noqa: E731
+                                         lr=0.1, seed=seed)
+    w0 = trainer(0).get_flat()
+    cloud = Cloud(CloudConfig(fleet="t", stations=("s",), rounds=0), initial_weights=w0,
+                  num_classes=10)
+    station = Station(StationConfig(fleet="t", station_id="s", devices=ids, super_node_size=2,
+                                    rand_per_group=0, sync_period=2, max_seen_rate=1e6),
+                      num_params=w0.size, num_classes=10, rng=np.random.default_rng(0))
+    attach_heads(cloud, spec)
+    attach_heads(station, spec)
+    x, y = digits.x_train.reshape(len(digits.x_train), -1), digits.y_train
+    devices, seen = [], []
+    for k, did in enumerate(ids):
+        dev = Device(DeviceConfig(device_id=did, station="s", fleet="t", holdout_every=0,
+                                  head_stats_every=1),
+                     trainer(k + 1), num_classes=10, sample_shape=(64,),
+                     rng=np.random.default_rng(k))
+        HeadStatsPath.attach(dev, spec, 1)
+        mine = np.flatnonzero(np.isin(y, (2 * k, 2 * k + 1)))[:per_device]
+        dev.ingest(x[mine], y[mine], 0.0)
+        seen.append(mine)
+        devices.append(dev)
+    runners = [RoleRunner(r, bus, lambda: 0.0) for r in (cloud, station, *devices)]
+    return bus, runners, cloud, station, devices, x, y, np.concatenate(seen)
+
+
+def test_the_fleet_broadcasts_the_head_its_devices_statistics_solve(digits):
+    """Devices of two classes each send their statistics up through their station; the
+    cloud's next global model is the ridge head of every sample they saw, as one solve over
+    them all gives, and says how many samples it came from."""
+    from edge_client import messages as m
+    from edge_client.topics import global_model_topic
+
+    spec = HeadSpec("ridge", 64, 10, np.full(64, 4.0, np.float32), 200.0)
+    bus, runners, cloud, station, devices, x, y, seen = _head_fleet(digits, spec)
+    globals_: list[m.GlobalModel] = []
+    bus.subscribe(global_model_topic("t"), lambda topic, msg: globals_.append(msg))
+    for r in runners:
+        r.start()
+    while len(globals_) < 2:
+        assert bus.deliver(limit=50) > 0
+    first, second = globals_[:2]
+    assert first.head_samples == 0 and second.head_samples == len(seen) == 600
+    want = spec.solve(_spec_sums(spec, x[seen], y[seen]))
+    np.testing.assert_allclose(second.weights, want, rtol=1e-4, atol=1e-5)
+    assert station.counters["head_stats"] == 4 and cloud.counters["head_stats"] == 1
+    assert not any(k.startswith("rejected") for k in station.counters)
+    acc = ((x @ want[:640].reshape(10, 64).T + want[640:]).argmax(1) == y)[np.isin(y, range(8))]
+    assert acc.mean() > 0.9  # and it predicts what the devices saw
+
+
+def test_a_restarted_station_and_cloud_keep_their_sums(digits):
+    from aggregator.checkpoint import CloudCheckpoint, StationCheckpoint
+
+    spec = HeadSpec("ridge", 64, 10, np.zeros(64, np.float32), 200.0)
+    bus, runners, cloud, station, devices, *_ = _head_fleet(digits, spec)
+    for r in runners:
+        r.start()
+    while cloud.heads.solved == 0:
+        assert bus.deliver(limit=50) > 0
+    for role, meta_cls in ((station, StationCheckpoint), (cloud, CloudCheckpoint)):
+        arrays, meta = role.snapshot()
+        fresh = _head_fleet(digits, spec)[3 if role is station else 2]
+        fresh.restore(arrays, meta_cls.from_doc(__import__("dataclasses").asdict(meta)))
+        np.testing.assert_array_equal(fresh.heads.total.gram, role.heads.total.gram)
+        assert fresh.heads.claimed == role.heads.claimed and fresh.heads.solved == role.heads.solved
+
+
+def test_a_device_claiming_more_than_it_saw_counts_for_what_it_saw_and_a_forged_sum_is_refused(
+        digits):
+    from edge_client import messages as m
+
+    spec = HeadSpec("ridge", 64, 10, np.zeros(64, np.float32), 200.0)
+    bus, runners, cloud, station, devices, x, y, _ = _head_fleet(digits, spec)
+    for r in runners:
+        r.start()
+    bus.deliver()
+    before = station.heads.total.n
+    lots = _spec_sums(spec, np.tile(x[:100], (20, 1)), np.tile(y[:100], 20))
+    gram, cross, counts = lots.packed()
+    station.handle(m.HeadStats(fleet="t", sender="d0", round=0, iteration=0, station="s",
+                               gram=gram, cross=cross, counts=counts), 0.0)
+    assert station.counters["clipped.head_stats"] == 1
+    assert station.heads.claimed["d0"] <= station.stats["d0"].seen_counts.sum() + 1e-6
+    forged = cross.copy()
+    forged[-10:] *= 3  # counts the bias row does not carry
+    station.handle(m.HeadStats(fleet="t", sender="d1", round=0, iteration=0, station="s",
+                               gram=gram, cross=forged, counts=counts), 0.0)
+    assert station.counters["rejected.stats_inconsistent"] == 1
+    assert station.heads.total.n <= before + station.stats["d0"].seen_counts.sum()
