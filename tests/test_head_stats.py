@@ -248,3 +248,20 @@ def test_a_device_claiming_more_than_it_saw_counts_for_what_it_saw_and_a_forged_
                                gram=gram, cross=forged, counts=counts), 0.0)
     assert station.counters["rejected.stats_inconsistent"] == 1
     assert station.heads.total.n <= before + station.stats["d0"].seen_counts.sum()
+
+
+def test_head_init_comes_to_ridge_for_a_linear_head_on_a_body_and_refuses_what_cannot_solve():
+    from edge_client.config import ModelConfig
+    from edge_client.errors import ConfigError
+
+    body = {"body": "efficientnet-lite0", "body_dir": "/nowhere", "input_shape": (3, 64, 64)}
+    assert ModelConfig(name="linear", **body).head_kind == "ridge"
+    assert ModelConfig(name="mlp", **body).head_kind == "random"
+    assert ModelConfig(name="linear").head_kind == "random"
+    assert ModelConfig(name="linear", head_init="ncm", **body).head_kind == "ncm"
+    for bad in ({"name": "mlp", "head_init": "ridge", **body}, {"name": "linear",
+                                                                "head_init": "ncm"}):
+        with pytest.raises(ConfigError, match="'head_init'.*needs a body, name = 'linear'"):
+            ModelConfig(**bad)
+    with pytest.raises(ConfigError, match="'head_resolve'"):
+        ModelConfig(head_resolve="sometimes")
