@@ -21,7 +21,7 @@ import logging
 import numpy as np
 
 from edge_client import messages as m
-from edge_client.errors import MessageError, ShapeError
+from edge_client.errors import ShapeError
 from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import CloudState
 from edge_client.topics import CLOUD_ID, cloud_topics
@@ -31,7 +31,7 @@ from .central_dp import CentralDP
 from .checkpoint import CloudCheckpoint, group, grouped
 from .config import CloudConfig
 from .fusion import Fold, fold_for
-from .heads import HeadLedger
+from .heads import HeadLedger, refused
 from .server_optimizers import build_server_optimizer
 from .trust import claimed_total
 
@@ -190,9 +190,8 @@ class Cloud(RoleBase[CloudState]):
 
     def _on_head(self, msg: m.HeadStats) -> list[m.Message]:
         """A station's head statistics, checked against its counts and its devices' seen."""
-        refused = self.heads.refused(msg, self._counts.get(msg.sender)) if self.heads else \
-            MessageError("unexpected_type", "head statistics, and this head is not solved")
-        return self._reject(refused.reason, str(refused)) if refused else []
+        error = refused(self.heads, msg, self._counts.get(msg.sender))
+        return self._reject(error.reason, str(error)) if error else []
 
     def _note_accuracies(self, msg: m.StationUpdate) -> None:
         """Keep the station's device accuracies for the summary: a metric, so values outside

@@ -20,30 +20,26 @@ import numpy as np
 from edge_client import messages as m
 from edge_client.errors import MessageError
 from edge_client.head_stats import HeadSpec, HeadSums
+from edge_client.topics import CLOUD_ID
 
 from .checkpoint import group, grouped
 
-__all__ = ["HeadLedger", "attach_heads"]
+__all__ = ["HeadLedger", "attach_heads", "refused"]
 
 
 class HeadLedger:
     """One aggregator's sums: ``total`` (everything admitted), ``pending`` (admitted since
-    the last send upstream), what each participant has claimed, and the last solve's size."""
+    the last send upstream; a station's only, the cloud has no level above), what each
+    participant has claimed, and the last solve's size."""
 
-    def __init__(self, spec: HeadSpec, counters: Counter[str], fleet: str) -> None:
+    def __init__(self, spec: HeadSpec, counters: Counter[str], fleet: str, *,
+                 upstream: bool) -> None:
         self.spec, self.counters, self.fleet = spec, counters, fleet
-        self.total, self.pending = spec.zeros(), spec.zeros()
+        self.total = spec.zeros()
+        self.pending = spec.zeros() if upstream else None
         self.claimed: dict[str, float] = {}  # samples each participant's sums count, weighted
         self.solved = 0  # samples the last solve was made from
         self.head: np.ndarray | None = None  # the last solve
-
-    def refused(self, msg: m.HeadStats, seen: np.ndarray | None) -> MessageError | None:
-        """:meth:`admit`, its refusal returned (for the role to count) instead of raised."""
-        try:
-            self.admit(msg, seen)
-        except MessageError as exc:
-            return exc
-        return None
 
     def admit(self, msg: m.HeadStats, seen: np.ndarray | None) -> None:
         """Add ``msg``'s sums, checked (:class:`MessageError`, nothing added, where they
@@ -57,17 +53,22 @@ class HeadLedger:
         if weight < 1.0:
             self.counters["clipped.head_stats"] += 1
         self.total.add(sums, weight)
-        self.pending.add(sums, weight)
+        if self.pending is not None:
+            self.pending.add(sums, weight)
         self.claimed[msg.sender] = so_far + weight * sums.n
         self.counters["head_stats"] += 1
 
-    def upstream(self, sender: str, round_: int, iteration: int) -> list[m.Message]:
-        """What was admitted since the last send, for the level above (none where nothing)."""
-        if self.pending.n == 0:
+    def upstream(self, seen: m.StationStats, round_: int, iteration: int) -> list[m.Message]:
+        """What was admitted since the last send, for the level above (none where nothing),
+        after ``seen``, the sender's seen counts that bound it there: sent before the upload
+        that closes the round, so that round's solve has them, and the upload's own counts
+        would come too late to bound them."""
+        if self.pending is None or self.pending.n == 0:
             return []
         gram, cross, counts = self.pending.taken().packed()
-        return [m.HeadStats(fleet=self.fleet, sender=sender, round=round_, iteration=iteration,
-                            station=sender, gram=gram, cross=cross, counts=counts)]
+        return [seen, m.HeadStats(fleet=self.fleet, sender=seen.sender, round=round_,
+                                  iteration=iteration, station=seen.sender, gram=gram,
+                                  cross=cross, counts=counts)]
 
     def solve(self, *, again: bool) -> np.ndarray | None:
         """The head from every admitted statistic, where there are any and a solve is due:
@@ -88,8 +89,9 @@ class HeadLedger:
     def arrays(self) -> dict[str, np.ndarray]:
         out = {}
         for name, sums in (("head_total", self.total), ("head_pending", self.pending)):
-            out.update(grouped(name, {"gram": sums.gram, "cross": sums.cross,
-                                      "counts": sums.counts}))
+            if sums is not None:
+                out.update(grouped(name, {"gram": sums.gram, "cross": sums.cross,
+                                          "counts": sums.counts}))
         out.update(grouped("head_claimed", {k: np.array([v]) for k, v in self.claimed.items()}))
         out["head_solved"] = np.array([self.solved], np.int64)
         return out
@@ -99,7 +101,8 @@ class HeadLedger:
         solved) leaves the sums empty."""
         if "head_solved" not in arrays:
             return
-        for name in ("head_total", "head_pending"):
+        for name in ("head_total", "head_pending") if self.pending is not None \
+                else ("head_total",):
             part = group(arrays, name)
             setattr(self, name.removeprefix("head_"),
                     HeadSums(np.array(part["gram"]), np.array(part["cross"]),
@@ -111,4 +114,19 @@ class HeadLedger:
 def attach_heads(role: Any, spec: HeadSpec | None) -> None:
     """Give a station or the cloud its ledger, where the federation solves its head."""
     if spec is not None:
-        role.heads = HeadLedger(spec, role.counters, role.config.fleet)
+        role.heads = HeadLedger(spec, role.counters, role.config.fleet,
+                                upstream=role.id != CLOUD_ID)
+
+
+def refused(heads: HeadLedger | None, msg: m.HeadStats, seen: np.ndarray | None
+            ) -> MessageError | None:
+    """:meth:`HeadLedger.admit`, its refusal returned for the role to count instead of
+    raised; statistics sent to a role that solves no head are refused too."""
+    if heads is None:
+        return MessageError("unexpected_type", "head statistics, and this federation's head "
+                            "is not solved in closed form ([model] head_init)")
+    try:
+        heads.admit(msg, seen)
+    except MessageError as exc:
+        return exc
+    return None

@@ -19,7 +19,6 @@ import logging
 import numpy as np
 
 from edge_client import messages as m
-from edge_client.errors import MessageError
 from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import StationState
 from edge_client.topics import CLOUD_ID, station_topics
@@ -29,7 +28,7 @@ from .central_dp import CentralDP
 from .config import StationConfig
 from .external_sync import ExternalSync
 from .fusion import Fold, fold_for
-from .heads import HeadLedger
+from .heads import HeadLedger, refused
 from .internal_sync import InternalSync
 from .roster import Roster
 from .seating import Seating
@@ -195,9 +194,8 @@ class Station(StationResume, RoleBase[StationState]):
     def _on_head(self, msg: m.HeadStats) -> list[m.Message]:
         """A device's head statistics, checked against its counts and what it saw."""
         seen = self.stats[msg.sender].seen_counts if msg.sender in self.stats else None
-        refused = self.heads.refused(msg, seen) if self.heads else MessageError(
-            "unexpected_type", "head statistics, and this federation's head is not solved")
-        return self._reject(refused.reason, str(refused)) if refused else []
+        error = refused(self.heads, msg, seen)
+        return self._reject(error.reason, str(error)) if error else []
 
     def _on_refusal(self, msg: m.Refusal, now: float) -> list[m.Message]:
         """The transport refused a member's frame: its answer for this iteration."""
@@ -299,7 +297,7 @@ class Station(StationResume, RoleBase[StationState]):
         new = self.next_state(_E.FINAL_MODEL if msg.final else self._iteration_event(ready))
         self.external.answered()
         self.weights, self.p_real = np.array(msg.weights), np.array(msg.p_real)
-        if self.heads is not None and not msg.head_samples:  # the cloud has solved none yet
+        if self.heads is not None and not msg.head_samples:  # the cloud solved none yet:
             self.weights = self.heads.latest(self.weights)  # this factory's head, if any
         self.round, self.iteration = msg.round, msg.iteration
         self._new_round()
@@ -392,8 +390,9 @@ class Station(StationResume, RoleBase[StationState]):
     def _external_sync(self, new: StationState) -> list[m.Message]:
         """The synchronisation period is over: upload ``w^m`` and wait for the cloud."""
         self.state = new
-        return [*(self.heads.upstream(self.id, self.round, self.iteration) if self.heads else []),
-                self.external.upload(self._model(), self.round, self.iteration)]
+        owed = self.heads.upstream(self.external.stats(), self.round, self.iteration) \
+            if self.heads else []
+        return [*owed, self.external.upload(self._model(), self.round, self.iteration)]
 
     def _model_message(self, final: bool = False) -> m.StationModel:
         return m.StationModel(fleet=self.config.fleet, sender=self.id, round=self.round,

@@ -180,7 +180,10 @@ class Device(RoleBase[DeviceState]):
         if isinstance(message, m.Presence):
             return self._on_station_presence(message, now)
         if isinstance(message, m.StationModel):
-            return self._on_model(message) + (self.head.due(message) if self.head else [])
+            owed = self.head.due(message) if self.head else []
+            # statistics after the seen counts that bound them at the station
+            return self._on_model(message) + (
+                [self._stats(message.round, message.iteration), *owed] if owed else [])
         if isinstance(message, m.Selection):
             return self._on_selection(message)
         return self._reject("unexpected_type", type(message).__name__)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import messages as m
+from .body import BODY_MANIFEST, body_manifest
 from .errors import ConfigError, MessageError
 
 __all__ = ["HEAD_KINDS", "HeadSpec", "HeadStatsPath", "head_spec", "HeadSums", "augment",
@@ -283,8 +284,6 @@ def head_spec(model: Any) -> HeadSpec | None:
     """The closed-form head a ``[model]`` table asks for, with its body's centre and clip;
     None where ``head_init`` comes to random, or is ``auto`` and the body was exported
     without a centre (by a version before heads were solved)."""
-    from .body import BODY_MANIFEST, body_manifest  # the body's module imports this one
-
     kind = model.head_kind
     manifest = body_manifest(model) if kind != "random" else None
     if manifest is None:
@@ -318,7 +317,6 @@ class HeadStatsPath:
         self._rows: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
         self.models = 0
-        self.sent = 0
 
     @classmethod
     def attach(cls, device: Any, spec: HeadSpec | None, every: int) -> None:
@@ -350,7 +348,6 @@ class HeadStatsPath:
         if self.sums.n == 0:
             return []
         self.models = 0
-        self.sent += 1
         gram, cross, counts = self.sums.taken().packed()
         return [m.HeadStats(fleet=self.fleet, sender=self.device, round=model.round,
                             iteration=model.iteration, station=self.station, gram=gram,

@@ -111,20 +111,27 @@ def camera_frames(images: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return out
 
 
+def _square(image: np.ndarray, top: int, left: int, side: int,
+            shape: tuple[int, ...]) -> np.ndarray:
+    """A square of an RGB photo resized to ``shape`` (C, H, W), float32 in [0, 1]."""
+    import cv2
+
+    c, h, w = shape
+    crop = cv2.resize(image[top:top + side, left:left + side], (w, h),
+                      interpolation=cv2.INTER_AREA)
+    return crop.transpose(2, 0, 1)[:c].astype(np.float32) / 255.0
+
+
 def sample_photos(shape: tuple[int, ...]) -> np.ndarray:
     """scikit-learn's two bundled photos (a temple, a flower), centre-cropped square and
     resized to ``shape``, float32 RGB in [0, 1]: real images a body is checked on."""
-    import cv2
     from sklearn.datasets import load_sample_images
 
-    c, h, w = shape
     out = []
     for image in load_sample_images().images:
         side = min(image.shape[:2])
-        top, left = (image.shape[0] - side) // 2, (image.shape[1] - side) // 2
-        crop = cv2.resize(image[top:top + side, left:left + side], (w, h),
-                          interpolation=cv2.INTER_AREA)
-        out.append(crop.transpose(2, 0, 1)[:c].astype(np.float32) / 255.0)
+        out.append(_square(image, (image.shape[0] - side) // 2, (image.shape[1] - side) // 2,
+                           side, shape))
     return np.stack(out)
 
 
@@ -132,23 +139,19 @@ def photo_crops(shape: tuple[int, ...], n: int = 256, seed: int = 0) -> np.ndarr
     """``n`` random square crops (a tenth of the short side to all of it) of scikit-learn's
     two photos, resized to ``shape``, half of them grey: public frames a body's head
     statistics are centred on at export, so the constant carries no fleet's data."""
-    import cv2
     from sklearn.datasets import load_sample_images
 
-    c, h, w = shape
     rng = np.random.default_rng(seed)
     images = load_sample_images().images
-    out = np.empty((n, c, h, w), np.float32)
+    out = np.empty((n, *shape), np.float32)
     for i in range(n):
         image = images[i % len(images)]
         side = int(rng.uniform(0.1, 1.0) * min(image.shape[:2]))
         top = int(rng.integers(0, image.shape[0] - side + 1))
         left = int(rng.integers(0, image.shape[1] - side + 1))
-        crop = cv2.resize(image[top:top + side, left:left + side], (w, h),
-                          interpolation=cv2.INTER_AREA).astype(np.float32) / 255.0
+        out[i] = _square(image, top, left, side, shape)
         if rng.random() < 0.5:
-            crop[...] = crop.mean(axis=2, keepdims=True)
-        out[i] = np.resize(crop.transpose(2, 0, 1), (c, h, w))
+            out[i] = out[i].mean(axis=0, keepdims=True)
     return out
 
 

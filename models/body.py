@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,7 @@ from edge_client.files import write_atomic
 from edge_client.trainers.bodies import build_body_module
 from edge_client.trainers.torch_backend import module_to_onnx
 
-__all__ = ["export_body", "relative_error", "onnx_input_shape"]
+__all__ = ["export_body", "relative_error"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def _torch_embed(module: torch.nn.Module, frames: np.ndarray) -> np.ndarray:
         return embed_in_chunks(lambda x: module(torch.from_numpy(x)).numpy(), frames)
 
 
-def onnx_input_shape(path: Path) -> tuple[int, int, int]:
+def _onnx_input_shape(path: Path) -> tuple[int, int, int]:
     graph = onnx.load(str(path), load_external_data=False).graph
     dims = [d.dim_value for d in graph.input[0].type.tensor_type.shape.dim][1:]
     if len(dims) != 3 or min(dims) < 1:
@@ -80,21 +81,22 @@ def _centre(graph: Path, frames: np.ndarray | None) -> tuple[tuple[float, ...], 
 
 def export_body(name: str, out: str | Path, *, input_shape: tuple[int, ...] = (3, 64, 64),
                 check_frames: dict[str, np.ndarray] | None = None,
-                normalisation: str = "", centre_frames: np.ndarray | None = None
+                normalisation: str = "",
+                centre_frames: Callable[[tuple[int, int, int]], np.ndarray] | None = None
                 ) -> BodyManifest:
     """Export body ``name`` (a registry name, ``package.module:factory`` or an ONNX file) to
     ``out``; returns its manifest.  ``check_frames`` (named sets of frames in [0, 1]) are
     embedded by torch and by ONNX Runtime, which must agree to :data:`PROBE_TOLERANCE`.
-    ``centre_frames`` (public frames, never a fleet's): their mean embedding is the
-    manifest's ``centre`` for closed-form heads, and ``ROW_CLIP_MARGIN`` times their largest
-    centred norm its ``row_clip``."""
+    ``centre_frames(input_shape)`` gives public frames, never a fleet's: their mean embedding
+    is the manifest's ``centre`` for closed-form heads, and ``ROW_CLIP_MARGIN`` times their
+    largest centred norm its ``row_clip``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     graph = out / BODY_FILE
     checked: dict[str, float] = {}
     if name.endswith(".onnx"):
         shutil.copyfile(name, graph)
-        input_shape, factory, label = onnx_input_shape(graph), "", Path(name).stem
+        input_shape, factory, label = _onnx_input_shape(graph), "", Path(name).stem
         normalisation = normalisation or "as the graph does it (frames in [0, 1])"
     else:
         module = build_body_module(name, tuple(input_shape))
@@ -111,7 +113,7 @@ def export_body(name: str, out: str | Path, *, input_shape: tuple[int, ...] = (3
                                     f"error {checked[what]:.2e} > {PROBE_TOLERANCE:g}")
     shape = (int(input_shape[0]), int(input_shape[1]), int(input_shape[2]))
     probe = _ort_embed(graph, probe_frames(shape))
-    centre, clip = _centre(graph, centre_frames)
+    centre, clip = _centre(graph, centre_frames(shape) if centre_frames else None)
     manifest = BodyManifest(name=label, input_shape=shape, embedding=int(probe.shape[1]),
                             onnx_sha256=hashlib.sha256(graph.read_bytes()).hexdigest(),
                             probe=tuple(tuple(float(v) for v in p) for p in probe),

@@ -32,12 +32,8 @@ def export_checked(name: str, out: str | Path, shape: tuple[int, ...] = (3, 64, 
     from models.body import export_body
 
     frames = {} if name.endswith(".onnx") else check_frames(shape)
-    onnx_shape = shape
-    if name.endswith(".onnx"):
-        from models.body import onnx_input_shape
-        onnx_shape = onnx_input_shape(Path(name))
     return export_body(name, out, input_shape=shape, check_frames=frames,
-                       centre_frames=photo_crops(onnx_shape))
+                       centre_frames=photo_crops)
 
 
 def ensure_body(name: str, shape: tuple[int, ...], body_dir: str = "") -> Path:

@@ -265,3 +265,65 @@ def test_head_init_comes_to_ridge_for_a_linear_head_on_a_body_and_refuses_what_c
             ModelConfig(**bad)
     with pytest.raises(ConfigError, match="'head_resolve'"):
         ModelConfig(head_resolve="sometimes")
+
+
+def test_rows_exactly_at_the_clip_pass_and_a_hair_beyond_is_refused():
+    """An attacker whose every row sits on the clip is within the bound; the same sums
+    scaled past the check's tolerance are not."""
+    x, y = _blobs(300)
+    clip = 1.0  # far below the rows' norms: augment puts every row exactly on it
+    s = _sums(x, y, np.zeros(D, np.float32), clip)
+    assert np.isclose(np.trace(s.gram[:D, :D]), s.n * clip * clip, rtol=1e-6)
+    check_claim(s, clip)
+    s.gram[:D, :D] *= 1.0021  # the trace 0.21% over n x clip^2 (the tolerance is 0.1%)
+    with pytest.raises(MessageError) as err:
+        check_claim(s, clip)
+    assert err.value.reason == "stats_out_of_bounds"
+
+
+def test_a_device_claiming_exactly_what_it_saw_counts_whole_and_one_sample_more_is_weighted(
+        digits):
+    from edge_client import messages as m
+
+    spec = HeadSpec("ridge", 64, 10, np.zeros(64, np.float32), 200.0)
+    bus, runners, cloud, station, devices, x, y, _ = _head_fleet(digits, spec)
+    for r in runners:
+        r.start()
+    bus.deliver()
+    for k in (2, 3):  # each senses 50 samples more, which it reports seeing
+        devices[k].head = None  # what it claims is written here
+        more = np.flatnonzero(np.isin(y, (2 * k, 2 * k + 1)))[150:200]
+        runners[2 + k].publish(devices[k].ingest(x[more], y[more], 0.0))
+    bus.deliver()
+    for device, extra in (("d2", 0), ("d3", 1)):
+        room = int(station.stats[device].seen_counts.sum() - station.heads.claimed.get(device, 0))
+        gram, cross, counts = _spec_sums(spec, x[:room + extra], y[:room + extra]).packed()
+        station.handle(m.HeadStats(fleet="t", sender=device, round=0, iteration=0,
+                                   station="s", gram=gram, cross=cross, counts=counts), 0.0)
+        assert station.counters["clipped.head_stats"] == extra
+        assert station.heads.claimed[device] == pytest.approx(
+            station.stats[device].seen_counts.sum())
+
+
+def test_honest_stations_statistics_are_never_weighted_down_at_the_cloud(digits):
+    """A station's statistics go up after its seen counts, before its upload: the cloud
+    bounds them by counts that include the samples they were made from."""
+    from edge_client import messages as m
+    from edge_client.topics import global_model_topic
+
+    spec = HeadSpec("ridge", 64, 10, np.zeros(64, np.float32), 200.0)
+    bus, runners, cloud, station, devices, x, y, seen = _head_fleet(digits, spec, per_device=60)
+    globals_: list[m.GlobalModel] = []
+    bus.subscribe(global_model_topic("t"), lambda topic, msg: globals_.append(msg))
+    for r in runners:
+        r.start()
+    fed = 0
+    while len(globals_) < 4:
+        if len(globals_) > fed:  # each round, every device senses 40 samples more
+            fed = len(globals_)
+            for k, dev in enumerate(devices):
+                more = np.flatnonzero(np.isin(y, (2 * k, 2 * k + 1)))[60 + 40 * fed:][:40]
+                dev.ingest(x[more], y[more], 0.0)  # its next stats say so, or not
+        assert bus.deliver(limit=20) > 0
+    assert globals_[-1].head_samples > 4 * 60  # what they sensed later came up too
+    assert cloud.counters["clipped.head_stats"] == 0 and station.counters["clipped.head_stats"] == 0

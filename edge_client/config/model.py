@@ -56,9 +56,13 @@ class ModelConfig:
         """What ``head_init`` comes to: ``random``, ``ridge`` or ``ncm``."""
         if self.head_init != "auto":
             return self.head_init
-        solvable = self.body != "none" and self.name in ("linear", "softmax") \
+        return "ridge" if self._head_solvable else "random"
+
+    @property
+    def _head_solvable(self) -> bool:
+        """A linear head on a frozen body: what a closed-form solve can start."""
+        return self.body != "none" and self.name in ("linear", "softmax") \
             and not self.train_body_blocks and not self.module
-        return "ridge" if solvable else "random"
 
     def __post_init__(self) -> None:
         if self.backend not in ("numpy", "torch", "ort"):
@@ -91,9 +95,7 @@ class ModelConfig:
         if self.head_resolve not in ("once", "every"):
             raise ConfigError("head_resolve", f"must be once or every, got "
                               f"{self.head_resolve!r}")
-        if self.head_init in ("ridge", "ncm") and (
-                self.body == "none" or self.name not in ("linear", "softmax")
-                or self.train_body_blocks or self.module):
+        if self.head_init in ("ridge", "ncm") and not self._head_solvable:
             raise ConfigError("head_init", f"{self.head_init!r} solves a linear head on a "
                               "frozen body: it needs a body, name = 'linear' and "
                               "train_body_blocks = 0")
