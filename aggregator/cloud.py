@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import numpy as np
 
@@ -136,7 +137,10 @@ class Cloud(RoleBase[CloudState]):
         self._updates, self._fold = {}, self._new_fold()
 
     def tick(self, now: float) -> list[m.Message]:
-        """Close the round at its deadline if a quorum of stations reported."""
+        """Close the round at its deadline if a quorum of stations reported; round 0 goes
+        out at the end of its wait for the head's statistics."""
+        if self.state == _C.JOINING and now >= self.deadline:
+            return self._joined(now)
         if self.state == _C.COLLECTING and now >= self.deadline:
             if len(self._updates) >= self.config.min_stations:
                 self.counters["stations_missed"] += len(self.config.stations) - len(self._updates)
@@ -146,7 +150,19 @@ class Cloud(RoleBase[CloudState]):
         return []
 
     def wakeup(self) -> float | None:
-        return self.deadline if self.state == _C.COLLECTING else None
+        return self.deadline if self.state != _C.DONE and self.deadline < math.inf else None
+
+    def _joined(self, now: float) -> list[m.Message]:
+        """Every station has reported its counts: round 0 goes out, its head solved from
+        the statistics the stations forward of the frames their devices started with; those
+        follow the counts, so the cloud waits ``head_join_wait`` seconds for them."""
+        if self.heads is not None and now < self.deadline:
+            self.deadline = min(self.deadline, now + self.config.head_join_wait)
+            if now < self.deadline:
+                return []
+        if self.heads is not None and (solved := self.heads.solve(again=False)) is not None:
+            self.weights = solved
+        return self._broadcast(self.next_state(_E.STATIONS_JOINED), now)
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         if message.fleet != self.config.fleet:
@@ -166,7 +182,7 @@ class Cloud(RoleBase[CloudState]):
         if isinstance(message, m.StationStats):
             self._counts[message.sender] = np.array(message.seen_counts)
             if self.state == _C.JOINING and len(self._counts) == len(self.config.stations):
-                return self._broadcast(self.next_state(_E.STATIONS_JOINED), now)
+                return self._joined(now)
             return []
         if self.state != _C.COLLECTING or message.round != self.round:
             return self._reject("stale_iteration", f"update for round {message.round}, "

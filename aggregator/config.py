@@ -168,11 +168,16 @@ class CloudConfig(ServerOptimizerSettings, CentralPrivacy):
     min_stations: int = 1  # station updates a round needs to close at its timeout
     station_weighting: str = "samples"  # "samples" or "equal" (as the FedGS reference code does)
     fusion: str = "fedavg"  # external sync rule; a robust one bounds a compromised station
+    # Seconds round 0 waits, once every station has reported, for the head statistics of
+    # the frames the devices started with (a closed-form head, [model] head_init): 3.3 MB
+    # a device, forwarded by its station.
+    head_join_wait: float = 5.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_id("fleet", self.fleet)
         _check_roster("stations", self.stations)
+        check_range("head_join_wait", self.head_join_wait, 0)
         check_range("rounds", self.rounds, 0)
         check_range("round_timeout", self.round_timeout, 0, low_open=True)
         check_range("min_stations", self.min_stations, 1, len(self.stations))

@@ -58,14 +58,19 @@ class HeadLedger:
         self.claimed[msg.sender] = so_far + weight * sums.n
         self.counters["head_stats"] += 1
 
-    def upstream(self, seen: m.StationStats, round_: int, iteration: int) -> list[m.Message]:
+    def upstream(self, seen: m.StationStats, round_: int, iteration: int, *,
+                 early: bool = False) -> list[m.Message]:
         """What was admitted since the last send, for the level above (none where nothing),
         after ``seen``, the sender's seen counts that bound it there: sent before the upload
         that closes the round, so that round's solve has them, and the upload's own counts
-        would come too late to bound them."""
-        if self.pending is None or self.pending.n == 0:
+        would come too late to bound them.  ``early``: between uploads, where what is
+        pending is at least everything sent before it (doubling, so that a young fleet's
+        first frames reach round 0's solve, and the sends stay few)."""
+        if self.pending is None or self.pending.n == 0 \
+                or (early and self.pending.n < self.total.n - self.pending.n):
             return []
         gram, cross, counts = self.pending.taken().packed()
+        self.counters["head_stats_forwarded"] += 1
         return [seen, m.HeadStats(fleet=self.fleet, sender=seen.sender, round=round_,
                                   iteration=iteration, station=seen.sender, gram=gram,
                                   cross=cross, counts=counts)]

@@ -192,10 +192,11 @@ class Station(StationResume, RoleBase[StationState]):
         return self._on_reply(message, now)
 
     def _on_head(self, msg: m.HeadStats) -> list[m.Message]:
-        """A device's head statistics, checked against its counts and what it saw."""
+        """A device's head statistics, checked as a claim; passed on where they double."""
         seen = self.stats[msg.sender].seen_counts if msg.sender in self.stats else None
-        error = refused(self.heads, msg, seen)
-        return self._reject(error.reason, str(error)) if error else []
+        if (error := refused(self.heads, msg, seen)) or self.heads is None:
+            return self._reject(error.reason, str(error)) if error else []
+        return self.heads.upstream(self.external.stats(), self.round, self.iteration, early=True)
 
     def _on_refusal(self, msg: m.Refusal, now: float) -> list[m.Message]:
         """The transport refused a member's frame: its answer for this iteration."""

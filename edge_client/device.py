@@ -57,9 +57,8 @@ class Device(RoleBase[DeviceState]):
     the label histograms' width ``F``, ``sample_shape`` one sample's; ``rng`` draws the merge
     masks and the upload gate.  ``inference`` serves the deployable model on the stream
     (:class:`Line`) and scores it prequentially; None (the simulator's default) keeps no
-    deployable model.  ``head``, set by whoever builds the device where the federation solves
-    its head in closed form, sums each labelled sample's statistics at ingest
-    (:class:`~edge_client.head_stats.HeadStatsPath`) and sends them every few models.
+    deployable model.  ``head`` (:class:`~edge_client.head_stats.HeadStatsPath`), where the
+    federation solves its head in closed form, sums each labelled sample's statistics.
     """
 
     INITIAL = _D.WAITING
@@ -130,7 +129,7 @@ class Device(RoleBase[DeviceState]):
 
     def start(self, now: float) -> list[m.Message]:
         self._next_hello = now + self.config.hello_interval
-        return [self._stats(0, 0)]
+        return [self._stats(0, 0), *(self.head.first() if self.head else [])]
 
     def tick(self, now: float) -> list[m.Message]:
         """Measure what the last selection left to measure (its reply has gone); until a
@@ -255,8 +254,7 @@ class Device(RoleBase[DeviceState]):
         self._awaiting = None
 
     def _next_counts(self) -> np.ndarray:
-        """The next batch's histogram as the station sees it: empty (not ready) below
-        ``min_batch`` samples."""
+        """The next batch's histogram as the station sees it: empty below ``min_batch``."""
         nxt = self.buffer.next_batch_counts(self.config.batch_size)
         return nxt if nxt.sum() >= self.config.min_batch else np.zeros_like(nxt)
 
@@ -283,8 +281,9 @@ class Device(RoleBase[DeviceState]):
         self._accept_any_iteration = self._model is not None
         if self._awaiting is not None:  # a restarted station selects anew
             self._drop_awaiting("the station restarted")
-        model = self._model
-        return [self._stats(model.round if model else 0, model.iteration if model else 0)]
+        model = self._model  # (statistics after the seen counts that bound them)
+        return [self._stats(model.round if model else 0, model.iteration if model else 0),
+                *(self.head.first() if self.head else [])]
 
     def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
         steps = self.begin_steps(model)

@@ -9,7 +9,11 @@ growth a station accepts (``max_seen_rate x local_steps`` per iteration since it
 report, however many reports it sends in one), so no clip ever catches it;
 ``seen_shape_at_bound`` grows as fast, in the shape furthest towards even that the station
 takes from it: just inside ``SHAPE_TOLERANCE`` of the batches it reported (what the station
-sees it train).  ``nan`` cannot be a
+sees it train).  Of the lies about a closed-form head's statistics (``HeadStats``),
+``stats_scale`` multiplies every sum by ``STATS_SCALE`` (a consistent claim of that many
+times the samples), ``stats_flip`` shifts every label by one class (sums as consistent as
+honest ones), and ``stats_random`` sends, for as many samples, rows drawn at random at the
+clip's norm with random labels: everything within the station's bounds.  ``nan`` cannot be a
 message at all (messages refuse non-finite weights), so it becomes a forged frame,
 checksum and all, that the receiver's :class:`~edge_client.admission.Admission`
 must refuse.  The simulator and the hostile device process of the MQTT tests use
@@ -27,6 +31,7 @@ import numpy as np
 from edge_client import messages as m
 from edge_client.admission import Admission
 from edge_client.codec import encode, reseal
+from edge_client.head_stats import HeadSums
 from edge_client.runner import RoleRunner
 from edge_client.topics import topic_for
 from edge_client.transport import LocalBus
@@ -34,11 +39,12 @@ from edge_client.transport import LocalBus
 __all__ = ["ATTACKS", "tamper", "forge_nan", "install"]
 
 ATTACKS = ("none", "scale", "inflate", "nan", "seen", "balanced", "replay", "uniform_seen",
-           "seen_at_bound", "seen_shape_at_bound")
+           "seen_at_bound", "seen_shape_at_bound", "stats_scale", "stats_flip", "stats_random")
 SCALE = 1e6  # "an update scaled by 1e6"
 INFLATED = 10**12  # "an update claiming 10^12 samples"
 SEEN = 10**15  # "one report of 10^15 seen samples"
 WIRE_MAX = int(np.iinfo(np.int64).max)  # the largest count a frame carries
+STATS_SCALE = 1000.0  # "statistics of 1,000 times the samples"
 
 
 def spread(total: int, width: int) -> np.ndarray:
@@ -92,9 +98,34 @@ def tamper(message: m.Message, attack: str,
             return dataclasses.replace(message, seen_counts=_at_bound(message, memory))
         if attack == "seen_shape_at_bound":
             return dataclasses.replace(message, seen_counts=_shape_at_bound(message, memory))
+    if isinstance(message, m.HeadStats) and attack.startswith("stats_"):
+        return _head_stats(message, attack, memory)
     return message
 
 
+def _head_stats(message: m.HeadStats, attack: str, memory: dict[str, Any] | None
+                ) -> m.HeadStats:
+    """A device's head statistics, lied about (``stats_*``)."""
+    gram, cross, counts = message.gram, message.cross, message.counts
+    classes = counts.size
+    if attack == "stats_scale":
+        return dataclasses.replace(message, gram=gram * np.float32(STATS_SCALE),
+                                   cross=cross * np.float32(STATS_SCALE),
+                                   counts=counts * int(STATS_SCALE))
+    if attack == "stats_flip":
+        return dataclasses.replace(message, cross=np.roll(cross.reshape(-1, classes), 1,
+                                                          axis=1).ravel(),
+                                   counts=np.roll(counts, 1))
+    if memory is None or "clip" not in memory:
+        raise ValueError("the stats_random attack needs the body's clip")
+    rng = memory.setdefault("rng", np.random.default_rng(0))
+    n, width = int(counts.sum()), cross.size // classes
+    rows = rng.standard_normal((n, width - 1))
+    rows *= 0.999 * memory["clip"] / np.linalg.norm(rows, axis=1, keepdims=True)
+    sums = HeadSums.zeros(width - 1, classes, kind="ridge" if gram.size else "ncm")
+    sums.add_rows(np.hstack([rows, np.ones((n, 1))]), rng.integers(0, classes, n))
+    tri, flat, got = sums.packed()
+    return dataclasses.replace(message, gram=tri, cross=flat, counts=got)
 
 
 def _at_bound(message: m.DeviceStats, memory: dict[str, Any] | None) -> np.ndarray:
@@ -126,16 +157,17 @@ def _shape_at_bound(message: m.DeviceStats, memory: dict[str, Any] | None) -> np
 
 
 def install(runner: RoleRunner, attack: str, admission: Admission, bus: LocalBus, *,
-            growth: int, tolerance: float) -> None:
+            growth: int, tolerance: float, clip: float = 0.0) -> None:
     """Make a simulated device hostile: its runner sends ``tamper``'s output instead.
 
     A forged frame goes through ``admission`` (what the station's transport does) and
     whatever that yields, a refusal, is delivered in its place.  ``growth``: the seen
     samples its station accepts per iteration (``max_seen_rate x local_steps``),
-    ``tolerance`` the shape tolerance it checks seen counts with.
+    ``tolerance`` the shape tolerance it checks seen counts with, ``clip`` the body's
+    row clip (for ``stats_random``).
     """
     honest = runner.publish
-    memory: dict[str, Any] = {"growth": growth, "tolerance": tolerance}
+    memory: dict[str, Any] = {"growth": growth, "tolerance": tolerance, "clip": clip}
 
     def publish(out: list[m.Message]) -> None:
         for message in out:

@@ -181,7 +181,8 @@ class Factory:
                                       reassembly_memory=1 << 30, chunk_timeout=60.0)
                 st = self.station.config  # the attacker has read it: it lies at its bounds
                 install(runner, spec.attack, admission, self.bus,
-                        growth=st.max_seen_rate * st.local_steps, tolerance=SHAPE_TOLERANCE)
+                        growth=st.max_seen_rate * st.local_steps, tolerance=SHAPE_TOLERANCE,
+                        clip=spec.head.clip if spec.head else 0.0)
                 admissions.append(admission)
             devices.append(_SimDevice(dev, source, runner))
         return devices, admissions

@@ -117,7 +117,7 @@ def _drive(data: Dataset, strategy: Strategy, spec: FleetSpec, cloud: Cloud,
         bus = LocalBus()
         runner = RoleRunner(cloud, bus, SIM_CLOCK)
     else:  # the cloud sits beside its broker; the stations' links are the factories'
-        bus = TimedBus(keep_time=lambda: cloud.state == CloudState.COLLECTING,
+        bus = TimedBus(keep_time=lambda: cloud.wakeup() is not None,  # a round, or round 0's wait
                        max_virtual_s=spec.clock.max_virtual_s,
                        handling_s=spec.clock.handling_ms / 1e3)
         port = bus.port("cloud")
@@ -154,6 +154,10 @@ def _drive(data: Dataset, strategy: Strategy, spec: FleetSpec, cloud: Cloud,
         port.run(0.0, runner.start)
     to_cloud(factories.call("start"))
     bus.deliver()
+    if spec.clock is None and (wait := cloud.wakeup()) is not None \
+            and cloud.state == CloudState.JOINING:  # untimed, nothing in flight: its wait is over
+        runner.publish(cloud.tick(wait))
+        bus.deliver()
     if cloud.state != CloudState.DONE and not (spec.samples and rows
                                                and rows[-1]["samples"] >= spec.samples):
         raise SaflError(f"federation stalled in round {cloud.round} (cloud {cloud.state})")

@@ -3,6 +3,8 @@ centralised solve, whatever the split and order; checked as claims; packed for t
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -143,7 +145,7 @@ def _spec_sums(spec, x, y):
     return s
 
 
-def _head_fleet(digits, spec, n_devices=4, per_device=150):
+def _head_fleet(digits, spec, n_devices=4, per_device=150, sync_period=2):
     """Cloud, one station and devices of one or two classes each on a LocalBus, every
     device with its statistics; each device's samples ingested as a sensor delivers them."""
     from aggregator.cloud import Cloud
@@ -164,7 +166,8 @@ def _head_fleet(digits, spec, n_devices=4, per_device=150):
     cloud = Cloud(CloudConfig(fleet="t", stations=("s",), rounds=0), initial_weights=w0,
                   num_classes=10)
     station = Station(StationConfig(fleet="t", station_id="s", devices=ids, super_node_size=2,
-                                    rand_per_group=0, sync_period=2, max_seen_rate=1e6),
+                                    rand_per_group=0, sync_period=sync_period,
+                                    max_seen_rate=1e6),
                       num_params=w0.size, num_classes=10, rng=np.random.default_rng(0))
     attach_heads(cloud, spec)
     attach_heads(station, spec)
@@ -180,33 +183,63 @@ def _head_fleet(digits, spec, n_devices=4, per_device=150):
         dev.ingest(x[mine], y[mine], 0.0)
         seen.append(mine)
         devices.append(dev)
-    runners = [RoleRunner(r, bus, lambda: 0.0) for r in (cloud, station, *devices)]
+    clock = [0.0]
+    runners = [RoleRunner(r, bus, lambda: clock[0]) for r in (cloud, station, *devices)]
+    bus.run_until = lambda done: _run_until(bus, runners, clock, done)  # type: ignore[attr-defined]
     return bus, runners, cloud, station, devices, x, y, np.concatenate(seen)
 
 
+def _run_until(bus, runners, clock, done) -> None:
+    """Deliver, and where nothing is in flight let a second pass and tick every role
+    (the cloud waits for the first statistics before round 0 goes out)."""
+    for _ in range(10_000):
+        if done():
+            return
+        if bus.deliver(limit=20) == 0:
+            clock[0] += 1.0
+            for r in runners:
+                r.tick()
+    raise AssertionError(f"the fleet stalled: {[dict(r.role.counters) for r in runners[:2]]}")
+
+
 def test_the_fleet_broadcasts_the_head_its_devices_statistics_solve(digits):
-    """Devices of two classes each send their statistics up through their station; the
-    cloud's next global model is the ridge head of every sample they saw, as one solve over
-    them all gives, and says how many samples it came from."""
+    """Devices of two classes each send the statistics of what they started with when they
+    start; round 0's global model (after the cloud's wait for them) is the ridge head of
+    every sample they saw, as one solve over them all gives.  What they sense later is
+    passed on at once where it doubles what went up, and is in the next round's solve."""
     from edge_client import messages as m
     from edge_client.topics import global_model_topic
 
     spec = HeadSpec("ridge", 64, 10, np.full(64, 4.0, np.float32), 200.0)
-    bus, runners, cloud, station, devices, x, y, seen = _head_fleet(digits, spec)
+    bus, runners, cloud, station, devices, x, y, seen = _head_fleet(digits, spec,
+                                                                    sync_period=5)
     globals_: list[m.GlobalModel] = []
     bus.subscribe(global_model_topic("t"), lambda topic, msg: globals_.append(msg))
     for r in runners:
         r.start()
-    while len(globals_) < 2:
-        assert bus.deliver(limit=50) > 0
-    first, second = globals_[:2]
-    assert first.head_samples == 0 and second.head_samples == len(seen) == 600
+    bus.run_until(lambda: globals_)
+    first = globals_[0]
+    assert first.round == 0 and first.head_samples == len(seen) == 600
     want = spec.solve(_spec_sums(spec, x[seen], y[seen]))
-    np.testing.assert_allclose(second.weights, want, rtol=1e-4, atol=1e-5)
-    assert station.counters["head_stats"] == 4 and cloud.counters["head_stats"] == 1
-    assert not any(k.startswith("rejected") for k in station.counters)
+    np.testing.assert_allclose(first.weights, want, rtol=1e-4, atol=1e-5)
     acc = ((x @ want[:640].reshape(10, 64).T + want[640:]).argmax(1) == y)[np.isin(y, range(8))]
     assert acc.mean() > 0.9  # and it predicts what the devices saw
+    more = []
+    for k, dev in enumerate(devices):  # each senses as much again, of any class
+        later = np.arange(800 + 150 * k, 950 + 150 * k)
+        runners[2 + k].publish(dev.ingest(x[later], y[later], 1.0))
+        more.append(later)
+    bus.run_until(lambda: cloud.counters["head_stats"] == 4)
+    assert cloud.heads.total.n == 1200  # passed on before the upload, by doubling
+    bus.run_until(lambda: globals_[-1].round == 1)
+    assert globals_[-1].head_samples == 1200
+    every = np.concatenate([seen, *more])
+    np.testing.assert_allclose(globals_[-1].weights, spec.solve(
+        _spec_sums(spec, x[every], y[every])), rtol=1e-4, atol=1e-5)
+    assert station.counters["head_stats"] == 8  # passed on doubling: 150, 150, 300, then 600
+    assert cloud.counters["head_stats"] == station.counters["head_stats_forwarded"] == 4
+    assert not any(k.startswith("rejected") for k in station.counters | cloud.counters), \
+        station.counters | cloud.counters
 
 
 def test_a_restarted_station_and_cloud_keep_their_sums(digits):
@@ -216,8 +249,7 @@ def test_a_restarted_station_and_cloud_keep_their_sums(digits):
     bus, runners, cloud, station, devices, *_ = _head_fleet(digits, spec)
     for r in runners:
         r.start()
-    while cloud.heads.solved == 0:
-        assert bus.deliver(limit=50) > 0
+    bus.run_until(lambda: cloud.heads.solved)
     for role, meta_cls in ((station, StationCheckpoint), (cloud, CloudCheckpoint)):
         arrays, meta = role.snapshot()
         fresh = _head_fleet(digits, spec)[3 if role is station else 2]
@@ -287,13 +319,10 @@ def test_a_device_claiming_exactly_what_it_saw_counts_whole_and_one_sample_more_
 
     spec = HeadSpec("ridge", 64, 10, np.zeros(64, np.float32), 200.0)
     bus, runners, cloud, station, devices, x, y, _ = _head_fleet(digits, spec)
+    for k in (2, 3):
+        devices[k].head = None  # what it claims is written here
     for r in runners:
         r.start()
-    bus.deliver()
-    for k in (2, 3):  # each senses 50 samples more, which it reports seeing
-        devices[k].head = None  # what it claims is written here
-        more = np.flatnonzero(np.isin(y, (2 * k, 2 * k + 1)))[150:200]
-        runners[2 + k].publish(devices[k].ingest(x[more], y[more], 0.0))
     bus.deliver()
     for device, extra in (("d2", 0), ("d3", 1)):
         room = int(station.stats[device].seen_counts.sum() - station.heads.claimed.get(device, 0))
@@ -317,13 +346,44 @@ def test_honest_stations_statistics_are_never_weighted_down_at_the_cloud(digits)
     bus.subscribe(global_model_topic("t"), lambda topic, msg: globals_.append(msg))
     for r in runners:
         r.start()
-    fed = 0
-    while len(globals_) < 4:
-        if len(globals_) > fed:  # each round, every device senses 40 samples more
-            fed = len(globals_)
+    fed = [0]
+
+    def sensing() -> bool:
+        if len(globals_) > fed[0]:  # each round, every device senses 40 samples more
+            fed[0] = len(globals_)
             for k, dev in enumerate(devices):
-                more = np.flatnonzero(np.isin(y, (2 * k, 2 * k + 1)))[60 + 40 * fed:][:40]
+                more = np.flatnonzero(np.isin(y, (2 * k, 2 * k + 1)))[60 + 40 * fed[0]:][:40]
                 dev.ingest(x[more], y[more], 0.0)  # its next stats say so, or not
-        assert bus.deliver(limit=20) > 0
+        return len(globals_) >= 4
+    bus.run_until(sensing)
     assert globals_[-1].head_samples > 4 * 60  # what they sensed later came up too
     assert cloud.counters["clipped.head_stats"] == 0 and station.counters["clipped.head_stats"] == 0
+
+
+def test_hostile_statistics_pass_as_claims_only_within_their_bounds(digits):
+    """The lies of ``lab.attacks`` about head statistics: scaled sums are a claim of a
+    thousand times the samples and count for what the device saw; flipped labels and random
+    rows at the clip are within every bound (measured, not refused: experiments/
+    head_attacks.toml), and the station still counts them for no more than it saw."""
+    from edge_client import messages as m
+    from lab.attacks import tamper
+
+    spec = HeadSpec("ridge", 64, 10, np.zeros(64, np.float32), 60.0)
+    bus, runners, cloud, station, devices, x, y, _ = _head_fleet(digits, spec)
+    for k in range(4):
+        devices[k].head = None  # each one's statistics are written here
+    for r in runners:
+        r.start()
+    bus.deliver()
+    gram, cross, counts = _spec_sums(spec, x[:150], y[:150]).packed()
+    honest = m.HeadStats(fleet="t", sender="d0", round=0, iteration=0, station="s", gram=gram,
+                         cross=cross, counts=counts)
+    for k, attack in enumerate(("stats_scale", "stats_flip", "stats_random")):
+        lie = tamper(dataclasses.replace(honest, sender=f"d{k}"), attack, {"clip": spec.clip})
+        assert isinstance(lie, m.HeadStats) and int(lie.counts.sum()) >= 150
+        station.handle(lie, 0.0)
+        assert not any(key.startswith("rejected") for key in station.counters), attack
+        assert station.heads.claimed[f"d{k}"] <= station.stats[f"d{k}"].seen_counts.sum() + 1e-6
+    assert station.counters["clipped.head_stats"] == 1  # the scaled claim, weighted down
+    flipped = tamper(honest, "stats_flip", {})
+    assert np.array_equal(flipped.counts, np.roll(counts, 1))
