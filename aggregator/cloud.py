@@ -156,7 +156,7 @@ class Cloud(RoleBase[CloudState]):
         """Every station has reported its counts: round 0 goes out, its head solved from
         the statistics the stations forward of the frames their devices started with; those
         follow the counts, so the cloud waits ``head_join_wait`` seconds for them."""
-        if self.heads is not None and now < self.deadline:
+        if self.heads is not None:  # (at the wait's end, the deadline is past: it goes out)
             self.deadline = min(self.deadline, now + self.config.head_join_wait)
             if now < self.deadline:
                 return []

@@ -13,6 +13,7 @@ counted under ``rejected.<reason>`` and change nothing.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -58,10 +59,11 @@ class HeadLedger:
         self.claimed[msg.sender] = so_far + weight * sums.n
         self.counters["head_stats"] += 1
 
-    def upstream(self, seen: m.StationStats, round_: int, iteration: int, *,
+    def upstream(self, seen: Callable[[], m.StationStats], round_: int, iteration: int, *,
                  early: bool = False) -> list[m.Message]:
         """What was admitted since the last send, for the level above (none where nothing),
-        after ``seen``, the sender's seen counts that bound it there: sent before the upload
+        after ``seen()``, the sender's seen counts that bound it there (made only where
+        something goes, as this runs on every device's statistics): sent before the upload
         that closes the round, so that round's solve has them, and the upload's own counts
         would come too late to bound them.  ``early``: between uploads, where what is
         pending is at least everything sent before it (doubling, so that a young fleet's
@@ -71,9 +73,11 @@ class HeadLedger:
             return []
         gram, cross, counts = self.pending.taken().packed()
         self.counters["head_stats_forwarded"] += 1
-        return [seen, m.HeadStats(fleet=self.fleet, sender=seen.sender, round=round_,
-                                  iteration=iteration, station=seen.sender, gram=gram,
-                                  cross=cross, counts=counts)]
+        counts_first = seen()
+        return [counts_first, m.HeadStats(fleet=self.fleet, sender=counts_first.sender,
+                                          round=round_, iteration=iteration,
+                                          station=counts_first.sender, gram=gram,
+                                          cross=cross, counts=counts)]
 
     def solve(self, *, again: bool) -> np.ndarray | None:
         """The head from every admitted statistic, where there are any and a solve is due:

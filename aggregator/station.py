@@ -196,7 +196,7 @@ class Station(StationResume, RoleBase[StationState]):
         seen = self.stats[msg.sender].seen_counts if msg.sender in self.stats else None
         if (error := refused(self.heads, msg, seen)) or self.heads is None:
             return self._reject(error.reason, str(error)) if error else []
-        return self.heads.upstream(self.external.stats(), self.round, self.iteration, early=True)
+        return self.heads.upstream(self.external.stats, self.round, self.iteration, early=True)
 
     def _on_refusal(self, msg: m.Refusal, now: float) -> list[m.Message]:
         """The transport refused a member's frame: its answer for this iteration."""
@@ -391,7 +391,7 @@ class Station(StationResume, RoleBase[StationState]):
     def _external_sync(self, new: StationState) -> list[m.Message]:
         """The synchronisation period is over: upload ``w^m`` and wait for the cloud."""
         self.state = new
-        owed = self.heads.upstream(self.external.stats(), self.round, self.iteration) \
+        owed = self.heads.upstream(self.external.stats, self.round, self.iteration) \
             if self.heads else []
         return [*owed, self.external.upload(self._model(), self.round, self.iteration)]
 

@@ -307,8 +307,8 @@ class HeadStatsPath:
     costs 7.4 ms on one x86 core, 0.28 ms in 32s), and the increment since the last send
     sent every ``every`` models of its station (float32: a 6.6 MB Gram on 1,280 features),
     and sooner while the device is new: whenever what it holds is at least what it has sent,
-    so that its first frames reach a solve within an iteration or two (a head from a few
-    hundred frames is at 0.8 already) and the sends early on are a handful, doubling."""
+    so that its first frames reach a solve within an iteration or two (a ridge head from 500
+    frames is at 0.80: docs/bodies.md) and the sends early on are a handful, doubling."""
 
     STAGE = 64  # rows staged before they are added: 330 KB at 1,281 float32 columns
 
@@ -352,11 +352,11 @@ class HeadStatsPath:
         return self._send(model.round, model.iteration)
 
     def first(self) -> list[m.Message]:
-        """What the device held before any model, once, for its station's first solve: at
-        its start, or where that found no station (MQTT drops it then), when it hears its
-        station online; so the fleet's first global model is a head solved from the
-        frames its devices started with.  (A station that comes up after a device's start
-        but before its retained presence does not count those frames.)"""
+        """What the device holds before it has sent anything, for its station's first solve:
+        at its start, or, where it held nothing then, when it hears its station online; so
+        the fleet's first global model is a head solved from the frames its devices started
+        with.  Once only: a send at start that found no station subscribed (MQTT drops it)
+        is not repeated, and those frames are not counted."""
         return self._send(0, 0) if self.sent == 0 and self._held() else []
 
     def _held(self) -> int:
