@@ -41,6 +41,7 @@ class HeadLedger:
         self.claimed: dict[str, float] = {}  # samples each participant's sums count, weighted
         self.solved = 0  # samples the last solve was made from
         self.head: np.ndarray | None = None  # the last solve
+        self.newcomer = False  # the last statistics admitted were their sender's first
 
     def admit(self, msg: m.HeadStats, seen: np.ndarray | None) -> None:
         """Add ``msg``'s sums, checked (:class:`MessageError`, nothing added, where they
@@ -56,20 +57,24 @@ class HeadLedger:
         self.total.add(sums, weight)
         if self.pending is not None:
             self.pending.add(sums, weight)
+        self.newcomer = msg.sender not in self.claimed
         self.claimed[msg.sender] = so_far + weight * sums.n
         self.counters["head_stats"] += 1
 
     def upstream(self, seen: Callable[[], m.StationStats], round_: int, iteration: int, *,
-                 early: bool = False) -> list[m.Message]:
+                 early: bool = False, roster: int = 0) -> list[m.Message]:
         """What was admitted since the last send, for the level above (none where nothing),
         after ``seen()``, the sender's seen counts that bound it there (made only where
         something goes, as this runs on every device's statistics): sent before the upload
         that closes the round, so that round's solve has them, and the upload's own counts
         would come too late to bound them.  ``early``: between uploads, where what is
         pending is at least everything sent before it (doubling, so that a young fleet's
-        first frames reach round 0's solve, and the sends stay few)."""
-        if self.pending is None or self.pending.n == 0 \
-                or (early and self.pending.n < self.total.n - self.pending.n):
+        first frames reach round 0's solve, and the sends stay few), and at once where the
+        last of a ``roster`` of participants sent its first statistics, so that the solve
+        before round 0 has every device's (under label skew one left out can hold a class)."""
+        whole = self.newcomer and len(self.claimed) == roster
+        if self.pending is None or self.pending.n == 0 or (
+                early and not whole and self.pending.n < self.total.n - self.pending.n):
             return []
         gram, cross, counts = self.pending.taken().packed()
         self.counters["head_stats_forwarded"] += 1

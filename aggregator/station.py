@@ -196,7 +196,8 @@ class Station(StationResume, RoleBase[StationState]):
         seen = self.stats[msg.sender].seen_counts if msg.sender in self.stats else None
         if (error := refused(self.heads, msg, seen)) or self.heads is None:
             return self._reject(error.reason, str(error)) if error else []
-        return self.heads.upstream(self.external.stats, self.round, self.iteration, early=True)
+        return self.heads.upstream(self.external.stats, self.round, self.iteration, early=True,
+                                   roster=len(self.config.devices))
 
     def _on_refusal(self, msg: m.Refusal, now: float) -> list[m.Message]:
         """The transport refused a member's frame: its answer for this iteration."""
@@ -315,8 +316,7 @@ class Station(StationResume, RoleBase[StationState]):
 
     def _iteration_event(self, ready: list[str]) -> StationEvent:
         """What beginning an iteration with ``ready`` devices is: a super node, or too few."""
-        quorum = len(ready) >= self.config.min_quorum
-        return _E.SUPER_NODE_SELECTED if quorum else _E.TOO_FEW_READY
+        return _E.SUPER_NODE_SELECTED if len(ready) >= self.config.min_quorum else _E.TOO_FEW_READY
 
     def _begin_iteration(self, now: float, ready: list[str] | None = None) -> list[m.Message]:
         """Select the next super node, or gather; ``ready`` where the caller just listed it."""

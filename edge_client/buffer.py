@@ -88,8 +88,9 @@ class StreamBuffer:
         self.overwritten_unread = 0
         self._pinned: tuple[np.ndarray, np.ndarray] | None = None
 
-    def push(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Append a batch of arriving samples (``x``: (n, *sample_shape), ``y``: (n,))."""
+    def push(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Append a batch of arriving samples (``x``: (n, *sample_shape), ``y``: (n,));
+        returns which of them were held out."""
         x = np.asarray(x, dtype=np.float32)
         y = np.asarray(y)
         if x.shape[1:] != self.sample_shape or y.ndim != 1 or len(x) != len(y):
@@ -111,6 +112,7 @@ class StreamBuffer:
         if lost > 0:
             self.overwritten_unread += lost
             self._read = self._train.oldest
+        return held
 
     @property
     def unread(self) -> int:

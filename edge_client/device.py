@@ -132,8 +132,7 @@ class Device(RoleBase[DeviceState]):
         return [self._stats(0, 0), *(self.head.first() if self.head else [])]
 
     def tick(self, now: float) -> list[m.Message]:
-        """Measure what the last selection left to measure (its reply has gone); until a
-        station model arrives, repeat the stats: the station may start later."""
+        """Measure what the last selection left; until a station model comes, say hello."""
         self.local.catch_up()
         if self.state != _D.WAITING:
             self.silence.heard()
@@ -151,20 +150,22 @@ class Device(RoleBase[DeviceState]):
     def wakeup(self) -> float | None:
         return self._next_hello if self.state == _D.WAITING else None
 
+    def sense(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Buffer samples and add their statistics, without a word (a replay's first frames)."""
+        held = self.buffer.push(x, y)
+        if self.head is not None:  # once, as they arrive; held-out ones not: they judge it
+            self.head.take(x[~held], y[~held])
+
     def ingest(self, x: np.ndarray, y: np.ndarray, now: float,
                predicted: np.ndarray | None = None) -> list[m.Message]:
         """Take newly sensed, labelled samples; report stats when the next batch changed.
-
         With prequential scoring on, each sample's prediction made on arrival (``predicted``,
         ``NOT_PREDICTED`` where none was made) is scored before it can be trained on; without
-        ``predicted`` the device predicts one sample in ``[inference] every`` itself.
-        """
+        ``predicted`` the device predicts one sample in ``[inference] every`` itself."""
         if self.line.prequential is not None and predicted is None:
             predicted = self.line.predict_every(x, self.buffer.samples_seen)
-        self.buffer.push(x, y)  # validates shapes and labels before anything is scored
+        self.sense(x, y)  # validates shapes and labels before anything is scored
         self.line.take(x, y, predicted)
-        if self.head is not None:  # once, as it arrives: no second pass over the buffer
-            self.head.take(x, y)
         nxt = self._next_counts()
         if self._reported_next is not None and np.array_equal(nxt, self._reported_next):
             return []
@@ -226,12 +227,10 @@ class Device(RoleBase[DeviceState]):
 
     def _on_selection(self, message: m.Selection) -> list[m.Message]:
         """Train now if this iteration's model is here; else wait for it.
-
         MQTT orders messages per topic only: a broker under load may deliver the selection
         before the model the station published first (seen with Mosquitto on 2 busy cores,
         where a whole super node then missed its deadline).  A selection ahead of its model
-        is parked until that model arrives; one behind the model is stale.
-        """
+        is parked until that model arrives; one behind the model is stale."""
         if self.id not in message.members:
             return []
         if self._model is not None and self._model.iteration == message.iteration:

@@ -321,6 +321,7 @@ class HeadStatsPath:
         self._labels: list[np.ndarray] = []
         self.models = 0
         self.sent = 0  # samples sent so far
+        self.personal: Any = None  # the device's own sums too (personal_head.py), where asked
 
     @classmethod
     def attach(cls, device: Any, spec: HeadSpec | None, every: int) -> None:
@@ -339,7 +340,10 @@ class HeadStatsPath:
 
     def _flush(self) -> None:
         if self._rows:
-            self.sums.add_rows(np.concatenate(self._rows), np.concatenate(self._labels))
+            rows, labels = np.concatenate(self._rows), np.concatenate(self._labels)
+            self.sums.add_rows(rows, labels)
+            if self.personal is not None:
+                self.personal.add_rows(rows, labels)
             self._rows, self._labels = [], []
 
     def due(self, model: m.StationModel) -> list[m.Message]:

@@ -358,6 +358,15 @@ class Refusal(Message):
     leaf: str  # the last topic level: "update", "stats", ...
 
 
+def traffic_kind(message: Message) -> str:
+    """What a bus counts a message's traffic under: its type, with a station's head
+    statistics told from a device's (they cross to the cloud, a device's stay in the
+    factory)."""
+    if isinstance(message, HeadStats) and message.sender == message.station:
+        return "StationHeadStats"
+    return type(message).__name__
+
+
 def payload_nbytes(message: Message) -> int:
     """Bytes of array payload a message carries (header bytes excluded)."""
     return sum(getattr(message, f.name).nbytes for f in dataclasses.fields(message)

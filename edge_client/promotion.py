@@ -144,6 +144,9 @@ class Promoter:
         self._pending: tuple[m.StationModel, np.ndarray, bool] | None = None  # and merged
         self._scored_at = -1 << 62  # station iteration of the last scored candidate
         self._refused_in_a_row = 0
+        # What a candidate becomes before it is judged: the device's personal head beside
+        # it ([inference] personal, personal_head.py), paid once per candidate scored.
+        self.personalise: Callable[[np.ndarray], np.ndarray] | None = None
 
     def offer(self, model: m.StationModel, weights: np.ndarray, deployed: bool,
               merged: bool = False) -> bool:
@@ -171,6 +174,8 @@ class Promoter:
                 and 0 <= model.iteration - self._scored_at < self.config.promote_every:
             return None
         self._pending = None
+        if self.personalise is not None:
+            weights = self.personalise(weights)
         if scored:
             self._scored_at = model.iteration
         verdict = self.last_verdict = (self._verdict(trainer, weights, deployed, holdout,

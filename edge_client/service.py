@@ -33,6 +33,7 @@ from .errors import ConfigError
 from .head_stats import HeadStatsPath, head_spec
 from .metrics import Collect, MetricsServer
 from .mqtt import MqttTransport
+from .personal_head import attach_personal
 from .privacy import keep_privacy_ledger
 from .runner import RoleRunner, StopFlag, pace_replay, serve
 from .serving import DeployableKeeper, StreamFeed, resume_deployable
@@ -139,8 +140,8 @@ class DeviceService:
 
     def build(self) -> tuple[RoleRunner[Device], MqttTransport,
                              tuple[Callable[[float], None], ...]]:
-        """The device bound to its transport, and the ``serve`` hooks that feed it samples
-        (none when the federation paces a replay) and keep its deployable model on disk."""
+        """The device on its transport, and the ``serve`` hooks that feed it and keep its
+        deployable model on disk (no feed where the federation paces a replay)."""
         cfg, mc = self.device, self.model
         trainer = model_trainer(mc, cfg.lr)
         self.body = body = open_body(mc)
@@ -155,10 +156,10 @@ class DeviceService:
                      f", its last {body.blocks} block(s) training" if body.blocks else "")
         if self.service.emulate_step_s:
             trainer = PacedTrainer(trainer, self.service.emulate_step_s)
-        device = Device(cfg, trainer, num_classes=mc.num_classes,
-                        sample_shape=head_input_shape(mc),
-                        rng=np.random.default_rng(cfg.seed), inference=self.inference)
+        device = Device(cfg, trainer, num_classes=mc.num_classes, inference=self.inference,
+                        sample_shape=head_input_shape(mc), rng=np.random.default_rng(cfg.seed))
         HeadStatsPath.attach(device, head_spec(mc), cfg.head_stats_every)
+        attach_personal(device)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,
                                    participant=cfg.device_id, trainer=trainer, model=mc)
         runner = RoleRunner(device, transport)
@@ -174,7 +175,7 @@ class DeviceService:
                                      rng=np.random.default_rng(self.source.seed))
         if self.source.initial and isinstance(source, ReplaySource):
             x, y = source.read(self.source.initial)
-            device.buffer.push(body.embed(x) if body is not None else x, y)
+            device.sense(body.embed(x) if body is not None else x, y)
         if self.source.per_iteration:
             if not isinstance(source, ReplaySource):
                 raise ConfigError("per_iteration", "federation-paced replay needs an array "

@@ -76,7 +76,7 @@ class LocalBus:
     def publish(self, topic: str, message: m.Message) -> None:
         if self.closed:
             raise SaflError("publish on a closed bus")
-        kind = type(message).__name__
+        kind = m.traffic_kind(message)
         self.messages[kind] += 1
         self.payload_bytes[kind] += m.payload_nbytes(message)
         self._queue.append((topic, message))

@@ -397,7 +397,7 @@ class TimedBus(LocalBus):
         if self.closed:
             from edge_client.errors import SaflError
             raise SaflError("publish on a closed bus")
-        kind = type(message).__name__
+        kind = m.traffic_kind(message)
         self.messages[kind] += 1
         nbytes = m.payload_nbytes(message)
         self.payload_bytes[kind] += nbytes

@@ -162,6 +162,9 @@ class ExperimentConfig(RecipeSettings):
     head_init: str = "random"
     head_resolve: str = "every"
     head_stats_every: int = 10
+    # Device-local accuracy of personal heads ([inference] personal) beside the global head's,
+    # on each device's held-out slice at the end (head_init = "ridge").
+    personal_heads: bool = False
 
     def __post_init__(self) -> None:
         if self.partition not in ("dirichlet", "safl"):
@@ -239,7 +242,7 @@ def _fleet(cfg: ExperimentConfig, data: Dataset, seed: int, attack: str) -> Flee
                      attackers=tuple(range(cfg.attackers)) if attack != "none" else (),
                      prequential_every=cfg.prequential_every, body=cfg.body,
                      hidden=cfg.hidden, tail=_tail(cfg), head=_head(cfg, data.num_classes),
-                     head_stats_every=cfg.head_stats_every)
+                     head_stats_every=cfg.head_stats_every, personal_heads=cfg.personal_heads)
 
 
 # Privacy and update stages, per role, passed on only where set: a plain run keeps the cache
@@ -412,7 +415,7 @@ _OFF_UNLESS_SET = frozenset({*_DEVICE_KEYS, *_STATION_KEYS, *_CLOUD_KEYS, "centr
                              "central_dp_mechanism", "max_participations", "cloud_dp_epsilon",
                              "local_dp_epsilon", "local_dp_clip", "camera_shape", "body",
                              "body_dir", "hidden", "train_body_blocks", "head_init",
-                             "head_resolve", "head_stats_every"})
+                             "head_resolve", "head_stats_every", "personal_heads"})
 _DEFAULT = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
 
 

@@ -28,6 +28,8 @@ from edge_client.config import DeviceConfig, InferenceConfig, from_mapping
 from edge_client.device import Device, LocalSteps
 from edge_client.head_stats import HeadStatsPath
 from edge_client.metrics import counted
+from edge_client.personal_head import PersonalHead
+from edge_client.promotion import judge_on
 from edge_client.runner import RoleRunner, pace_replay
 from edge_client.sources.replay import ReplaySource
 from edge_client.states import StationState
@@ -164,11 +166,10 @@ class Factory:
                                                    promote=PREQUENTIAL_PROMOTE, budget=1.0)
                          if spec.prequential_every else None)
             HeadStatsPath.attach(dev, spec.head, spec.head_stats_every)
+            if spec.personal_heads and dev.head is not None:  # measured, not predicted with
+                dev.head.personal = PersonalHead(dev.head.spec)
             source = ReplaySource(x, y, np.random.default_rng(seed))
-            first = source.read(spec.initial_samples)
-            dev.buffer.push(*first)
-            if dev.head is not None:  # what it starts with was sensed too
-                dev.head.take(*first)
+            dev.sense(*source.read(spec.initial_samples))
             diverted = self.steps.divert(dev) if self.steps else None
             runner = RoleRunner(dev, diverted, SIM_CLOCK) if diverted else \
                 self._runner(dev, values)
@@ -253,6 +254,19 @@ class Factory:
         """The devices' held-out and prequential accuracies, as their stations know them."""
         roster = self.station.roster
         return roster.local_accuracies(), roster.prequential_accuracies()
+
+    def head_accuracies(self) -> list[tuple[float, float]]:
+        """Each device's accuracy on its held-out slice with the station's head (the one it
+        was last sent) and with its personal head beside it, where it keeps one."""
+        out = []
+        for sim in self.devices:
+            dev, weights = sim.device, self.station.weights
+            x, y = dev.buffer.holdout()
+            if dev.head is None or dev.head.personal is None or weights is None or not len(y):
+                continue
+            verdict = judge_on(dev.trainer, x, y, dev.head.personal.solve(weights), weights, 0.0)
+            out.append((verdict.deployed_accuracy or 0.0, verdict.shadow_accuracy or 0.0))
+        return out
 
     def traffic(self) -> tuple[dict[str, int], dict[str, int]]:
         """Messages and payload bytes published here, per message type."""

@@ -94,6 +94,9 @@ class FleetSpec:
     # ridge or ncm, edge_client/head_stats.py); None: the head starts random.
     head: HeadSpec | None = None
     head_stats_every: int = 10  # station models between a device's sends of them
+    # Each device keeps its own sums too, and the last row measures its personal head
+    # (edge_client/personal_head.py) against the global one on its held-out slice.
+    personal_heads: bool = False
 
     def __post_init__(self) -> None:
         check_batched_steps(self.batched_steps, self.clock is not None)

@@ -232,9 +232,16 @@ def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, evaluator: Any
             "bytes_device_down": payload["StationModel"],
             "bytes_station_up": payload["StationUpdate"],
             "bytes_station_down": payload["GlobalModel"],
+            "bytes_head_device_up": payload["HeadStats"],
+            "bytes_head_station_up": payload["StationHeadStats"],
             "wall_s": time.perf_counter() - started,
             **view.privacy(),
         })
+        if spent or message.final:  # a solve per device: at the end only
+            heads = [a for part in view.factories.call("head_accuracies") for a in part]
+            if heads:
+                rows[-1]["local_global_head"] = sum(g for g, _ in heads) / len(heads)
+                rows[-1]["local_personal_head"] = sum(p for _, p in heads) / len(heads)
         per_device.extend(view.device_rows(strategy.name, message.round, trained))
         return spent
     return record

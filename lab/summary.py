@@ -144,6 +144,18 @@ def _prequential_columns(sums: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"prequential_end": pend, "prequential_end_sd": pend_sd, "prequential_worst10": pw10}
 
 
+def _personal_columns(runs: Sequence[RunResult]) -> dict[str, Any]:
+    """Device-local accuracy at the end with the global head and with personal heads
+    (mean, sd over seeds), where every seed measured both."""
+    ends = [r.rows[-1] for r in runs]
+    if not all("local_personal_head" in row for row in ends):
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("local_global_head", "local_personal_head"):
+        out[key], out[f"{key}_sd"] = mean_sd([row[key] for row in ends])
+    return out
+
+
 def _virtual_time_columns(sums: Sequence[Mapping[str, Any]], target: float,
                           at_virtual_s: float) -> dict[str, Any]:
     """Virtual seconds to a sustained ``target`` (mean, sd; ``never (k/n)`` where a seed did
@@ -225,12 +237,17 @@ def result_rows(results: list[RunResult], target: float, at_virtual_s: float = 0
                                                else f"never ({len(runs) - held}/{len(runs)})"),
                     "local_q1": lq1, "local_q1_sd": lq1_sd, "worst10_q1": w10,
                     **_samples_columns(runs, at_samples),
-                    "local_end": lend, **_prequential_columns(sums),
+                    "local_end": lend, **_prequential_columns(sums), **_personal_columns(runs),
                     "samples": int(np.mean([s["samples"] for s in sums])),
                     **_virtual_time_columns(sums, target, at_virtual_s),
                     "uploads": int(np.mean([r.rows[-1]["uploads"] for r in runs])),
                     "skips": int(np.mean([r.rows[-1]["skips"] for r in runs])),
                     "mb_up": round((last["bytes_device_up"] + last["bytes_station_up"]) / 1e6, 1),
+                    # everything sent up, a closed-form head's statistics included
+                    "mb_into_stations": round((last["bytes_device_up"]
+                                               + last.get("bytes_head_device_up", 0)) / 1e6, 1),
+                    "mb_to_cloud": round((last["bytes_station_up"]
+                                          + last.get("bytes_head_station_up", 0)) / 1e6, 1),
                     "refused": per_run(runs, "rejected."), "clipped": per_run(runs, "clipped."),
                     **epsilon_column(runs),
                     "wall_s": round(float(np.mean([r.wall_s for r in runs])), 1)})

@@ -47,6 +47,10 @@ class InferenceConfig:
     # share of the device's time its predictions and shadow scores may take; beyond it
     # samples go unpredicted (inference.over_budget), so a slow board keeps training (1: all)
     budget: float = 0.5
+    # predict with the device's own head: the federation's ridge head pulled toward the
+    # frames this device trained on (edge_client/personal_head.py), through safe promotion;
+    # training and uploads keep the federation's head.  Needs head_init = "ridge".
+    personal: bool = False
 
     def __post_init__(self) -> None:
         check_range("fps", self.fps, 0)

@@ -1,0 +1,80 @@
+"""Personal heads: the head a device predicts with on its own line, the federation's ridge
+head pulled toward what the device's own frames say (``[inference] personal``).
+
+Ditto (Li et al., ICML 2021, "Ditto: fair and robust federated learning through
+personalization") gives each client ``v = argmin f_own(v) + lambda ||v - w*||^2`` beside the
+global model ``w*``.  For a ridge head (squared loss on one-hot targets over the augmented
+rows of ``head_stats.py``) that objective is closed form:
+
+    V = (G_own + lambda I)^-1 (B_own + lambda W*) = W* + (G_own + lambda I)^-1 (B_own - G_own W*)
+
+from the device's own sums (every labelled frame it trained on: its held-out slice is not
+in them, so that slice still judges the head honestly) and the global head it was sent.
+It is the solve of "the global statistics plus its own" with the fleet's Gram, which no
+device holds (6.6 MB a round to every device), replaced by ``lambda I`` about the global
+head.  lambda is chosen by generalised cross-validation on the device's own sums against
+the global head's residual (:func:`~edge_client.head_stats.gcv_lambda`): a device that has
+seen a few frames keeps close to the global head, one that has seen many of a few classes
+fits them.  The head is for the device's predictions only (safe promotion decides whether
+it goes into use, ``promotion.py``); training and uploads keep the federation's weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+from .head_stats import HeadSpec, gcv_lambda, head_vector
+
+__all__ = ["PersonalHead", "attach_personal"]
+
+
+class PersonalHead:
+    """A device's own sums of every labelled frame it trained on, and its personal solve."""
+
+    def __init__(self, spec: HeadSpec) -> None:
+        if spec.kind != "ridge":
+            raise ValueError("a personal head pulls a ridge head toward the device's frames")
+        self.spec = spec
+        self.own = spec.zeros(np.float64)
+        self.last_lambda = 0.0  # the last solve's penalty
+
+    def add_rows(self, rows: np.ndarray, labels: np.ndarray) -> None:
+        self.own.add_rows(rows, labels)
+
+    def solve(self, weights: np.ndarray) -> np.ndarray:
+        """The personal head beside the global head ``weights`` (the linear head's flat
+        vector); ``weights`` as they are where the device has no frames of its own yet."""
+        own, d, c = self.own, self.spec.features, self.spec.classes
+        if own.n == 0:
+            return weights
+        w = np.asarray(weights[:d * c], np.float64).reshape(c, d)
+        # On the augmented rows (centred, a bias column) the global head is [W^T; b + W centre].
+        prior = np.vstack([w.T, (np.asarray(weights[d * c:], np.float64)
+                                 + w @ self.spec.centre)[None, :]])
+        eig, vecs = np.linalg.eigh(own.gram)
+        q = vecs.T @ (own.cross - own.gram @ prior)
+        yy = own.n - 2.0 * float((prior * own.cross).sum()) \
+            + float((prior * (own.gram @ prior)).sum())
+        lam = gcv_lambda(eig, (q ** 2).sum(axis=1), own.n, max(yy, 0.0))
+        v = prior + vecs @ (q / (np.maximum(eig, 0.0) + lam)[:, None])
+        self.last_lambda = lam
+        return head_vector(v[:d].T, v[d], self.spec.centre)
+
+
+def attach_personal(device: Any) -> None:
+    """Give ``device`` its personal head where ``[inference] personal`` asks for one: its
+    statistics keep its own sums too, and each candidate its line judges is first made
+    personal (one solve per candidate scored, not per broadcast)."""
+    inference = device.line.inference
+    if inference is None or not inference.personal:
+        return
+    head = device.head
+    if head is None or head.spec.kind != "ridge":
+        raise ConfigError("personal", "a personal head pulls the federation's ridge head "
+                          "toward the device's frames: it needs [model] head_init = 'ridge' "
+                          "(a linear head on a frozen body)")
+    head.personal = PersonalHead(head.spec)
+    device.line.promoter.personalise = head.personal.solve
