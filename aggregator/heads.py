@@ -12,6 +12,7 @@ counted under ``rejected.<reason>`` and change nothing.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,8 @@ from edge_client.topics import CLOUD_ID
 from .checkpoint import group, grouped
 
 __all__ = ["HeadLedger", "attach_heads", "refused"]
+
+log = logging.getLogger(__name__)
 
 
 class HeadLedger:
@@ -92,6 +95,8 @@ class HeadLedger:
         self.solved = self.total.n
         self.counters["head_solves"] += 1
         self.head = self.spec.solve(self.total)
+        log.info("fleet %s: a %s head solved from the statistics of %d samples", self.fleet,
+                 self.spec.kind, self.solved)
         return self.head
 
     def latest(self, otherwise: np.ndarray) -> np.ndarray:

@@ -288,6 +288,11 @@ def ort_forward(path: str | Path | bytes, threads: int = 0
         raise ArtifactError("a body on ONNX Runtime needs onnxruntime: pip install "
                             "'safl-edge[body]'") from exc
     options = ort.SessionOptions()
+    # A board's memory is the bound, not the speed: without the arena and the memory
+    # patterns the session keeps 10-18 MB less (one frame, then batches of 16), measured
+    # on EfficientNet-Lite0 at 3x64x64, at the same ms a frame (docs/install-edge.md).
+    options.enable_cpu_mem_arena = False
+    options.enable_mem_pattern = False
     if threads:
         options.intra_op_num_threads = threads
     graph = path if isinstance(path, bytes) else str(path)

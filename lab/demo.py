@@ -174,13 +174,17 @@ def _fleet(rounds: int, seed: int, stations: int, devices_per_station: int, alph
     """The demo's data and fleet: the same for every strategy, run or written out.  With a
     body the images become camera frames (3x64x64), embedded once by the body (cached), and
     the model is a linear head on them (docs/bodies.md)."""
+    from .experiment import closed_form_head
+
     data, note = load_default()
     print(f"dataset: {note}", file=sys.stderr)
     model = "mlp"
     if body != "none":
         data, model, lr = through_body(data, (3, 64, 64), body, body_dir), "linear", BODY_LR
     return data, _spec(data, rounds, seed, stations, devices_per_station, alpha, lr=lr,
-                       model=model, body=body)
+                       model=model, body=body,
+                       head=closed_form_head(model, body, (3, 64, 64), body_dir,
+                                             data.num_classes))
 
 
 def _spec(data, rounds: int, seed: int, stations: int, devices_per_station: int,
@@ -200,7 +204,8 @@ def _spec(data, rounds: int, seed: int, stations: int, devices_per_station: int,
 CAMERA_TRAIN, CAMERA_TEST = 6000, 2000
 
 
-def _camera_fleet(rounds: int, seed: int, body: str, body_dir: str):
+def _camera_fleet(rounds: int, seed: int, body: str, body_dir: str, stations: int = 2,
+                  devices_per_station: int = 6, alpha: float = 0.3):
     """The demo's fleet as cameras feed a body fleet: the first :data:`CAMERA_TRAIN` images
     as camera frames at the body's input shape, in uint8 pixels, which each device replays
     and embeds itself as it would a camera's frames, and :data:`CAMERA_TEST` test frames,
@@ -221,8 +226,8 @@ def _camera_fleet(rounds: int, seed: int, body: str, body_dir: str):
                                y_train=data.y_train[:CAMERA_TRAIN],
                                x_test=pixels(data.x_test[:CAMERA_TEST]),
                                y_test=data.y_test[:CAMERA_TEST])
-    return data, _spec(data, rounds, seed, 2, 6, 0.3, lr=BODY_LR, model="linear", body=body,
-                       body_dir=str(folder))
+    return data, _spec(data, rounds, seed, stations, devices_per_station, alpha, lr=BODY_LR,
+                       model="linear", body=body, body_dir=str(folder))
 
 
 def write_demo_fleet(folder: Path, *, broker: str, rounds: int = 20, seed: int = 0,
@@ -285,12 +290,20 @@ def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 
         plotting = False
         print("matplotlib is not installed: the demo writes its CSV and JSON but no plot "
               "(pip install 'safl-edge[plot]' for accuracy.png)", file=sys.stderr)
-    data, spec = _fleet(rounds, seed, stations, devices_per_station, alpha, lr, body, body_dir)
+    # Over the broker a body fleet's devices embed the camera frames they replay, as a
+    # camera's would, so that every role's [model] names the body and solves its head.
+    data, spec = _fleet(rounds, seed, stations, devices_per_station, alpha, lr, body, body_dir) \
+        if body == "none" or bus == "local" else \
+        _camera_fleet(rounds, seed, body, body_dir, stations, devices_per_station, alpha)
     where = "in this process" if bus == "local" else (
         f"one process per role over {broker or 'the embedded amqtt broker'}")
     model = "MLP" if body == "none" else f"a linear head on {body}'s embeddings"
     print(f"fleet: {stations} stations x {devices_per_station} devices, Dirichlet({alpha}) label "
           f"skew, {model} on numpy, {rounds} rounds, {where}", file=sys.stderr)
+    if body != "none":
+        print('head: head_init = "ridge" (the default with a body): each device sums its '
+              "labelled frames' statistics, and the cloud solves the head from the fleet's "
+              "sums before round 0 and every round after (docs/bodies.md)", file=sys.stderr)
     out = out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
     if bus == "local":
         results = [run_federation(data, s, spec, Progress(s.name, rounds))

@@ -325,13 +325,21 @@ def _tail(cfg: ExperimentConfig) -> BodyTail | None:
 
 
 def _head(cfg: ExperimentConfig, classes: int) -> HeadSpec | None:
-    """The closed-form head ``head_init`` asks for, as a field fleet's [model] would."""
-    if cfg.head_init == "random":
+    return closed_form_head(cfg.model, cfg.body, tuple(cfg.camera_shape), cfg.body_dir, classes,
+                            cfg.head_init, cfg.head_resolve)
+
+
+def closed_form_head(model: str, body: str, shape: tuple[int, ...], body_dir: str,
+                     classes: int, head_init: str = "auto",
+                     head_resolve: str = "every") -> HeadSpec | None:
+    """The closed-form head ``head_init`` asks for on ``body``, as a field fleet's [model]
+    would (None: the head starts random)."""
+    if head_init == "random" or body == "none":
         return None
-    folder = body_folder(cfg.body, tuple(cfg.camera_shape), cfg.body_dir)
-    return head_spec(ModelConfig(name=cfg.model, body=cfg.body, body_dir=str(folder),
-                                 input_shape=tuple(cfg.camera_shape), num_classes=classes,
-                                 head_init=cfg.head_init, head_resolve=cfg.head_resolve))
+    folder = body_folder(body, shape, body_dir)
+    return head_spec(ModelConfig(name=model, body=body, body_dir=str(folder), input_shape=shape,
+                                 num_classes=classes, head_init=head_init,
+                                 head_resolve=head_resolve))
 
 
 @dataclass(frozen=True)
