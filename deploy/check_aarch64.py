@@ -528,12 +528,11 @@ def _check_fleet(result: dict, rounds: int) -> None:
     if quiet:
         raise CheckFailed(f"fleet {result['fleet']}: {quiet} never uploaded")
     # Learns: at least 3x chance (0.1) at the end, and 0.2 above the initial model.  (The
-    # CNN gets 50 one-step iterations here; it reached 0.48 after 40 in a trial run.)  A
-    # body's head is solved in closed form from the devices' first frames, so its round 0
-    # has learnt already (0.72 here): at least 0.7, and no worse at the end.
-    solved = result["fleet"] == "body"
+    # CNN gets 50 one-step iterations here; it reached 0.48 after 40 in a trial run.)  Or a
+    # round 0 that has learnt already (a body's head solved from the devices' first frames:
+    # 0.72 here): at least 0.7, and no worse at the end.
     if not (acc[-1] >= 0.3 and acc[-1] >= acc[0] + 0.2) \
-            and not (solved and acc[0] >= 0.7 and acc[-1] >= acc[0]):
+            and not (acc[0] >= 0.7 and acc[-1] >= acc[0]):
         raise CheckFailed(f"fleet {result['fleet']}: the global model did not learn: {acc}")
 
 

@@ -340,11 +340,13 @@ class HeadStatsPath:
 
     def _flush(self) -> None:
         if self._rows:
-            rows, labels = np.concatenate(self._rows), np.concatenate(self._labels)
-            self.sums.add_rows(rows, labels)
-            if self.personal is not None:
-                self.personal.add_rows(rows, labels)
+            self.sums.add_rows(np.concatenate(self._rows), np.concatenate(self._labels))
             self._rows, self._labels = [], []
+
+    def personal_head(self, weights: np.ndarray) -> np.ndarray:
+        """The device's personal head beside the global head ``weights`` (personal_head.py)."""
+        self._flush()
+        return self.personal.solve(weights, self.sums)
 
     def due(self, model: m.StationModel) -> list[m.Message]:
         """The increment, where there is one and this model is the ``every``-th since the
@@ -368,6 +370,8 @@ class HeadStatsPath:
 
     def _send(self, round_: int, iteration: int) -> list[m.Message]:
         self._flush()
+        if self.personal is not None:  # what goes up stays in the device's own sums
+            self.personal.own.add(self.sums)
         self.models, self.sent = 0, self.sent + self.sums.n
         gram, cross, counts = self.sums.taken().packed()
         return [m.HeadStats(fleet=self.fleet, sender=self.device, round=round_,

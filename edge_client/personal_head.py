@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError
-from .head_stats import HeadSpec, gcv_lambda, head_vector
+from .head_stats import HeadSpec, HeadSums, gcv_lambda, head_vector
 
 __all__ = ["PersonalHead", "attach_personal"]
 
@@ -38,27 +38,39 @@ class PersonalHead:
         if spec.kind != "ridge":
             raise ValueError("a personal head pulls a ridge head toward the device's frames")
         self.spec = spec
+        # What the device has sent of its statistics (added as each send goes, so that no
+        # frame's rank-one update is paid twice); the unsent increment joins it at a solve.
         self.own = spec.zeros(np.float32)  # as the device's statistics: 6.6 MB at 1,280 features
         self.last_lambda = 0.0  # the last solve's penalty
+        # The last Gram's eigendecomposition, by its sample count: candidates scored with
+        # no new frame between them (promote = "always" scores every broadcast) reuse it.
+        self._eig: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def add_rows(self, rows: np.ndarray, labels: np.ndarray) -> None:
         self.own.add_rows(rows, labels)
 
-    def solve(self, weights: np.ndarray) -> np.ndarray:
+    def solve(self, weights: np.ndarray, unsent: HeadSums | None = None) -> np.ndarray:
         """The personal head beside the global head ``weights`` (the linear head's flat
-        vector); ``weights`` as they are where the device has no frames of its own yet."""
+        vector) from the device's own sums and its ``unsent`` increment; ``weights`` as
+        they are where the device has no frames of its own yet."""
         own, d, c = self.own, self.spec.features, self.spec.classes
-        if own.n == 0:
+        n = own.n + (unsent.n if unsent is not None else 0)
+        if n == 0:
             return weights
         w = np.asarray(weights[:d * c], np.float64).reshape(c, d)
         # On the augmented rows (centred, a bias column) the global head is [W^T; b + W centre].
         prior = np.vstack([w.T, (np.asarray(weights[d * c:], np.float64)
                                  + w @ self.spec.centre)[None, :]])
         gram, cross = own.gram.astype(np.float64), own.cross.astype(np.float64)
-        eig, vecs = np.linalg.eigh(gram)
+        if unsent is not None:
+            gram += unsent.gram
+            cross += unsent.cross
+        if self._eig is None or self._eig[0] != n:
+            self._eig = (n, *np.linalg.eigh(gram))
+        _, eig, vecs = self._eig
         q = vecs.T @ (cross - gram @ prior)
-        yy = own.n - 2.0 * float((prior * cross).sum()) + float((prior * (gram @ prior)).sum())
-        lam = gcv_lambda(eig, (q ** 2).sum(axis=1), own.n, max(yy, 0.0))
+        yy = n - 2.0 * float((prior * cross).sum()) + float((prior * (gram @ prior)).sum())
+        lam = gcv_lambda(eig, (q ** 2).sum(axis=1), n, max(yy, 0.0))
         v = prior + vecs @ (q / (np.maximum(eig, 0.0) + lam)[:, None])
         self.last_lambda = lam
         return head_vector(v[:d].T, v[d], self.spec.centre)
@@ -77,4 +89,4 @@ def attach_personal(device: Any) -> None:
                           "toward the device's frames: it needs [model] head_init = 'ridge' "
                           "(a linear head on a frozen body)")
     head.personal = PersonalHead(head.spec)
-    device.line.promoter.personalise = head.personal.solve
+    device.line.promoter.personalise = head.personal_head
