@@ -42,7 +42,13 @@ from edge_client.codec import DEFAULT_CHUNK_SIZE
 from edge_client.config import toml_text
 from edge_client.errors import ConfigError
 from edge_client.messages import Participant
-from edge_client.topics import CLOUD_LEAVES, DEVICE_LEAVES, STATION_LEAVES, label_topic
+from edge_client.topics import (
+    CLOUD_LEAVES,
+    DEVICE_LEAVES,
+    ROSTER_LEAVES,
+    STATION_LEAVES,
+    label_topic,
+)
 
 from .fleet_file import MONITOR, STATUS, FleetFile, StationEntry, load_fleet_file, watch_id
 from .pki import issue, make_ca, serial_of, write_crl, write_private
@@ -326,7 +332,8 @@ class _Provisioner:
                                                            bind=s.bind))
         rules = {s.id: [*_grant("write", topics.prefix(name, _STATION, s.id), STATION_LEAVES),
                         *_grant("read", topics.prefix(name, _DEV, "+"), ("stats", "status")),
-                        *(f"topic read {topics.prefix(name, _DEV, d)}/update" for d in devices),
+                        *(f"topic read {topics.prefix(name, _DEV, d)}/{leaf}"
+                          for d in devices for leaf in ROSTER_LEAVES),
                         *_grant("read", topics.prefix(name, _CLOUD), CLOUD_LEAVES)],
                  **_watchers(name)}
         for line in self.fleet.lines:

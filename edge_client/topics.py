@@ -33,6 +33,7 @@ __all__ = [
     "DEVICE_LEAVES",
     "STATION_LEAVES",
     "CLOUD_LEAVES",
+    "ROSTER_LEAVES",
 ]
 
 # The leaves below each participant's prefix: everything it publishes (broker ACLs grant
@@ -40,6 +41,9 @@ __all__ = [
 DEVICE_LEAVES = ("stats", "update", "head", "status", "summary", "predictions")
 STATION_LEAVES = ("model", "select", "update", "stats", "head", "status", "summary")
 CLOUD_LEAVES = ("model", "model/manifest", "status", "summary")
+# What a station reads from the devices of its roster only, device by device: their updates
+# and head statistics (its subscriptions and its broker's ACL both name these).
+ROSTER_LEAVES = ("update", "head")
 
 
 # The cloud's participant id: one cloud per fleet, so its topics need no id level.
@@ -166,7 +170,7 @@ def station_topics(fleet: str, devices: list[str] | tuple[str, ...]) -> list[str
     devs = prefix(fleet, _DEV, "+")
     return [f"{devs}/stats", f"{devs}/status", global_model_topic(fleet),
             status_topic(fleet, _CLOUD, CLOUD_ID),
-            *(f"{prefix(fleet, _DEV, d)}/{leaf}" for d in devices for leaf in ("update", "head"))]
+            *(f"{prefix(fleet, _DEV, d)}/{leaf}" for d in devices for leaf in ROSTER_LEAVES)]
 
 
 def cloud_topics(fleet: str) -> list[str]:

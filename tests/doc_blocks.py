@@ -23,6 +23,16 @@ def localise(block: str, root: Path) -> str:
     return re.sub(rf"(?<![\w/-])safl ({commands})\b", rf"{SAFL} \1", block)
 
 
+def localise_files(root: Path) -> None:
+    """The role files ``safl provision`` wrote under the test's ``/etc/safl``, with the
+    test's ``/var/lib/safl`` in them: a device's state (the model it predicts with) kept
+    in the machine's own folder would outlive the test and start the next run with it."""
+    for path in (root / "etc" / "safl").rglob("*.toml"):
+        text = path.read_text()
+        if "/var/lib/safl" in text:
+            path.write_text(re.sub(r'"/var/lib/safl', f'"{root}/var/lib/safl', text))
+
+
 def run_block(block: str, cwd: Path, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd,
                           capture_output=True, text=True, timeout=120, **kw)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from brokers import free_port
-from doc_blocks import blocks_of, files_of, localise, run_block, venv_runs_as_safl
+from doc_blocks import blocks_of, files_of, localise, localise_files, run_block, venv_runs_as_safl
 from stream_servers import Line, StreamServer, have_ffmpeg
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -76,6 +76,15 @@ def _metrics(port: int) -> dict[str, float]:
         return {}
     found = (re.match(r"^(\w+)(?:\{[^}]*\})? (\S+)$", line) for line in text.decode().split("\n"))
     return {f.group(1): float(f.group(2)) for f in found if f}
+
+
+def _learnt(curve: list[tuple[float, dict[str, tuple[float, float]]]], device: str) -> bool:
+    """From its first 50 labelled frames to now, the device rose 0.2 and is at the target.
+
+    The wait stops on this same rule: stopping on the target alone left a device that started
+    at 0.41 short of its rise, with most of the line's time unused."""
+    values = [acc[device][0] for _, acc in curve if acc[device][1] >= 50]
+    return bool(values) and values[-1] >= TARGET and values[-1] >= values[0] + 0.2
 
 
 def _feed(path: Path, devices: tuple[str, ...]):
@@ -134,6 +143,7 @@ def test_camera_line_md_runs_as_written(digits):
         for device in device_ports:
             out = run_block(localise(board.replace("cam-01", device), root), work)
             assert out.returncode == 0, (device, out.stderr)
+        localise_files(root)
         out = run_block(localise(evaluation, root), work)
         assert out.returncode == 0, out.stderr
         last = start.strip().splitlines()[-1]
@@ -160,7 +170,7 @@ def test_camera_line_md_runs_as_written(digits):
             now = {d: (m.get("safl_prequential_accuracy", float("nan")),
                        m.get("safl_label_joined_total", 0)) for d, m in read.items()}
             curve.append((time.monotonic() - started, now))
-            if len(curve) > 6 and all(v >= TARGET for v, _ in now.values()):
+            if len(curve) > 6 and all(_learnt(curve, d) for d in device_ports):
                 break
         out = run_block(localise(watch, root).replace(
             "127.0.0.1:9103/", f"127.0.0.1:{device_ports['cam-01']}/"), work)
@@ -192,13 +202,14 @@ def test_camera_line_md_runs_as_written(digits):
         f"{t:.0f}s " + "/".join(f"{v:.2f}" for v, _ in acc.values()) for t, acc in curve))
     shutil.rmtree(root, ignore_errors=True)
     assert {p["device"] for p in seen} == set(device_ports), "predictions from both cameras"
-    for device in device_ports:  # from its first 50 labelled frames to the end
-        values = [acc[device][0] for _, acc in curve if acc[device][1] >= 50]
-        assert values and values[-1] >= TARGET and values[-1] >= values[0] + 0.2, \
-            (device, curve)
+    for device in device_ports:
+        assert _learnt(curve, device), (device, curve)
     assert out.returncode == 0, status
     assert "devices online: 2 of 2" in status and "ERROR" not in status, status
     assert "safl_prequential_accuracy" in status and "safl_body_ms_per_frame" in status, status
+    # The head is solved from the devices' statistics (docs/bodies.md), not learnt by SGD
+    # alone: the statistics cross the provisioned brokers' ACLs.
+    assert "head solved from the statistics" in logs["cloud.log"], logs["cloud.log"][-3000:]
     for name, log in logs.items():
         assert "Traceback" not in log and "lost the broker" not in log, (name, log[-3000:])
 

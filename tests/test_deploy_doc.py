@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from brokers import free_port
-from doc_blocks import blocks_of, localise, run_block, venv_runs_as_safl
+from doc_blocks import blocks_of, localise, localise_files, run_block, venv_runs_as_safl
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
 
@@ -69,6 +69,7 @@ def test_deploy_md_runs_as_written():
         for device in devices:
             out = run_block(localise(board.replace("cam-01", device), root), work)
             assert out.returncode == 0, (device, out.stderr)
+        localise_files(root)
         etc = root / "etc" / "safl"
         # Each key belongs to the one user that reads it.
         owner = {p: pwd.getpwuid(p.stat().st_uid).pw_name for p in (

@@ -16,6 +16,7 @@ from test_deploy import Broker, _broker_cfg, _transport, needs_mosquitto
 from aggregator.config import StationConfig
 from aggregator.fleet_file import load_fleet_file
 from aggregator.provision import provision
+from edge_client import topics
 from edge_client.documents import Prediction
 from edge_client.errors import ConfigError
 from edge_client.service import DEVICE_TABLES, SHARED_TABLES, load_role_file
@@ -348,3 +349,35 @@ def test_a_fleet_with_a_body_gives_every_role_the_body_and_its_cameras_rgb(tmp_p
     provision(lined, tmp_path / "plain")
     assert not load_role_file(tmp_path / "plain" / "devices" / "cam1" / "device.toml",
                               DEVICE_TABLES, {})["source"].rgb
+
+
+def _grants(acl: str, user: str, access: str) -> list[str]:
+    block = acl.split(f"\nuser {user}\n")[1].split("\n\n")[0]
+    return [line.split()[2] for line in block.splitlines()
+            if line.startswith("topic ") and line.split()[1] in (access, "readwrite")]
+
+
+def test_every_subscription_and_bridged_topic_of_a_role_is_granted_by_its_broker(lined):
+    """Mosquitto refuses a subscription its ACL does not grant without telling the client:
+    a station that could not read its devices' head statistics learnt nothing from them
+    over a provisioned fleet, and said nothing (the camera line's head was never solved)."""
+    _, out, _ = lined
+    station_acl = (out / "stations" / "st0" / "broker" / "acl").read_text()
+    cloud_acl = (out / "cloud" / "broker" / "acl").read_text()
+    wants = {("st0", station_acl): topics.station_topics("plant", ["cam1", "cam2", "cam3"]),
+             ("cam2", station_acl): topics.device_topics("plant", "st0"),
+             ("cloud", cloud_acl): topics.cloud_topics("plant")}
+    for (user, acl), filters in wants.items():
+        granted = _grants(acl, user, "read")
+        refused = [f for f in filters if not any(topics.matches(g, f) for g in granted)]
+        assert not refused, (user, refused)
+    # What the cloud reads of a station arrives over the station's bridge, and its broker
+    # lets the station (the bridge's name) write it.
+    bridge = (out / "stations" / "st0" / "broker" / "mosquitto.conf").read_text()
+    outgoing = [line.split()[1] for line in bridge.splitlines()
+                if line.startswith("topic ") and line.split()[2] == "out"]
+    written = _grants(cloud_acl, "st0", "write")
+    for wanted in topics.cloud_topics("plant"):
+        if "/station/" in wanted:
+            leaf = wanted.replace("/+/", "/st0/")
+            assert leaf in outgoing and leaf in written, leaf
