@@ -375,6 +375,10 @@ class TimedBus(LocalBus):
         self.max_virtual_s = max_virtual_s
         self.handling_s = handling_s  # each message a port handles (ClockConfig.handling_ms)
         self.now = 0.0  # the time of the event being handled
+        # The driver's, on the cloud's bus: called with an event's time before the event, so
+        # that what the factories did until then (held while their stations wait for the
+        # cloud) reaches this bus first.
+        self.before: Callable[[float], None] | None = None
         self._direct = Port(self, "bus", Channel(ZERO_LINK, np.random.default_rng(0)),
                             Channel(ZERO_LINK, np.random.default_rng(0)))
 
@@ -459,20 +463,26 @@ class TimedBus(LocalBus):
     def idle(self) -> bool:
         return not self._in_flight
 
-    def deliver(self, limit: int | None = None, through: tuple[int, int] | None = None
-                ) -> int:
+    def deliver(self, limit: int | None = None, through: tuple[int, int] | None = None,
+                until: float | None = None) -> int:
         """Handle events in time order until none is in flight (or ``limit`` messages have
         reached a subscriber), or with ``through`` (a :meth:`publish_at`'s answer) until
-        that message and everything before it has, held or not."""
+        that message and everything before it has, held or not, or with ``until`` every
+        event up to that virtual time, held or not."""
         count = 0
         events = self._events
         left = through[1] if through else 0
         while events and not self._stopping and (limit is None or count < limit):
+            if self.before is not None and events[0][0] > self.now:
+                self.before(events[0][0])  # may put earlier events first
             at, seq, index, kind, what = events[0]
             if through is not None:
                 if not left:
                     break
                 left -= seq == through[0]
+            elif until is not None:
+                if at > until:
+                    break
             elif at > self.now and self.hold():
                 break  # the driver brings what comes next
             if kind == _TICK:

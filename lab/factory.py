@@ -222,6 +222,14 @@ class Factory:
             self.links.bus.deliver(through=self.links.from_cloud(topic, model, sent))
         return self.trained()
 
+    def advance(self, until: float) -> Outbox:
+        """Run the roles until virtual time ``until`` (the cloud's next event while it waits
+        for round 0's statistics), the station waiting or not: a device's first frames
+        embedded on a slow board are summed after its station first reported."""
+        if self.links is not None:
+            self.links.bus.deliver(until=until)
+        return self._sent()
+
     def resume(self) -> Outbox:
         """Run the round the global model began until the station reports to the cloud."""
         self.bus.deliver()

@@ -148,6 +148,9 @@ def _drive(data: Dataset, strategy: Strategy, spec: FleetSpec, cloud: Cloud,
         to_cloud(factories.call("resume"))
 
     bus.subscribe(global_model_topic(cloud.config.fleet), on_global)
+    if isinstance(bus, TimedBus):  # round 0 waits for the statistics of the first frames
+        bus.before = lambda at: to_cloud(factories.call("advance", at)) \
+            if cloud.state == CloudState.JOINING else None
     if spec.clock is None:
         runner.start()
     else:
@@ -221,6 +224,7 @@ def _recorder(data: Dataset, strategy: Strategy, spec: FleetSpec, evaluator: Any
         rows.append({
             "strategy": strategy.name, "round": message.round, "iteration": message.iteration,
             "samples": trained, "virtual_s": virtual_s,
+            "head_samples": message.head_samples,  # what the closed-form head was solved from
             "accuracy": acc, "loss": loss,
             "local_mean": local.get("local_mean", float("nan")),
             "local_worst10": local.get("local_worst10", float("nan")),
