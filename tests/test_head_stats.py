@@ -393,3 +393,22 @@ def test_hostile_statistics_pass_as_claims_only_within_their_bounds(digits):
     flipped = tamper(honest, "stats_flip", {})
     assert np.array_equal(flipped.counts, np.roll(counts, 1))
 
+
+def test_a_round_without_new_statistics_keeps_the_solved_head(digits):
+    """With head_resolve = "every" the global head is the latest solve: where no statistics
+    came in a round, the devices' SGD on it is not what goes out (it took a FedAvg fleet's
+    head from 0.86 to 0.61 between solves)."""
+    from edge_client import messages as m
+    from edge_client.topics import global_model_topic
+
+    spec = HeadSpec("ridge", 64, 10, np.full(64, 4.0, np.float32), 200.0)
+    bus, runners, cloud, station, devices, x, y, seen = _head_fleet(digits, spec)
+    globals_: list[m.GlobalModel] = []
+    bus.subscribe(global_model_topic("t"), lambda topic, msg: globals_.append(msg))
+    for r in runners:
+        r.start()
+    bus.run_until(lambda: len(globals_) >= 3)
+    assert station.counters["received_updates"] > 0  # the devices trained and uploaded
+    assert cloud.counters["head_solves"] == 1  # nothing new came after round 0's
+    for later in globals_[1:3]:
+        np.testing.assert_array_equal(later.weights, globals_[0].weights)

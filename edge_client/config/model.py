@@ -46,9 +46,10 @@ class ModelConfig:
     # "random", "ridge" (solved in closed form from the statistics every device sums), "ncm"
     # (class means only); "auto": ridge for a linear head on a frozen body, else random.
     head_init: str = "auto"
-    # "every": each round's solve from all the statistics so far replaces the fine-tuned
-    # head (measured better under label skew: docs/bodies.md); "once": the first solve
-    # starts the federation's fine-tuning, which then goes on from it.
+    # "every": each round's global head is the latest solve from all the statistics so far,
+    # whatever the devices' SGD made of it (measured better under label skew:
+    # docs/bodies.md); "once": the first solve starts the federation's fine-tuning, which
+    # then goes on from it.
     head_resolve: str = "every"
 
     @property
