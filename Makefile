@@ -6,8 +6,11 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+# Test workers: the suite waits on brokers, fleets and soaks more than it computes, so
+# more workers than cores (2 here) finish sooner (docs/scale.md has the figures).
+TEST_JOBS ?= 4
 
-.PHONY: demo test lint bench clean wheel readme-figures
+.PHONY: demo test test-quick lint bench clean wheel readme-figures
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +37,13 @@ readme-figures: $(VENV)/.demo-deps
 # password); elsewhere it ends naming what was skipped and how to install it.
 test: $(VENV)/.test-deps
 	@deploy/system-packages.sh auto
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; deploy/system-packages.sh report; exit $$rc
+	@$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not solo" $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m solo $(PYTEST_ARGS) || rc=1; \
+	deploy/system-packages.sh report; exit $$rc
+
+# The quick tier, for the edit-and-rerun loop: no fleet, broker, camera or doc run.
+test-quick: $(VENV)/.test-deps
+	@$(PY) -m pytest -n $(TEST_JOBS) -m "not slow" $(PYTEST_ARGS)
 
 # What a board installs: the wheel (and sdist) built from this tree, in a clean venv.
 wheel: $(VENV)/.test-deps

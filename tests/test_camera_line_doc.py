@@ -100,6 +100,7 @@ def _feed(path: Path, devices: tuple[str, ...]):
     return fifo, publish
 
 
+@pytest.mark.timeout(int(SECONDS) + 180)  # the line's own budget, and the set-up beside it
 def test_camera_line_md_runs_as_written(digits):
     began = time.monotonic()
     text, deploy = (DOCS / "camera-line.md").read_text(), (DOCS / "deploy.md").read_text()
