@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 # Test workers: the suite waits on brokers, fleets and soaks more than it computes, so
-# more workers than cores (2 here) finish sooner (docs/scale.md has the figures).
+# more workers than cores (2 here) finish sooner (the README has the figures).
 TEST_JOBS ?= 4
 
 .PHONY: demo test test-quick lint bench clean wheel readme-figures

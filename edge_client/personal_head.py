@@ -46,9 +46,6 @@ class PersonalHead:
         # no new frame between them (promote = "always" scores every broadcast) reuse it.
         self._eig: tuple[int, np.ndarray, np.ndarray] | None = None
 
-    def add_rows(self, rows: np.ndarray, labels: np.ndarray) -> None:
-        self.own.add_rows(rows, labels)
-
     def solve(self, weights: np.ndarray, unsent: HeadSums | None = None) -> np.ndarray:
         """The personal head beside the global head ``weights`` (the linear head's flat
         vector) from the device's own sums and its ``unsent`` increment; ``weights`` as

@@ -139,6 +139,8 @@ def _drive(data: Dataset, strategy: Strategy, spec: FleetSpec, cloud: Cloud,
     def on_global(topic: str, message: m.Message) -> None:
         if not isinstance(message, m.GlobalModel):
             return  # only global models travel on this topic
+        if isinstance(bus, TimedBus):
+            bus.before = None  # round 0 is out: the factories run on the driver's calls again
         now = bus.now if isinstance(bus, TimedBus) else 0.0
         trained = sum(factories.call("receive", topic, message, now))
         if record(message, trained, now):  # the sample budget is spent: the run ends here

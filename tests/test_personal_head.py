@@ -40,7 +40,7 @@ def test_a_personal_head_is_dittos_closed_form_and_fits_its_device(digits):
     assert head.solve(glob) is glob  # no frames of its own: the global head
     own = np.flatnonzero(np.isin(y, MINE))[-150:]
     a = augment(x[own], SPEC.centre, SPEC.clip).astype(np.float64)
-    head.add_rows(a, y[own])
+    head.own.add_rows(a, y[own])
     mine = head.solve(glob)
     # (G + lambda I)^-1 (B + lambda P), P the global head on the augmented rows
     w = glob[:640].reshape(10, 64).astype(np.float64)
@@ -84,7 +84,7 @@ def test_the_line_predicts_with_the_personal_head_and_training_keeps_the_global_
     deployed = dev.line.deployable
     if personal:
         again = PersonalHead(SPEC)
-        again.add_rows(augment(x[own], SPEC.centre, SPEC.clip), y[own])
+        again.own.add_rows(augment(x[own], SPEC.centre, SPEC.clip), y[own])
         np.testing.assert_allclose(deployed, again.solve(glob), rtol=1e-5, atol=1e-5)
         assert not np.allclose(deployed, glob)
     else:
