@@ -287,9 +287,23 @@ class Cloud(RoleBase[CloudState]):
             self.weights = self.heads.latest(self.weights)
         elif self.heads is not None and (solved := self.heads.solve(again=False)) is not None:
             self.weights = solved
+        if self.heads is not None and self._updates and not self.heads.total.n:
+            self._no_head_stats()
         self._updates, self._fold = {}, self._new_fold()
         self.round += 1
         return self._broadcast(new, now)
+
+    def _no_head_stats(self) -> None:
+        """A round of updates and not one statistic: a device sends its statistics from its
+        first labelled frame, before it trains on it, so after two such rounds a broker is
+        dropping them (a station broker whose ACL lacks its devices' ``dev/<id>/head``, as
+        Mosquitto grants the subscription and drops the messages without a word)."""
+        self.counters["rounds_without_head_stats"] += 1
+        if self.counters["rounds_without_head_stats"] == 2:
+            log.error("cloud: %d rounds of updates and no head statistics from any station: "
+                      "their brokers drop them; run safl provision again and reload the "
+                      "station brokers' ACLs (docs/bodies.md)",
+                      self.counters["rounds_without_head_stats"])
 
     def _broadcast(self, new: CloudState, now: float) -> list[m.Message]:
         """Round ``self.round`` begins (``new``: collecting, or done after the last)."""

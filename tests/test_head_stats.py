@@ -145,7 +145,7 @@ def _spec_sums(spec, x, y):
     return s
 
 
-def _head_fleet(digits, spec, n_devices=4, per_device=150, sync_period=2):
+def _head_fleet(digits, spec, n_devices=4, per_device=150, sync_period=2, bus=None):
     """Cloud, one station and devices of one or two classes each on a LocalBus, every
     device with its statistics; each device's samples ingested as a sensor delivers them."""
     from aggregator.cloud import Cloud
@@ -159,7 +159,7 @@ def _head_fleet(digits, spec, n_devices=4, per_device=150, sync_period=2):
     from edge_client.trainers import build_trainer
     from edge_client.transport import LocalBus
 
-    bus, ids = LocalBus(), tuple(f"d{k}" for k in range(n_devices))
+    bus, ids = bus or LocalBus(), tuple(f"d{k}" for k in range(n_devices))
     trainer = lambda seed: build_trainer("softmax", input_shape=(64,), num_classes=10,  # noqa: E731
                                          lr=0.1, seed=seed)
     w0 = trainer(0).get_flat()
@@ -412,3 +412,30 @@ def test_a_round_without_new_statistics_keeps_the_solved_head(digits):
     assert cloud.counters["head_solves"] == 1  # nothing new came after round 0's
     for later in globals_[1:3]:
         np.testing.assert_array_equal(later.weights, globals_[0].weights)
+
+
+def test_a_broker_dropping_the_devices_statistics_is_an_error_at_the_cloud(digits, caplog):
+    """Mosquitto grants a subscription its ACL refuses and drops the messages: a provisioned
+    station that could not read its devices' statistics solved no head and nobody said why.
+    The cloud says so, once, after two rounds of updates without any statistics."""
+    from edge_client import messages as m
+    from edge_client.topics import global_model_topic
+    from edge_client.transport import LocalBus
+
+    class StationAclWithoutHead(LocalBus):  # what such a broker delivers
+        def publish(self, topic, message):
+            if not (isinstance(message, m.HeadStats) and message.sender != message.station):
+                super().publish(topic, message)
+
+    spec = HeadSpec("ridge", 64, 10, np.full(64, 4.0, np.float32), 200.0)
+    for bus, dropped in ((StationAclWithoutHead(), True), (None, False)):
+        bus, runners, cloud, *_ = _head_fleet(digits, spec, bus=bus)
+        seen: list[m.GlobalModel] = []
+        bus.subscribe(global_model_topic("t"), lambda topic, msg, seen=seen: seen.append(msg))
+        for r in runners:
+            r.start()
+        bus.run_until(lambda seen=seen: len(seen) >= 4)
+        assert (cloud.counters["rounds_without_head_stats"] >= 2) == dropped
+        assert dropped or cloud.counters["rounds_without_head_stats"] == 0
+    errors = [r for r in caplog.records if "no head statistics" in r.message]
+    assert [r.levelname for r in errors] == ["ERROR"]
