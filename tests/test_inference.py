@@ -382,25 +382,28 @@ def test_a_slow_board_predicts_within_its_budget_and_keeps_the_newest(digits):
         dev.line.budget.BURST = 0.05  # so that a short test measures the share, not a burst
         dev.handle(_model(trainer.get_flat()), 0.0)
         x, y = digits.x_train[:64].reshape(64, 1, 8, 8), digits.y_train[:64]
-        predicting, began = 0.0, time.perf_counter()
+        calls, began = [], time.perf_counter()
         while time.perf_counter() - began < seconds:
             before = dev.counters["predictions"]
             dev.ingest(x, y, 0.0)
-            predicting += (dev.counters["predictions"] - before) * dev.line.last_inference_s
-        return dev, predicting, time.perf_counter() - began
+            calls.append((dev.counters["predictions"] - before) * dev.line.last_inference_s)
+        return dev, calls, time.perf_counter() - began
 
-    dev, predicting, wall = run(0.2)
+    dev, calls, wall = run(0.2)
     assert dev.counters["inference.over_budget"] > 0
-    assert predicting <= 0.2 * wall + 0.05 + 0.05  # the share, the burst, one batch's cost
+    # The share, the burst, and the overrun of one batch: its cost is known only once it ran
+    # (on a loaded machine one batch of a few samples took 0.1 s while the process waited)
+    assert sum(calls) <= 0.2 * wall + 0.05 + max(calls)
     assert dev.line.prequential.scored == dev.counters["predictions"]  # unpredicted: unscored
     # What the credit pays for is the newest of a batch: what is in front of the camera.
     budget = dev.line.budget
-    budget.credit = 10.5 * budget._per_sample
-    budget.clock = lambda: budget._at  # no time passes: the credit is what was set, however
-    # long this process waited for a core (under a parallel run it earned 2 samples more)
+    # A set cost and credit, under the burst, and a clock that stands still: on a loaded
+    # machine the measured cost of a sample reached 12 ms, and 10.5 of them exceeded the burst
+    budget._per_sample, budget.credit = 1e-3, 10.5e-3
+    budget.clock = lambda: budget._at
     x = digits.x_train[:64].reshape(64, 1, 8, 8)
     got = np.flatnonzero(dev.line.predict_every(x, 0) != NOT_PREDICTED)
-    assert len(got) in (10, 11) and got.tolist() == list(range(64 - len(got), 64))
-    dev, predicting, wall = run(1.0, seconds=0.3)
+    assert got.tolist() == list(range(54, 64))
+    dev, _, _ = run(1.0, seconds=0.3)
     assert dev.counters["inference.over_budget"] == 0
     assert dev.counters["predictions"] == dev.counters["prequential.scored"] > 0
