@@ -351,6 +351,28 @@ def test_a_fleet_with_a_body_gives_every_role_the_body_and_its_cameras_rgb(tmp_p
                               DEVICE_TABLES, {})["source"].rgb
 
 
+def test_a_fleet_of_feature_vectors_gives_its_devices_a_file_source(tmp_path):
+    """A sensor box's model takes vectors, not frames: its devices read a file of samples
+    (provisioning crashed on the camera's resize of a 1-D shape), and a camera named for
+    one is refused, naming the key."""
+    ports = {"cloud": free_port(), "st0": free_port()}
+    path = tmp_path / "fleet.toml"
+    vectors = FLEET.format(**ports).replace("input_shape = [3, 16, 16]", "input_shape = [64]")
+    path.write_text(vectors.split("[[devices]]")[0])
+    out = tmp_path / "fleet"
+    provision(path, out)
+    text = (out / "devices" / "cam2" / "device.toml").read_text()
+    assert "FILL IN [source] path" in text
+    with pytest.raises(ConfigError, match="'path'"):
+        load_role_file(out / "devices" / "cam2" / "device.toml", DEVICE_TABLES, {})
+    cfg = load_role_file(out / "devices" / "cam2" / "device.toml", DEVICE_TABLES,
+                         {"source": {"path": str(tmp_path / "x.npz")}})
+    assert cfg["source"].kind == "replay" and cfg["model"].input_shape == (64,)
+    path.write_text(vectors)
+    with pytest.raises(ConfigError, match="'camera'"):
+        provision(path, tmp_path / "named")
+
+
 def _grants(acl: str, user: str, access: str) -> list[str]:
     block = acl.split(f"\nuser {user}\n")[1].split("\n\n")[0]
     return [line.split()[2] for line in block.splitlines()
