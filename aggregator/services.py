@@ -144,7 +144,8 @@ class StationService:
                 cpu_startup_s=round(first_model[0], 3) if first_model else None,
                 devices=len(cfg.devices), online=role.roster.online, quorum=cfg.min_quorum,
                 missing=tuple(role.roster.missing), **role.roster.accuracy_summary(),
-                **role.privacy_summary(), update_stages=role.admission.pipeline.id,
+                **role.privacy_summary(), **role.stragglers.reply_figures(),
+                update_stages=role.admission.pipeline.id,
                 counters=dict(role.counters), transport=dict(transport.counters),
                 device_refused=dict(role.tally.refused), device_clipped=dict(role.tally.clipped),
                 error=runner.last_error)
@@ -153,7 +154,8 @@ class StationService:
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
              "selected_devices": len(role.members), "devices_online": role.roster.online,
-             **role.roster.accuracy_summary(), **role.privacy_summary()}),
+             **role.roster.accuracy_summary(), **role.privacy_summary(),
+             **{k: v for k, v in role.stragglers.reply_figures().items() if v is not None}}),
             labels={"fleet": cfg.fleet, "station": cfg.station_id})
         # Round boundaries: the upload that ends a round, the model that begins one.
         checkpoint = _checkpointing(role, self.service.state_dir, cfg.station_id, lambda msg: (

@@ -17,6 +17,7 @@ ready; an answer to an iteration that closed without it is still timed.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 
 from .config import StationConfig
 
@@ -44,6 +45,9 @@ class StragglerWatch:
         # a super node would stall the iteration it was benched to spare.  Not checkpointed:
         # a restarted station learns reply times again within a few iterations.
         self.benched: dict[str, int] = {}
+        # Seconds from each of the last super nodes' selection to its last in-time answer:
+        # what an operator sizing a station reads (the summary's reply_median_s, reply_max_s).
+        self.last_answers: deque[float] = deque(maxlen=64)
 
     @classmethod
     def for_station(cls, config: StationConfig) -> StragglerWatch:
@@ -73,6 +77,12 @@ class StragglerWatch:
             return None
         return max(self.min_wait, self.factor * statistics.median(times))
 
+    def reply_figures(self) -> dict[str, float | None]:
+        """The median and the most of ``last_answers`` (None before any)."""
+        done = list(self.last_answers)
+        return {"reply_median_s": round(statistics.median(done), 4) if done else None,
+                "reply_max_s": round(max(done), 4) if done else None}
+
     def answered(self, device: str, seconds: float, in_time: bool) -> None:
         self.reply_s[device] = max(0.0, seconds)
         if in_time:
@@ -89,6 +99,8 @@ class StragglerWatch:
 
     def begin(self, now: float) -> float:
         """A super node was asked at ``now``: its deadline."""
+        if self._answer_s:
+            self.last_answers.append(max(self._answer_s))
         self.began, self._blind, self._answer_s = now, not self.informed, []
         return now + self.budget()
 

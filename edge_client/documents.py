@@ -69,6 +69,9 @@ class StationSummary:
     epsilon_local: float | None = None  # the most a device's local DP has spent (docs/privacy.md)
     epsilon_central: float | None = None  # the most this station's noised syncs have spent
     update_stages: str = "model"  # what it decodes its devices' updates by (docs/protocol.md)
+    # Seconds from a super node's selection to its last in-time answer, over the last 64.
+    reply_median_s: float | None = None
+    reply_max_s: float | None = None
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
     # The station's own view of each roster device: its claims refused and clipped.

@@ -206,19 +206,23 @@ class DeviceService:
                 "label_lag_estimate": labels.estimate if labels else None,
                 "body_ms_per_frame": self.body.ms_per_frame if self.body else None}
 
-    def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
-        runner, transport, hooks = self.build()
+    def summaries(self, runner: RoleRunner[Device], transport: MqttTransport) -> dict[str, Any]:
+        """``serve`` keywords that publish the device's retained summary: every 2 s, the
+        pace the monitor's page redraws at (about 500 bytes, against an update's hundreds
+        of kilobytes on the factory's Wi-Fi), and once at the end."""
         device, pump = runner.role, self.pump
-        cfg = device.config
-        # Every 2 s, the pace the monitor's page redraws at: about 500 bytes, against an
-        # update's hundreds of kilobytes on the factory's Wi-Fi.
-        published = summaries(transport, summary_topic(cfg.fleet, m.Participant.DEVICE,
-                                                       device.id), lambda: device.summary(
+        return summaries(transport, summary_topic(device.config.fleet, m.Participant.DEVICE,
+                                                  device.id), lambda: device.summary(
             error=runner.last_error, transport=dict(transport.counters),
             source={**{k: int(v) for k, v in (pump.metrics() if pump else {}).items()
                        if k != "queued"},
                     **(dict(self.labels.counters) if self.labels else {})},
             **self._gauges()), every=2.0)
+
+    def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
+        runner, transport, hooks = self.build()
+        device, pump = runner.role, self.pump
+        published = self.summaries(runner, transport)
         metrics = with_metrics(self.service, "device", lambda: (
             {**device.counters, **transport.counters,
              **({f"source.{k}": v for k, v in pump.metrics().items() if k != "queued"}

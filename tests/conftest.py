@@ -20,8 +20,8 @@ from edge_client.errors import ShapeError
 SOLO = ("test_camera_line_doc", "test_camera_e2e")
 LIVE = {"test_soak_tls": "live", "test_deploy_doc": "live"}
 # The slow tests that take longest (measured with --durations): first of the rest.
-LONGEST = ("test_numpy_cnn", "test_cli", "test_ray", "test_ray_cluster", "test_operations",
-           "test_mqtt", "test_monitor", "test_faults")
+LONGEST = ("test_fleet_load", "test_numpy_cnn", "test_cli", "test_ray", "test_ray_cluster",
+           "test_operations", "test_mqtt", "test_monitor", "test_faults")
 
 
 def _module(item) -> str:
