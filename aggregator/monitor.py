@@ -36,7 +36,15 @@ from edge_client.metrics import counted
 from edge_client.runner import StopFlag
 from edge_client.topics import CLOUD_ID
 
-from .monitor_page import PAGE, SCRIPT
+from .monitor_page import (
+    CHART_DEVICES,
+    PAGE,
+    PAGE_ROWS,
+    SCRIPT,
+    SHOWN_ERRORS,
+    requested_page,
+    trouble,
+)
 from .status import FleetStatus, observer
 
 __all__ = ["FleetHistory", "MonitorServer", "run_monitor", "watch"]
@@ -198,26 +206,46 @@ class FleetHistory:
                 writer.writerows(rows)
         lines = ["round,accuracy"] + [f"{r},{a}" for r, a in sorted(self.global_accuracy.items())]
         write_atomic(folder / "metrics.csv", ("\n".join(lines) + "\n").encode())
-        doc = self.snapshot(Counter())
+        doc = self.snapshot(Counter(), page=None)
         write_atomic(folder / "fleet.json", json.dumps(
             {k: doc[k] for k in ("fleet", "seconds", "cloud", "stations", "devices")},
             indent=1).encode())
 
-    def snapshot(self, served: Counter[str]) -> dict[str, Any]:
-        """The page's JSON: the tables now, and the series so far."""
+    def snapshot(self, served: Counter[str], page: int | None = 0) -> dict[str, Any]:
+        """The page's JSON: the tables now, and the series so far.  Devices: ``page`` of
+        ``PAGE_ROWS`` rows, those offline, in error or refused first (None: every row, for
+        the record), the counts of all, their errors (the first ``SHOWN_ERRORS``), and the
+        series of the ``CHART_DEVICES`` with the lowest accuracy now."""
         st = self.status
         stations = sorted({s for (r, s) in st.presence if r == m.Participant.STATION}
                           | set(st.stations))
-        devices = sorted({d for (r, d) in st.presence if r == m.Participant.DEVICE}
-                         | set(st.devices))
+        ids = sorted({d for (r, d) in st.presence if r == m.Participant.DEVICE}
+                     | set(st.devices))
+        rows = sorted((self._device_row(d) for d in ids), key=trouble)
+        pages = max(1, -(-len(rows) // PAGE_ROWS))
+        shown = rows if page is None else rows[min(page, pages - 1) * PAGE_ROWS:][:PAGE_ROWS]
+        errors = [[r["id"], r["error"]] for r in rows if r.get("error")]
         cloud = dataclasses.asdict(st.cloud) if st.cloud else {}
         return {"fleet": self.fleet, "seconds": round(self.clock() - self.started, 1),
                 "cloud": {**cloud, "presence": self._online(m.Participant.CLOUD, CLOUD_ID)},
                 "stations": [self._station_row(s) for s in stations],
-                "devices": [self._device_row(d) for d in devices],
+                "devices": shown, "devices_total": len(rows),
+                "devices_online": sum(1 for r in rows if r["presence"]),
+                "page": 0 if page is None else min(page, pages - 1), "pages": pages,
+                "page_rows": PAGE_ROWS, "device_errors": errors[:SHOWN_ERRORS],
+                "device_errors_total": len(errors),
                 "global_accuracy": sorted(self.global_accuracy.items()),
-                "device_accuracy": {d: list(v) for d, v in sorted(self.device_accuracy.items())},
+                "device_accuracy": {d: list(self.device_accuracy[d]) for d in self._charted()},
                 "traffic": list(self.traffic), "monitor": {**served, **self.counters}}
+
+    def _charted(self) -> list[str]:
+        """The devices whose series the page draws: all of a small fleet, else those with
+        the lowest accuracy now (held-out, else prequential)."""
+        def now(d: str) -> float:
+            _, local, prequential = self.device_accuracy[d][-1]
+            value = local if local is not None else prequential
+            return 2.0 if value is None else value
+        return sorted(sorted(self.device_accuracy, key=now)[:CHART_DEVICES])
 
 
 class MonitorServer:
@@ -246,8 +274,12 @@ class MonitorServer:
         if target == "/monitor.js":
             return 200, "text/javascript; charset=utf-8", SCRIPT.encode()
         if target == "/api/fleet":
+            page = requested_page(path)
+            if page is None:
+                self.counters["http.bad_query"] += 1
+                page = 0
             with self.history.lock:
-                doc = self.history.snapshot(self.counters)
+                doc = self.history.snapshot(self.counters, page)
             return 200, "application/json", json.dumps(doc).encode()
         if target == "/healthz":
             return 200, "application/json", b'{"status": "ok"}'

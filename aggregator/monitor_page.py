@@ -1,10 +1,12 @@
 """The monitor's page and script, shipped in the wheel as text: no framework, no CDN.
 
-The script fetches ``/api/fleet`` every two seconds and redraws the tables and three charts
-(inline SVG drawn here): the global model's accuracy per round, each device's accuracy over
-time (held-out solid, prequential dashed, a legend of device colours beneath) and the bytes
-sent and received; each role's last error above them, and tables that scroll sideways
-rather than widen the page.  Every value goes
+The script fetches ``/api/fleet?page=N`` every two seconds and redraws the tables and three
+charts (inline SVG drawn here): the global model's accuracy per round, the devices' accuracy
+over time (held-out solid, prequential dashed, a legend of device colours beneath; the ten
+lowest of a larger fleet) and the bytes sent and received; each role's last error above
+them, and tables that scroll sideways rather than widen the page.  The devices' table holds
+a page of rows, those in trouble first, with buttons to the others: a thousand devices'
+rows and series were 15 MB every two seconds.  Every value goes
 into the page as text (``textContent``), never as markup, since device ids and states come
 from the fleet.  Each chart's lines carry their values in ``data-values`` so a test (or a
 curious user) can read the series off the rendered page.
@@ -12,7 +14,31 @@ curious user) can read the series off the rendered page.
 
 from __future__ import annotations
 
-__all__ = ["PAGE", "SCRIPT"]
+from typing import Any
+
+__all__ = ["PAGE", "SCRIPT", "PAGE_ROWS", "CHART_DEVICES", "SHOWN_ERRORS", "trouble",
+           "requested_page"]
+
+# A thousand devices' rows and series were 15 MB of JSON every two seconds: the page holds a
+# page of rows (the devices in trouble first), the lowest accuracies' series, and counts.
+PAGE_ROWS = 100
+CHART_DEVICES = 10
+SHOWN_ERRORS = 20
+
+
+def trouble(row: dict[str, Any]) -> tuple[int, str]:
+    """Device rows in the order an operator reads them: offline or in error, then refused
+    or clipped, then the rest; by id within each."""
+    if row["presence"] is False or row.get("error"):
+        return 0, row["id"]
+    return (1 if row.get("refused") or row.get("clipped") else 2), row["id"]
+
+
+def requested_page(path: str) -> int | None:
+    """The ``page`` a request asks for (0 without one; None where it is not a number)."""
+    query = dict(p.split("=", 1) for p in path.partition("?")[2].split("&") if "=" in p)
+    value = query.get("page", "0")
+    return int(value) if value.isdigit() and len(value) < 7 else None
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
@@ -47,7 +73,10 @@ svg text { font-size: 11px; fill: #57606a; } .muted { color: #57606a; }
 <svg id="traffic" width="420" height="240"></svg></figure>
 </div>
 <h2>Stations</h2><div class="scroll"><table id="stations"></table></div>
-<h2>Devices</h2><div class="scroll"><table id="devices"></table></div>
+<h2>Devices</h2>
+<div id="pager" class="muted"><button id="prev">&lt; previous</button>
+<span id="page-of"></span> <button id="next">next &gt;</button></div>
+<div class="scroll"><table id="devices"></table></div>
 <p class="muted" id="footer"></p>
 <script src="/monitor.js"></script>
 </body></html>
@@ -155,16 +184,26 @@ function chart(id, series, opts) {
   }
 }
 
+let page = 0;  // of the devices' table, PAGE_ROWS rows each, those in trouble first
+
 function render(doc) {
   document.getElementById('fleet').textContent = doc.fleet;
   const c = doc.cloud || {};
-  const online = doc.devices.filter(d => d.presence).length;
+  const online = doc.devices_online;
+  page = doc.page;
+  const first = doc.page * doc.page_rows;
+  document.getElementById('page-of').textContent = 'devices ' +
+    (doc.devices_total ? first + 1 : 0) + '-' + (first + doc.devices.length) + ' of ' +
+    doc.devices_total + ' (offline, in error or refused first), page ' + (doc.page + 1) +
+    ' of ' + doc.pages;
+  document.getElementById('prev').disabled = doc.page === 0;
+  document.getElementById('next').disabled = doc.page + 1 >= doc.pages;
   const summary = document.getElementById('summary');
   summary.replaceChildren(
     el('span', {}, 'cloud: '), presence(c.presence),
     el('span', {}, ' state ' + fmt(c.state) + ', round ' + fmt(c.round) +
        ', accuracy ' + fmt(c.accuracy, 4)),
-    el('span', {id: 'devices-online'}, 'devices online: ' + online + ' of ' + doc.devices.length));
+    el('span', {id: 'devices-online'}, 'devices online: ' + online + ' of ' + doc.devices_total));
   table('stations', [['id', 'station'], ['presence', 'presence'], ['state', 'state'],
     ['round', 'round'], ['iteration', 'iter'], ['online', 'online'], ['devices', 'roster'],
     ['uploads', 'uploads'], ['skips', 'skips'], ['refused', 'refused'], ['clipped', 'clipped'],
@@ -186,11 +225,15 @@ function render(doc) {
         {xInteger: true, xLabel: 'round', yMin: 0, yMax: 1});
   // Each role's last unexpected error, where it has one: a stalled fleet says why here.
   const errors = [['cloud', c.error], ...doc.stations.map(s => [s.id, s.error]),
-                  ...doc.devices.map(d => [d.id, d.error])].filter(e => e[1]);
+                  ...doc.device_errors].filter(e => e[1]);
+  const more = doc.device_errors_total - doc.device_errors.length;
   document.getElementById('errors').replaceChildren(
-    ...errors.map(([who, e]) => el('div', {}, 'ERROR ' + who + ': ' + e)));
+    ...errors.map(([who, e]) => el('div', {}, 'ERROR ' + who + ': ' + e)),
+    ...(more > 0 ? [el('div', {}, 'and ' + more + ' devices more in error')] : []));
   const devs = Object.entries(doc.device_accuracy);
-  document.getElementById('device-legend').replaceChildren(...devs.map(([d], i) =>
+  const lowest = devs.length < doc.devices_total ?
+    [el('span', {}, 'the ' + devs.length + ' of ' + doc.devices_total + ' lowest now:')] : [];
+  document.getElementById('device-legend').replaceChildren(...lowest, ...devs.map(([d], i) =>
     el('span', {style: 'color: ' + COLORS[i % COLORS.length]}, '\u25a0 ' + d)));
   chart('device-accuracy', devs.flatMap(([d, pts], i) => [
     {name: d + ' held-out', color: COLORS[i % COLORS.length], points: pts.map(p => [p[0], p[1]])},
@@ -207,12 +250,14 @@ function render(doc) {
 
 async function refresh() {
   try {
-    const r = await fetch('/api/fleet', {cache: 'no-store'});
+    const r = await fetch('/api/fleet?page=' + page, {cache: 'no-store'});
     if (r.ok) render(await r.json());
   } catch (e) {
     document.getElementById('footer').textContent = 'monitor unreachable: ' + e;
   }
   setTimeout(refresh, 2000);
 }
+document.getElementById('prev').onclick = () => { page = Math.max(0, page - 1); };
+document.getElementById('next').onclick = () => { page += 1; };
 refresh();
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from edge_client import messages as m
@@ -123,6 +123,16 @@ def _listen(transport: MqttTransport, seconds: float,
         transport.close()
 
 
+# Ids a line names before it counts the rest: a thousand-device fleet's status stays a page.
+SHOWN = 20
+
+
+def _some(items: Sequence[str]) -> str:
+    """The first ``SHOWN`` of ``items``, and how many more."""
+    more = len(items) - SHOWN
+    return ", ".join(items[:SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
 def _fraction(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -151,13 +161,16 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                     if cloud and cloud.epsilon_cloud is not None else ""))
     devices = {s: o for (r, s), o in found.presence.items() if r == m.Participant.DEVICE}
     lines.append(f"devices online: {sum(devices.values())} of {len(devices)} seen")
+    offline = sorted(d for d, o in devices.items() if not o)
+    if offline:
+        lines.append("devices offline: " + _some(offline))
     kept = {d: doc for d, doc in sorted(found.devices.items())
             if doc.counters.get("promotions_refused")}
     if kept:
-        lines.append("models kept out of use: " + ", ".join(
+        lines.append("models kept out of use: " + _some([
             f"{d} {doc.counters['promotions_refused']} (predicts with round "
             f"{doc.deployed_round}, last candidate {_fraction(doc.shadow_accuracy)})"
-            for d, doc in kept.items()))
+            for d, doc in kept.items()]))
     lines.append(f"{'station':<10} {'presence':<9} {'state':<11} {'round':>5} {'iter':>5} "
                  f"{'online':>7} {'uploads':>8} {'skips':>6} {'rejected':>9}  device accuracy")
     stations = sorted({s for (r, s) in found.presence if r == m.Participant.STATION}
@@ -186,14 +199,17 @@ def format_status(found: FleetStatus, fleet: str) -> str:
     errors = [("cloud", cloud.error)] if cloud is not None and cloud.error else []
     errors += [(sid, found.stations[sid].error) for sid in stations
                if sid in found.stations and found.stations[sid].error]
-    errors += [(d, doc.error) for d, doc in sorted(found.devices.items()) if doc.error]
+    failing = [(d, doc.error) for d, doc in sorted(found.devices.items()) if doc.error]
+    errors += failing[:SHOWN]
     lines += [f"ERROR {who}: {error} (its log has the traceback)" for who, error in errors]
+    if len(failing) > SHOWN:
+        lines.append(f"ERROR and {len(failing) - SHOWN} devices more in error")
     for doc in (found.stations[sid] for sid in stations if sid in found.stations):
         if doc.state == StationState.GATHERING:
             lines.append(f"{doc.station} waits for devices: {doc.online} online, "
                          f"quorum {doc.quorum}")
         if doc.state == StationState.JOINING and doc.missing:
-            lines.append(f"{doc.station} waits for its roster: missing {', '.join(doc.missing)}")
+            lines.append(f"{doc.station} waits for its roster: missing {_some(doc.missing)}")
     return "\n".join(lines)
 
 

@@ -16,7 +16,11 @@ broker's CPU; messages and bytes per iteration through the factory broker (the s
 and its devices' own counts, in and out) and over the bridges (the cloud's).  Lost or
 refused: the station's refusal and late-reply counters, the devices', reconnects.
 
-Run: ``python bench/fleet_load.py [--sizes 50:1,200:1,1000:1,200:4,1000:16] [--seconds 30]``.
+``--faults broker,station,drop`` then restarts the first station's broker, kills and restarts
+the station, and kills a tenth of its devices at once, and says how long each took to heal.
+
+Run: ``python bench/fleet_load.py [--sizes 50:1,200:1,1000:1,200:4,1000:16] [--seconds 30]
+[--faults broker,station,drop]``.
 """
 
 from __future__ import annotations
@@ -96,7 +100,9 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
                                  if n.startswith("worker")),
             "connect_all_s": max(r["connect_all_s"] for r in reports),
             "station_refusals": refusals, "device_refusals": devices,
-            "device_transport": transport}
+            "device_transport": transport,
+            "faults": [{k: v for k, v in f.items() if k != "station"}
+                       for f in run.get("faults", [])]}
 
 
 def main() -> None:
@@ -106,6 +112,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--broker-nofile", type=int, default=None,
                         help="the brokers' descriptor limit (a stock systemd unit: 1024)")
+    parser.add_argument("--faults", default="", help="after the window, one after the other: "
+                        "broker, station, drop (a comma-separated list)")
     parser.add_argument("--out", type=Path, default=None, help="JSON lines of the figures")
     args = parser.parse_args()
     for size in args.sizes.split(","):
@@ -113,7 +121,8 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp(prefix=f"fleet-load-{n}-{s}-"))
         try:
             row = figures(run_load(folder, n, s, seconds=args.seconds,
-                                   broker_nofile=args.broker_nofile))
+                                   broker_nofile=args.broker_nofile,
+                                   faults=tuple(f for f in args.faults.split(",") if f)))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         line = json.dumps(row, default=str)

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_client.errors import SaflError
+
 __all__ = ["write_load_fleet", "run_load", "LoadFleet", "FEATURES", "CLASSES"]
 
 FEATURES, CLASSES = 1280, 10
@@ -255,7 +257,8 @@ def worker_groups(ids: list[str], workers: int, first: list[str]) -> list[list[s
 
 def start_fleet(folder: Path, devices: int, stations: int, *, workers: int,
                 broker_nofile: int | None = None, first_worker: int = 0,
-                station: dict[str, Any] | None = None) -> tuple[LoadFleet, dict[str, Any]]:
+                station: dict[str, Any] | None = None,
+                profile: bool = False) -> tuple[LoadFleet, dict[str, Any]]:
     """Provision, then start the brokers, the cloud, the stations and the device workers;
     returns the fleet and the provisioning figures."""
     from aggregator.fleet_file import load_fleet_file
@@ -287,7 +290,8 @@ def start_fleet(folder: Path, devices: int, stations: int, *, workers: int,
                           "--out", str(folder / "cloud-out"), "--state-dir",
                           str(folder / "state")])
     for s in ff.stations:
-        fleet.commands[s.id] = [sys.executable, "-m", "safl", "station", "--config",
+        profiled = ["-m", "cProfile", "-o", str(folder / f"{s.id}.prof")] if profile else []
+        fleet.commands[s.id] = [sys.executable, *profiled, "-m", "safl", "station", "--config",
                                 str(out / "stations" / s.id / "station.toml"),
                                 "--state-dir", str(folder / "state")]
         fleet.start(s.id, fleet.commands[s.id], env=_station_env(station or {}))
@@ -326,6 +330,58 @@ def station_summaries(folder: Path, stations: list[str]) -> dict[str, Any]:
     return out
 
 
+# The station's parts, by the files their functions are in (the profile's own time of each).
+PARTS = {"admission and trust": ("aggregator/admission.py", "aggregator/trust.py",
+                                 "aggregator/roster.py", "edge_client/admission.py",
+                                 "edge_client/reassembly.py"),
+         "selection": ("aggregator/selection.py", "aggregator/seating.py",
+                       "aggregator/stragglers.py"),
+         "fusion": ("aggregator/fusion.py", "aggregator/internal_sync.py",
+                    "aggregator/external_sync.py", "aggregator/central_dp.py"),
+         "serialisation": ("edge_client/codec.py", "edge_client/documents.py", "json/"),
+         "transport": ("edge_client/mqtt.py", "edge_client/socket_owner.py", "paho/",
+                       "threading.py", "queue.py", "ssl.py"),
+         "checkpoints": ("aggregator/station_resume.py", "aggregator/checkpoint.py",
+                         "edge_client/files.py")}
+
+
+def _part(file: str) -> str | None:
+    return next((name for name, files in PARTS.items() if any(f in file for f in files)), None)
+
+
+def profile_parts(path: Path) -> dict[str, float]:
+    """Seconds of the station's main thread in each of ``PARTS`` (the rest as ``other``),
+    from its cProfile record: a function's own time counts to its part, and a library's
+    (numpy's, hashlib's) to its callers' parts in proportion to the time each spent in it."""
+    import pstats
+
+    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    shares: dict[Any, dict[str, float]] = {}
+
+    def owner(fn: Any, seen: frozenset[Any]) -> dict[str, float]:
+        if fn in shares:
+            return shares[fn]
+        part = _part(fn[0])
+        callers = stats[fn][4] if fn in stats else {}
+        if part is not None or not callers or fn in seen or "/aggregator/" in fn[0] \
+                or "/edge_client/" in fn[0]:
+            out = {part or "other": 1.0}
+        else:
+            total = sum(c[3] for c in callers.values()) or 1.0
+            out = {}
+            for caller, c in callers.items():
+                for name, f in owner(caller, seen | {fn}).items():
+                    out[name] = out.get(name, 0.0) + f * c[3] / total
+        shares[fn] = out
+        return out
+
+    parts: dict[str, float] = {}
+    for fn, (_, _, own, _, _) in stats.items():
+        for name, f in owner(fn, frozenset()).items():
+            parts[name] = parts.get(name, 0.0) + own * f
+    return {k: round(v, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
+
+
 def _snapshot(fleet: LoadFleet, folder: Path, stations: list[str]) -> dict[str, Any]:
     return {"t": time.monotonic(), "cpu": fleet.sample(),
             "threads": {s: thread_cpu(fleet.procs[s].pid) for s in stations},
@@ -354,8 +410,11 @@ def _until(fleet: LoadFleet, folder: Path, sids: list[str], rule: Any, timeout: 
         if dead:
             raise RuntimeError(f"died: {dead}: " + "; ".join(fleet.log(n)[-1500:]
                                                             for n in dead))
-        status = station_summaries(folder, sids)
-        if rule(status):
+        try:
+            status = station_summaries(folder, sids)
+        except SaflError as exc:  # the broker restarting: not back yet
+            status = {"unreachable": str(exc)}
+        if "unreachable" not in status and rule(status):
             return time.monotonic() - began, status
         if time.monotonic() - began > timeout:
             raise RuntimeError(f"not recovered in {timeout:.0f} s: {status}")
@@ -396,7 +455,7 @@ def inject(fleet: LoadFleet, folder: Path, sids: list[str], fault: str, roster: 
 def run_load(folder: Path, devices: int, stations: int = 1, *, workers: int = 0,
              seconds: float = 60.0, warmup: int = 3, broker_nofile: int | None = None,
              station: dict[str, Any] | None = None, start_timeout: float = 300.0,
-             faults: tuple[str, ...] = ()) -> dict[str, Any]:
+             faults: tuple[str, ...] = (), profile: bool = False) -> dict[str, Any]:
     """Run the load fleet: past ``warmup`` iterations on every station, measure for
     ``seconds``, then inject ``faults`` one after the other; returns the figures
     (``bench/fleet_load.py`` prints them)."""
@@ -406,7 +465,7 @@ def run_load(folder: Path, devices: int, stations: int = 1, *, workers: int = 0,
         workers += 1
     fleet, figures = start_fleet(folder, devices, stations, workers=workers,
                                  broker_nofile=broker_nofile, station=station,
-                                 first_worker=drop)
+                                 first_worker=drop, profile=profile)
     sids = list(device_ids(1, stations))
     began = time.monotonic()
     try:
@@ -439,6 +498,8 @@ def run_load(folder: Path, devices: int, stations: int = 1, *, workers: int = 0,
     figures.update(devices=devices, stations=stations, workers=workers,
                    peak_rss_mb={n: round(v, 1) for n, v in fleet.peak_rss.items()})
     figures["window"] = {"first": first, "last": last}
+    if profile and (folder / "st0.prof").exists():
+        figures["station_parts"] = profile_parts(folder / "st0.prof")
     figures["workers_report"] = [json.loads((folder / f"worker{w}.json").read_text())
                                  for w in range(workers)
                                  if (folder / f"worker{w}.json").exists()]

@@ -51,12 +51,16 @@ def _history() -> FleetHistory:
     return history
 
 
+def _row(doc: dict, did: str) -> dict:
+    return next(r for r in doc["devices"] if r["id"] == did)
+
+
 def test_the_history_keeps_each_series_and_the_tables():
     doc = _history().snapshot(Counter())
     assert [(r, round(a, 6)) for r, a in doc["global_accuracy"]] == [(1, 0.4), (2, 0.5),
                                                                      (3, 0.6)]
     assert [p[1] for p in doc["device_accuracy"]["d0"]] == pytest.approx([0.2, 0.4, 0.6])
-    d0, d1 = doc["devices"]
+    d1, d0 = doc["devices"]  # the offline one first
     assert (d0["presence"], d0["uploads"], d0["clipped"], d0["frames_dropped"]) == \
         (True, 3, 3, 2)
     # The line's labels as the device counted them: joined, unmatched, expired.
@@ -86,7 +90,7 @@ def test_each_roles_last_error_reaches_the_page():
     doc = history.snapshot(Counter())
     assert doc["cloud"]["error"] == "errors.observer: ShapeError: eval"
     assert doc["stations"][0]["error"] == "rejected.internal: KeyError: 'x'"
-    assert doc["devices"][0]["error"] == "errors.tick: OSError: disk full"
+    assert _row(doc, "d0")["error"] == "errors.tick: OSError: disk full"
     from aggregator.monitor_page import SCRIPT
     assert "'ERROR ' + who" in SCRIPT and "c.error" in SCRIPT
 
@@ -139,7 +143,7 @@ def test_what_devices_claim_is_checked_before_it_is_shown(monkeypatch):
     history.status.take(liar)
     history.take(liar)
     doc = history.snapshot(Counter())
-    assert doc["devices"][0]["local_accuracy"] is None  # shown as not measured, and counted
+    assert _row(doc, "d0")["local_accuracy"] is None  # shown as not measured, and counted
     assert doc["monitor"]["fleet.implausible_local_accuracy"] == 1
     assert doc["monitor"]["fleet.implausible_prequential_accuracy"] == 1
     # Lags on their bound are shown, one past it not; a body time may not be negative.
@@ -151,7 +155,7 @@ def test_what_devices_claim_is_checked_before_it_is_shown(monkeypatch):
     for claim, shown in ((on_bound, (MAX_LABEL_LAG, 0.0, 0.0)), (past, (None, None, None))):
         history.status.take(claim)
         history.take(claim)
-        row = history.snapshot(Counter())["devices"][0]
+        row = _row(history.snapshot(Counter()), "d0")
         assert (row["label_lag"], row["label_lag_estimate"], row["body_ms_per_frame"]) == shown
     counted = history.snapshot(Counter())["monitor"]
     assert [counted[f"fleet.implausible_{k}"] for k in (
@@ -314,3 +318,97 @@ def test_a_browser_shows_the_running_fleet(tmp_path, digits):
     page = write_run_report(record).read_text()
     assert page.count("data:image/png;base64,") >= 3  # accuracy, devices, uploads
     assert all(d in page for d in devices)  # the devices as last seen
+
+
+def _thousand(points: int = 3) -> FleetHistory:
+    """A thousand devices, each with ``points`` accuracies: d0500 offline, d0777 in error."""
+    clock = iter(np.arange(0.0, 1e6, 0.5))
+    history = FleetHistory("f", clock=lambda: float(next(clock)))
+    st = history.status
+    for i in range(1000):
+        did = f"d{i:04d}"
+        st.presence[(m.Participant.DEVICE, did)] = did != "d0500"
+        for k in range(points):
+            doc = DeviceSummary(device=did, station=f"st{i % 4}", state=DeviceState.READY,
+                                round=k, iteration=k, local_accuracy=0.5 + (i % 97) / 200,
+                                prequential_accuracy=0.6, counters={"uploads": k},
+                                transport={"bytes_out": 1000 * k, "bytes_in": 4000 * k},
+                                error="errors.tick: OSError: disk full" if did == "d0777"
+                                else "")
+            st.take(doc)
+            history.take(doc)
+    return history
+
+
+def test_a_thousand_devices_make_a_page_of_rows_the_lowest_series_and_counts(tmp_path):
+    """At a thousand devices the page's JSON holds a page of rows, those in trouble first,
+    the ten lowest series and the counts of all; ``?page=`` pages through every device, and
+    the record keeps every row."""
+    from aggregator.monitor_page import CHART_DEVICES, PAGE_ROWS
+
+    history = _thousand()
+    doc = history.snapshot(Counter())
+    assert (len(doc["devices"]), doc["devices_total"], doc["pages"]) == (PAGE_ROWS, 1000, 10)
+    assert [r["id"] for r in doc["devices"][:2]] == ["d0500", "d0777"]  # offline, in error
+    assert doc["devices_online"] == 999
+    assert doc["device_errors"] == [["d0777", "errors.tick: OSError: disk full"]]
+    lowest = sorted(doc["device_accuracy"])
+    assert len(lowest) == CHART_DEVICES and all(int(d[1:]) % 97 == 0 for d in lowest)
+    server = MonitorServer(history, port=0)
+    try:
+        seen = set()
+        for page in range(10):
+            status, _, body = server.answer(f"/api/fleet?page={page}")
+            seen |= {r["id"] for r in json.loads(body)["devices"]}
+        assert status == 200 and len(seen) == 1000
+        assert json.loads(server.answer("/api/fleet?page=99")[2])["page"] == 9  # the last
+        status, _, body = server.answer("/api/fleet?page=x")
+        assert status == 200 and json.loads(body)["page"] == 0
+        assert server.counters["http.bad_query"] == 1
+    finally:
+        server.close()
+    history.save(tmp_path)
+    assert len(json.loads((tmp_path / "fleet.json").read_text())["devices"]) == 1000
+
+
+def test_safl_status_of_a_thousand_devices_stays_a_page():
+    """``safl status`` names at most 20 devices a line (offline, in error, missing from a
+    joining roster) and counts the rest."""
+    from aggregator.status import format_status
+
+    history = _thousand(points=1)
+    st = history.status
+    for i in range(0, 1000, 10):
+        st.presence[(m.Participant.DEVICE, f"d{i:04d}")] = False
+    for i in range(30):
+        st.devices[f"d{i:04d}"] = dataclasses.replace(st.devices[f"d{i:04d}"],
+                                                      error="errors.tick: OSError: full")
+    st.take(StationSummary(station="st0", state=StationState.JOINING, round=0, iteration=0,
+                           devices=1000, online=900, quorum=1,
+                           missing=tuple(f"d{i:04d}" for i in range(0, 1000, 2))))
+    text = format_status(st, "f")
+    assert len(text.splitlines()) < 40 and len(text) < 6000, len(text)
+    assert "devices online: 900 of 1000 seen" in text
+    assert "devices offline: d0000, d0010" in text and "and 80 more" in text
+    assert "ERROR and 11 devices more in error" in text  # d0777 too
+    assert "missing d0000, d0002" in text and "and 480 more" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is installed by .ci/run")
+def test_a_browser_pages_through_a_thousand_devices():
+    """The page of a thousand-device fleet, as a browser renders it: a hundred rows with
+    the offline device first, the counts of all, the ten lowest series with their legend."""
+    server = MonitorServer(_thousand(), port=0)
+    try:
+        dom = _chromium("--dump-dom", f"http://127.0.0.1:{server.port}/")
+    finally:
+        server.close()
+    rows = dom[dom.index('<table id="devices">'):]
+    rows = rows[:rows.index("</table>")]
+    assert rows.count('id="devices-d') == 100 and rows.index("devices-d0500") < \
+        rows.index("devices-d0001")
+    assert "devices online: 999 of 1000" in dom and "devices 1-100 of 1000" in dom
+    assert "the 10 of 1000 lowest now" in dom
+    chart = dom[dom.index('id="device-accuracy"'):]
+    assert chart[:chart.index("</svg>")].count("<polyline") == 20  # held-out, prequential
