@@ -26,7 +26,7 @@ from edge_client import messages as m
 from .accuracy import device_accuracy_summary
 from .checkpoint import group, grouped
 from .config import StationConfig
-from .trust import bound_seen_counts, claimed_total, majority_capped
+from .trust import SeenTotals, bound_seen_counts, claimed_total, majority_capped
 
 __all__ = ["Roster", "StatsCheck"]
 
@@ -45,11 +45,11 @@ class StatsCheck:
         self.config, self.num_classes = config, num_classes
         self._reject, self._clip = reject, clip
 
-    def check(self, msg: m.DeviceStats, stats: Mapping[str, m.DeviceStats],
+    def check(self, msg: m.DeviceStats, totals: SeenTotals,
               window: tuple[int, int]) -> m.DeviceStats | None:
-        """``msg`` as the station keeps it, or None where it is refused; ``stats``: what the
-        roster reported so far, ``window``: the sender's accepted total its seen counts
-        grow from, and over how many iterations (:meth:`Roster.window`)."""
+        """``msg`` as the station keeps it, or None where it is refused; ``totals``: the
+        seen totals the roster accepted so far, ``window``: the sender's accepted total its
+        seen counts grow from, and over how many iterations (:meth:`Roster.window`)."""
         if {msg.seen_counts.size, msg.next_batch_counts.size} != {self.num_classes}:
             self._reject("wrong_length", f"histograms of width {msg.seen_counts.size}, "
                          f"expected {self.num_classes}")
@@ -58,7 +58,7 @@ class StatsCheck:
             self._reject("bad_histogram", f"next batch of {batch} samples, the batch size is "
                          f"{self.config.batch_size}")
             return None
-        msg = self._plausible_seen(msg, stats, window)
+        msg = self._plausible_seen(msg, totals, window)
         # Only metrics, but metrics operators act on: an accuracy outside [0, 1] is dropped
         # (as not measured) and counted; the histograms still count.
         if msg.epsilon < 0:
@@ -71,17 +71,17 @@ class StatsCheck:
                 msg = dataclasses.replace(msg, **cleared)
         return msg
 
-    def _plausible_seen(self, msg: m.DeviceStats, stats: Mapping[str, m.DeviceStats],
+    def _plausible_seen(self, msg: m.DeviceStats, totals: SeenTotals,
                         window: tuple[int, int]) -> m.DeviceStats:
         """Seen counts bounded in growth and share (a claim of 10^15 samples must not decide
         ``P_real``); the clipped counts are what the station keeps and sums."""
         cfg = self.config
-        others = [claimed_total(s.seen_counts) for d, s in stats.items() if d != msg.sender]
         # A device senses per local step, and a flat round holds many steps between reports.
         per_iteration = cfg.max_seen_rate * cfg.local_steps
         base, elapsed = window
         counts, clipped = bound_seen_counts(msg.seen_counts, base, per_iteration * elapsed,
-                                            others, cfg.seen_share, per_iteration)
+                                            totals.median_without(msg.sender), cfg.seen_share,
+                                            per_iteration)
         if not clipped:
             return msg
         self._clip("seen_counts")
@@ -96,6 +96,7 @@ class Roster:
         self.config, self.num_classes, self.counters = config, num_classes, counters
         self.check = StatsCheck(config, num_classes, reject=reject, clip=clip)
         self.stats: dict[str, m.DeviceStats] = {}
+        self.totals = SeenTotals()  # of the seen counts in ``stats``
         self.offline: set[str] = set()
         self.seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
         self._window: dict[str, tuple[int, int]] = {}  # what its last accepted grew from
@@ -104,7 +105,7 @@ class Roster:
 
     def checked(self, msg: m.DeviceStats, iteration: int) -> m.DeviceStats | None:
         """``msg`` as the station would keep it at ``iteration``, or None: refused."""
-        return self.check.check(msg, self.stats, self.window(msg.sender, iteration))
+        return self.check.check(msg, self.totals, self.window(msg.sender, iteration))
 
     def window(self, device: str, iteration: int) -> tuple[int, int]:
         """The accepted seen total a report of ``device`` at ``iteration`` grows from, and
@@ -122,6 +123,7 @@ class Roster:
     def accept(self, msg: m.DeviceStats, iteration: int) -> None:
         self._window[msg.sender] = self.window(msg.sender, iteration)
         self.stats[msg.sender] = msg
+        self.totals.set(msg.sender, claimed_total(msg.seen_counts))
         self.seen_at[msg.sender] = iteration
         self.offline.discard(msg.sender)
 
@@ -150,6 +152,7 @@ class Roster:
                 self.stats[d] = m.DeviceStats(fleet=cfg.fleet, sender=d, round=0, iteration=0,
                                               station=cfg.station_id, seen_counts=seen[d],
                                               next_batch_counts=nxt[d])
+                self.totals.set(d, claimed_total(seen[d]))
         self.seen_at = {d: int(i) for d, i in seen_at.items() if d in cfg.devices}
         self._window = {d: (int(w[0]), int(w[1])) for d, w in windows.items()
                         if d in cfg.devices}

@@ -16,14 +16,15 @@ station role applies them (``docs/reliability.md``).
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, deque
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["NormGuard", "Bounded", "ReplayGuard", "bound_seen_counts", "claimed_total",
-           "majority_capped",
-           "ShareCap", "fair_seat_share", "seat_candidates", "ClaimTally"]
+__all__ = ["NormGuard", "Bounded", "ReplayGuard", "SeenTotals", "bound_seen_counts",
+           "claimed_total", "majority_capped", "ShareCap", "fair_seat_share", "seat_candidates",
+           "ClaimTally"]
 
 
 class NormGuard:
@@ -102,21 +103,52 @@ def claimed_total(counts: np.ndarray) -> int:
     return sum(counts.tolist())
 
 
+class SeenTotals:
+    """Each device's accepted seen total, kept sorted: the median of the others' bounds
+    every new claim, and a station is asked it on every report (a thousand waiting
+    devices' hellos, 500 a second).  Summing every device's histogram on each report made
+    a report cost 250 us at 1,000 devices and 950 us at 4,000: past a core's worth of
+    hellos."""
+
+    def __init__(self) -> None:
+        self.of: dict[str, int] = {}
+        self._sorted: list[int] = []
+
+    def set(self, device: str, total: int) -> None:
+        if device in self.of:
+            del self._sorted[bisect.bisect_left(self._sorted, self.of[device])]
+        self.of[device] = total
+        bisect.insort(self._sorted, total)
+
+    def median_without(self, device: str) -> float | None:
+        """The median total of every device but ``device`` (None: no other)."""
+        values = self._sorted
+        skip = bisect.bisect_left(values, self.of[device]) if device in self.of else len(values)
+        n = len(values) - (skip < len(values))
+        if n == 0:
+            return None
+
+        def at(k: int) -> int:
+            return values[k if k < skip else k + 1]
+        return float(at(n // 2)) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
 def bound_seen_counts(counts: np.ndarray, previous_total: int, allowance: int,
-                      roster_totals: list[int], share: float, floor: int
+                      roster_median: float | None, share: float, floor: int
                       ) -> tuple[np.ndarray, bool]:
     """A device's claimed seen-label counts, scaled down to what is plausible.
 
     The total may grow by at most ``allowance`` since the last accepted report, and may be
-    at most ``share`` times the median total of the other devices, or ``floor`` while the
-    fleet is young.  Returns the counts to use and whether they were clipped.  (On a roster
-    of two or three that still lets one device hold most of the factory's counts: the
-    estimate it feeds is bounded apart, by :func:`majority_capped`.)
+    at most ``share`` times ``roster_median``, the median total of the other devices (None:
+    none reported), or ``floor`` while the fleet is young.  Returns the counts to use and
+    whether they were clipped.  (On a roster of two or three that still lets one device
+    hold most of the factory's counts: the estimate it feeds is bounded apart, by
+    :func:`majority_capped`.)
     """
     total = claimed_total(counts)
     cap = previous_total + allowance
-    if roster_totals:
-        cap = min(cap, max(int(share * float(np.median(roster_totals))), floor))
+    if roster_median is not None:
+        cap = min(cap, max(int(share * roster_median), floor))
     if total <= cap:
         return counts, False
     scaled = np.floor(counts.astype(np.float64) * (cap / total)).astype(np.int64)

@@ -100,7 +100,7 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
                                  if n.startswith("worker")),
             "connect_all_s": max(r["connect_all_s"] for r in reports),
             "station_refusals": refusals, "device_refusals": devices,
-            "device_transport": transport,
+            "device_transport": transport, "station_parts": run.get("station_parts"),
             "faults": [{k: v for k, v in f.items() if k != "station"}
                        for f in run.get("faults", [])]}
 
@@ -114,6 +114,10 @@ def main() -> None:
                         help="the brokers' descriptor limit (a stock systemd unit: 1024)")
     parser.add_argument("--faults", default="", help="after the window, one after the other: "
                         "broker, station, drop (a comma-separated list)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the first station under cProfile and split its main "
+                        "thread's time into parts (the profiler slows it: CPU figures of "
+                        "such a run are upper bounds)")
     parser.add_argument("--out", type=Path, default=None, help="JSON lines of the figures")
     args = parser.parse_args()
     for size in args.sizes.split(","):
@@ -122,7 +126,8 @@ def main() -> None:
         try:
             row = figures(run_load(folder, n, s, seconds=args.seconds,
                                    broker_nofile=args.broker_nofile,
-                                   faults=tuple(f for f in args.faults.split(",") if f)))
+                                   faults=tuple(f for f in args.faults.split(",") if f),
+                                   profile=args.profile))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         line = json.dumps(row, default=str)

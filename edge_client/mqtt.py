@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 Handler = Callable[[str, m.Message], None]
 DocumentHandler = Callable[[str, Document], None]
 RawHandler = Callable[[str, bytes], None]
+# Seconds one deliver() admits frames for: a flood it cannot keep up with must not starve ticks.
+DELIVER_BUDGET_S = 0.25
 
 
 class MqttTransport:
@@ -90,9 +92,9 @@ class MqttTransport:
             log.info("%s connects as %s, the identity its broker knows it by", client_id,
                      identity)
         client_id = identity or client_id
-        self.config, self.client_id, self.fleet = config, client_id, fleet
+        self.config, self.client_id, self.fleet, self.persistent = config, client_id, fleet, \
+            persistent
         self.layout_hash, self.presence, self.clock = layout_hash, presence, clock
-        self.persistent = persistent
         self._jitter = jitter if jitter is not None else np.random.default_rng(
             zlib.crc32(client_id.encode()))
         self.counters: Counter[str] = Counter()
@@ -107,22 +109,19 @@ class MqttTransport:
                                    reassembly_memory=config.reassembly_memory,
                                    chunk_timeout=config.chunk_timeout, owner=client_id,
                                    counters=self.counters, seen_ids=config.dedupe_window)
-        self._connected = threading.Event()
-        self._arrived = threading.Event()
-        self._stop = threading.Event()
+        self._connected, self._arrived, self._stop = (threading.Event() for _ in range(3))
         self._refused: ReasonCode | None = None
         self._thread: threading.Thread | None = None
         self._last_info: paho.MQTTMessageInfo | None = None
-        self._closing = False
+        self._closing = False  # close() began: a disconnect now is ours, not lost
         self._v5 = config.protocol in ("auto", "5")
         self._client = self._make_client()
 
     # -- connection ----------------------------------------------------------------------
     def _make_client(self) -> paho.Client:
         cfg = self.config
-        proto = paho.MQTTv5 if self._v5 else paho.MQTTv311
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                             protocol=proto,
+                             protocol=paho.MQTTv5 if self._v5 else paho.MQTTv311,
                              clean_session=None if self._v5 else not self.persistent,
                              reconnect_on_failure=False)
         if cfg.username:
@@ -320,16 +319,17 @@ class MqttTransport:
         self._socket.submit(lambda: self._send(topic, [payload], qos=qos, retain=retain))
 
     def deliver(self) -> int:
-        """Admit queued frames and call their handlers; returns how many were delivered."""
-        delivered = 0
+        """Admit queued frames for up to ``DELIVER_BUDGET_S`` and call their handlers;
+        returns how many were delivered (frames left wake the next wait at once)."""
+        delivered, end = 0, time.monotonic() + DELIVER_BUDGET_S
         self._arrived.clear()
         now = self.clock()
         self.admission.expire(now)
-        while True:
+        while time.monotonic() < end:
             try:
                 topic, payload, self.arrived_at = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return delivered
             raw = [h for f, h in self._raw_subs if matches(f, topic)]
             if raw:
                 self._dispatch(raw, topic, payload)
@@ -343,6 +343,7 @@ class MqttTransport:
                 continue
             self._dispatch([h for f, h in list(self._subs) if matches(f, topic)], topic, message)
             delivered += 1
+        self._arrived.set()
         return delivered
 
     def _dispatch(self, handlers: list[Any], topic: str, item: m.Message | Document | bytes

@@ -391,6 +391,41 @@ def test_qos1_duplicates_are_applied_once_and_reconnects_resubscribe(tmp_path):
         server.stop()
 
 
+def test_a_flood_it_cannot_keep_up_with_does_not_keep_deliver_from_returning(tmp_path):
+    """A station slower than its inbound traffic (a thousand devices' hellos on a loaded
+    server) still gets back to its ticks, deadlines and summaries: one deliver() admits
+    frames for its budget and returns, where it stayed in deliver as long as the flood
+    lasted."""
+    from edge_client.mqtt import DELIVER_BUDGET_S
+
+    server = Mosquitto(tmp_path, ["d0", "st0", "tester"], acl_lines("f", {"st0": ["d0"]}))
+    station, _ = _pair(server)
+    handled = []
+    # Each frame costs the handler 2 ms; the flood brings one every 0.5 ms.
+    station.subscribe("safl/f/dev/+/update", lambda t, msg: (handled.append(msg),
+                                                              time.sleep(0.002)))
+    raw = paho.Client(CallbackAPIVersion.VERSION2, client_id="tester")
+    try:
+        station.connect()
+        raw.username_pw_set("tester", Mosquitto.PASSWORD)
+        raw.connect("127.0.0.1", server.port)
+        raw.loop_start()
+        for k in range(4000):
+            msg = m.SkipNotice(fleet="f", sender="d0", round=0, iteration=k, station="st0",
+                               gap=0.5)
+            raw.publish(topic_for(msg), encode(msg), qos=0)
+        time.sleep(1.0)  # a backlog of frames that takes seconds to handle
+        began = time.monotonic()
+        station.deliver()
+        took = time.monotonic() - began
+        assert took < DELIVER_BUDGET_S + 0.1 and 0 < len(handled) < 4000, (took, len(handled))
+    finally:
+        raw.loop_stop()
+        raw.disconnect()
+        station.close()
+        server.stop()
+
+
 def test_a_devices_answer_is_timed_from_its_selections_arrival(tmp_path, digits):
     """A board that falls behind shows it: the time a selection waited in the device's
     inbox (it was busy) counts towards its answer time, which /metrics and the device's

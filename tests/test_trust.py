@@ -74,18 +74,35 @@ def test_norm_guard_clips_onto_its_bound_and_refuses_beyond_the_hard_bound():
     assert guard.state() == [1.0, 2.0]  # a clipped update counts at the bound, not beyond
 
 
+def test_the_roster_median_of_the_others_totals_is_kept_as_reports_come(rng):
+    """The median of every other device's accepted total, kept as reports replace each
+    other (ties, repeats, a device's first report), equals numpy's over the others."""
+    from aggregator.trust import SeenTotals
+
+    totals, truth = SeenTotals(), {}
+    assert totals.median_without("d0") is None
+    for _ in range(3000):
+        device, total = f"d{rng.integers(40)}", int(rng.integers(0, 30))
+        totals.set(device, total)
+        truth[device] = total
+        asked = f"d{rng.integers(45)}"  # now and then one that never reported
+        others = [t for d, t in truth.items() if d != asked]
+        want = float(np.median(others)) if others else None
+        assert totals.median_without(asked) == want
+
+
 def test_seen_counts_grow_at_a_bounded_rate_and_share():
     counts = np.array([10**15, 0, 0])
     got, clipped = bound_seen_counts(counts, previous_total=100, allowance=50,
-                                     roster_totals=[100, 120, 90], share=4.0, floor=50)
+                                     roster_median=100.0, share=4.0, floor=50)
     assert clipped and got.sum() <= 150 and got[1] == 0
-    honest, clipped = bound_seen_counts(np.array([60, 60, 20]), 100, 50, [100, 120], 4.0, 50)
+    honest, clipped = bound_seen_counts(np.array([60, 60, 20]), 100, 50, 110.0, 4.0, 50)
     assert not clipped and honest.sum() == 140
     # However slowly it grows, a device cannot outweigh 4 median devices.
-    got, _ = bound_seen_counts(np.array([5000, 0, 0]), 4900, 50, [100, 100, 100], 4.0, 50)
+    got, _ = bound_seen_counts(np.array([5000, 0, 0]), 4900, 50, 100.0, 4.0, 50)
     assert got.sum() <= 400
     # While the fleet is young the floor lets a device start with a full allowance.
-    got, clipped = bound_seen_counts(np.array([40, 0, 0]), 0, 50, [1, 2], 4.0, 50)
+    got, clipped = bound_seen_counts(np.array([40, 0, 0]), 0, 50, 1.5, 4.0, 50)
     assert not clipped
 
 
