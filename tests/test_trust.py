@@ -147,6 +147,21 @@ def test_share_cap_takes_a_device_out_of_selection_after_its_seats():
     assert cap.eligible("d0")  # its seats left the window
 
 
+def test_share_cap_seats_are_the_window_counted_through_and_survive_a_restore(rng):
+    """The seats kept as the window moves equal the window counted through, before and
+    after a checkpoint's restore."""
+    cap = ShareCap(window=7, max_share=0.5)
+    for _ in range(200):
+        members = tuple(f"d{k}" for k in rng.choice(12, size=int(rng.integers(1, 5)),
+                                                    replace=False))
+        cap.record(members)
+        for d in (f"d{k}" for k in range(13)):
+            assert cap.seats(d) == sum(d in ms for ms in cap.recent)
+    back = ShareCap(window=7, max_share=0.5)
+    back.restore(cap.state())
+    assert all(back.seats(f"d{k}") == cap.seats(f"d{k}") for k in range(13))
+
+
 # -- the station: claims refused, refusals count as answers -------------------------------
 
 
