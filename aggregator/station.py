@@ -310,7 +310,7 @@ class Station(StationResume, RoleBase[StationState]):
 
     def _end_gathering(self, now: float) -> list[m.Message]:
         """A gathering station begins its iteration as soon as a quorum is ready."""
-        if self.state == _S.GATHERING and len(self.roster.ready()) >= self.config.min_quorum:
+        if self.state == _S.GATHERING and self.roster.enough_ready(self.config.min_quorum):
             return self._begin_iteration(now)
         return []
 

@@ -39,7 +39,7 @@ from .errors import BrokerRefused, ConfigError, ConnectError, MessageError
 from .reconnect import REFUSED_FOR_GOOD, backoff, retry
 from .socket_owner import SocketOwner
 from .tls import broker_identity, check_pair
-from .topics import is_document_topic, matches, topic_for
+from .topics import Routes, is_document_topic, topic_for
 
 __all__ = ["MqttTransport", "ConnectError", "BrokerRefused", "REFUSED_FOR_GOOD"]
 
@@ -98,9 +98,9 @@ class MqttTransport:
         self._jitter = jitter if jitter is not None else np.random.default_rng(
             zlib.crc32(client_id.encode()))
         self.counters: Counter[str] = Counter()
-        self._subs: list[tuple[str, Handler]] = []
-        self._doc_subs: list[tuple[str, DocumentHandler]] = []
-        self._raw_subs: list[tuple[str, RawHandler]] = []
+        self._subs: Routes[Handler] = Routes()
+        self._doc_subs: Routes[DocumentHandler] = Routes()
+        self._raw_subs: Routes[RawHandler] = Routes()
         self._inbox: queue.SimpleQueue[tuple[str, bytes, float]] = queue.SimpleQueue()
         self.arrived_at = 0.0  # monotonic: when the frame being delivered came off the socket
         self._socket = SocketOwner(client_id, self.counters)
@@ -153,7 +153,8 @@ class MqttTransport:
             log.error("broker refused %s: %s", self.client_id, reason_code)
             return
         self._refused = None
-        for topic_filter in {f for f, _ in [*self._subs, *self._doc_subs, *self._raw_subs]}:
+        for topic_filter in self._subs.filters() | self._doc_subs.filters() \
+                | self._raw_subs.filters():
             client.subscribe(topic_filter, qos=1)
         if self.presence is not None:
             client.publish(topic_for(self.presence), self._presence_frame(online=True), qos=1,
@@ -258,9 +259,8 @@ class MqttTransport:
         return self._connected.is_set()
 
     # -- the transport interface ------------------------------------------------------
-    def _add_subscription(self, subs: list[tuple[str, Any]], topic_filter: str,
-                          handler: Any) -> None:
-        subs.append((topic_filter, handler))
+    def _add_subscription(self, subs: Routes[Any], topic_filter: str, handler: Any) -> None:
+        subs.add(topic_filter, handler)
         if self._connected.is_set():  # else _on_connect subscribes it
             self._socket.submit(lambda: self._subscribe(topic_filter))
 
@@ -330,7 +330,7 @@ class MqttTransport:
                 topic, payload, self.arrived_at = self._inbox.get_nowait()
             except queue.Empty:
                 return delivered
-            raw = [h for f, h in self._raw_subs if matches(f, topic)]
+            raw = self._raw_subs.handlers(topic)
             if raw:
                 self._dispatch(raw, topic, payload)
                 delivered += 1
@@ -341,7 +341,7 @@ class MqttTransport:
             message = self.admission.admit(topic, payload, now)
             if message is None:
                 continue
-            self._dispatch([h for f, h in list(self._subs) if matches(f, topic)], topic, message)
+            self._dispatch(self._subs.handlers(topic), topic, message)
             delivered += 1
         self._arrived.set()
         return delivered
@@ -356,7 +356,7 @@ class MqttTransport:
                 log.exception("handler failed on %s", topic)
 
     def _deliver_document(self, topic: str, payload: bytes) -> int:
-        handlers = [h for f, h in self._doc_subs if matches(f, topic)]
+        handlers = self._doc_subs.handlers(topic)
         if not handlers or not payload:  # an empty retained payload clears a document
             return 0
         try:

@@ -6,6 +6,8 @@ can confine it; the in-process bus uses the same names.
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 from . import messages as m
 from .messages import Participant
 
@@ -13,6 +15,7 @@ __all__ = [
     "CLOUD_ID",
     "topic_for",
     "matches",
+    "Routes",
     "device_topics",
     "station_topics",
     "cloud_topics",
@@ -188,6 +191,51 @@ def matches(topic_filter: str, topic: str) -> bool:
         if i >= len(tparts) or (part != "+" and part != tparts[i]):
             return False
     return len(fparts) == len(tparts)
+
+
+H = TypeVar("H")
+MAX_ROUTED = 65_536  # topics whose handlers are kept found: a wildcard's topics are not few
+
+
+class Routes(Generic[H]):
+    """Topic filters and their handlers, found for a topic in subscription order (an
+    index, which decides who sees a message first).  Exact topics are looked up, wildcard
+    filters scanned, and what a topic reaches is kept until the next subscription: a
+    station subscribes two exact topics per roster device, and matching each frame against
+    every filter cost a thousand-device station 5 ms a frame."""
+
+    def __init__(self) -> None:
+        self._exact: dict[str, list[tuple[int, H]]] = {}
+        self._wild: list[tuple[int, str, H]] = []
+        self._found: dict[str, list[tuple[int, H]]] = {}
+        self.count = 0  # subscriptions so far: the last one's index
+
+    def add(self, topic_filter: str, handler: H) -> int:
+        """Subscribe ``handler``; returns the subscription's index."""
+        self.count += 1
+        if "+" in topic_filter or "#" in topic_filter:
+            self._wild.append((self.count, topic_filter, handler))
+        else:
+            self._exact.setdefault(topic_filter, []).append((self.count, handler))
+        self._found = {}
+        return self.count
+
+    def filters(self) -> set[str]:
+        return {*self._exact, *(f for _, f, _ in self._wild)}
+
+    def find(self, topic: str) -> list[tuple[int, H]]:
+        """``(index, handler)`` of each subscription ``topic`` reaches, in order."""
+        found = self._found.get(topic)
+        if found is None:
+            found = sorted([*self._exact.get(topic, ()),
+                            *((i, h) for i, f, h in list(self._wild) if matches(f, topic))],
+                           key=lambda pair: pair[0])
+            if len(self._found) < MAX_ROUTED:
+                self._found[topic] = found
+        return found
+
+    def handlers(self, topic: str) -> list[H]:
+        return [h for _, h in self.find(topic)]
 
 
 def participant_of(topic: str, fleet: str) -> tuple[Participant, str, str] | None:

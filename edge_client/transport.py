@@ -15,7 +15,7 @@ from typing import Protocol
 
 from . import messages as m
 from .errors import SaflError
-from .topics import matches
+from .topics import Routes
 
 __all__ = ["Transport", "LocalBus", "Handler"]
 
@@ -50,12 +50,7 @@ class LocalBus:
     """
 
     def __init__(self) -> None:
-        # Exact topics are looked up, wildcard filters scanned; both keep subscription order
-        # (an index), which decides who sees a message first.  Simulated fleets of thousands
-        # of devices would otherwise match every message against every subscription.
-        self._exact: dict[str, list[tuple[int, Handler]]] = {}
-        self._wild: list[tuple[int, str, Handler]] = []
-        self._count = 0
+        self._routes: Routes[Handler] = Routes()
         self._queue: deque[tuple[str, m.Message]] = deque()
         self.messages: Counter[str] = Counter()
         self.payload_bytes: Counter[str] = Counter()
@@ -82,11 +77,7 @@ class LocalBus:
         self._queue.append((topic, message))
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
-        self._count += 1
-        if "+" in topic_filter or "#" in topic_filter:
-            self._wild.append((self._count, topic_filter, handler))
-        else:
-            self._exact.setdefault(topic_filter, []).append((self._count, handler))
+        self._routes.add(topic_filter, handler)
 
     def deliver(self, limit: int | None = None) -> int:
         """Deliver queued messages, and those they cause, until the queue is empty, or until
@@ -95,9 +86,7 @@ class LocalBus:
         count = 0
         while self._queue and not self._stopping and (limit is None or count < limit):
             topic, message = self._queue.popleft()
-            handlers = list(self._exact.get(topic, ()))
-            handlers += [(i, h) for i, f, h in self._wild if matches(f, topic)]
-            for _, handler in sorted(handlers, key=lambda pair: pair[0]):
+            for handler in self._routes.handlers(topic):
                 handler(topic, message)
             count += 1
         if self._stopping:

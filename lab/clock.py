@@ -33,7 +33,6 @@ import numpy as np
 from edge_client import messages as m
 from edge_client.config import check_range
 from edge_client.errors import ConfigError
-from edge_client.topics import matches
 from edge_client.transport import Handler, LocalBus
 
 __all__ = ["ComputeProfile", "PROFILES", "HOST_HANDLING_MS", "LinkSpec", "ClockConfig",
@@ -369,7 +368,6 @@ class TimedBus(LocalBus):
         self._seq = 0
         self._in_flight = 0
         self._ports: dict[int, Port] = {}  # subscription index -> its port
-        self._routes: dict[str, list[tuple[int, Handler]]] = {}
         self.keep_time = keep_time
         self.hold = hold
         self.max_virtual_s = max_virtual_s
@@ -388,9 +386,7 @@ class TimedBus(LocalBus):
         return Port(self, name, Channel(link, rng), Channel(link if down is None else down, rng))
 
     def subscribe_port(self, topic_filter: str, handler: Handler, port: Port) -> None:
-        super().subscribe(topic_filter, handler)
-        self._ports[self._count] = port
-        self._routes.clear()
+        self._ports[self._routes.add(topic_filter, handler)] = port
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
         self.subscribe_port(topic_filter, handler, self._direct)
@@ -423,7 +419,7 @@ class TimedBus(LocalBus):
         order, nbytes = seq
         at_broker = sender.up.arrival(sent, nbytes)
         queued = 0
-        for index, handler in self._handlers(topic):
+        for index, handler in self._routes.find(topic):
             receiver = self._ports[index]
             at = receiver.down.arrival(at_broker, nbytes)
             if receiver.immediate:
@@ -438,17 +434,6 @@ class TimedBus(LocalBus):
             self._in_flight += 1
             queued += 1
         return queued
-
-    def _handlers(self, topic: str) -> list[tuple[int, Handler]]:
-        """Each subscription ``topic`` reaches, in subscription order (kept per topic until
-        the next subscription: a fleet's topics are few and its subscriptions fixed)."""
-        routes = self._routes.get(topic)
-        if routes is None:
-            routes = list(self._exact.get(topic, ()))
-            routes += [(i, h) for i, f, h in self._wild if matches(f, topic)]
-            routes.sort(key=lambda pair: pair[0])
-            self._routes[topic] = routes
-        return routes
 
     def arm(self, port: Port) -> None:
         """Set ``port``'s timer to its role's next timed action (one pending per port)."""

@@ -124,3 +124,23 @@ def test_roles_and_states_are_enums_on_the_wire_and_in_documents():
     forged["state"] = "sleeping"
     with pytest.raises(MessageError, match="state"):
         decode_document(json.dumps(forged).encode())
+
+
+def test_routes_find_every_subscription_a_topic_reaches_in_subscription_order():
+    """Exact topics and wildcards together, in the order they were subscribed, against
+    every filter matched by hand; a new subscription reaches topics already routed."""
+    from edge_client.topics import Routes, matches
+
+    routes: Routes[str] = Routes()
+    filters = ["safl/f/dev/+/stats", *(f"safl/f/dev/d{k}/update" for k in range(500)),
+               "safl/f/#", "safl/f/dev/d7/update", "safl/f/dev/+/+"]
+    for k, f in enumerate(filters):
+        routes.add(f, f"h{k}")
+    topics = ["safl/f/dev/d7/update", "safl/f/dev/d7/stats", "safl/f/cloud/model",
+              "safl/g/dev/d7/update", "safl/f/dev/d499/update"]
+    for topic in topics:
+        want = [f"h{k}" for k, f in enumerate(filters) if matches(f, topic)]
+        assert routes.handlers(topic) == want
+    routes.add("safl/f/dev/d7/update", "late")  # after the topic was routed once
+    assert routes.handlers("safl/f/dev/d7/update")[-1] == "late"
+    assert routes.filters() == set(filters)
