@@ -102,13 +102,24 @@ class CloudCheckpoint(RoleCheckpoint):
 
 
 def group(arrays: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    """The arrays saved under ``prefix`` (:func:`grouped`), keyed by what follows it."""
-    head = f"{prefix}_"
-    return {k.removeprefix(head): v for k, v in arrays.items() if k.startswith(head)}
+    """The arrays saved under ``prefix`` (:func:`grouped`), keyed by what follows it: from
+    a stack and its keys, or one array a key (as every checkpoint before stacks was)."""
+    keys, stack = arrays.get(f"{prefix}__keys"), arrays.get(f"{prefix}__stack")
+    out = {str(k): stack[i] for i, k in enumerate(keys)} \
+        if keys is not None and stack is not None and len(keys) == len(stack) else {}
+    head, own = f"{prefix}_", f"{prefix}__"
+    return {**out, **{k.removeprefix(head): v for k, v in arrays.items()
+                      if k.startswith(head) and not k.startswith(own)}}
 
 
 def grouped(prefix: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``arrays`` named to be saved beside others under ``prefix`` (``opt_m``, ``seen_d0``)."""
+    """``arrays`` named to be saved beside others under ``prefix`` (``opt_m``, ``seen_d0``).
+    Many of one shape and dtype (a roster's histograms) go as one stack and its keys: a
+    thousand devices' three histograms were 3,000 arrays, and each checkpoint of them took
+    a station 0.1 s."""
+    if len(arrays) > 1 and len({(v.shape, v.dtype.str) for v in arrays.values()}) == 1:
+        return {f"{prefix}__keys": np.array(list(arrays)),
+                f"{prefix}__stack": np.stack(list(arrays.values()))}
     return {f"{prefix}_{k}": v for k, v in arrays.items()}
 
 

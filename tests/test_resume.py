@@ -210,3 +210,36 @@ def test_two_processes_writing_one_file_each_leave_it_whole(tmp_path):
         assert proc.returncode == 0, err.decode()[-1000:]
     assert target.read_bytes() in (b"a" * 4096, b"b" * 4096)
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_thousand_device_roster_checkpoints_as_stacks_and_older_checkpoints_still_load(
+        tmp_path):
+    """A roster's histograms go as one stack a kind (3,000 arrays at 1,000 devices made a
+    checkpoint take 0.1 s); the station restored from it knows each device as before, and
+    so does one restored from the one-array-a-device layout of earlier checkpoints."""
+    ids = tuple(f"d{k:04d}" for k in range(1000))
+    st = Station(StationConfig(fleet="t", station_id="s", devices=ids, super_node_size=4),
+                 num_params=4, num_classes=3, rng=np.random.default_rng(0))
+    for k, d in enumerate(ids):
+        st.handle(m.DeviceStats(fleet="t", sender=d, round=0, iteration=0, station="s",
+                                seen_counts=np.array([k, 2 * k, 3]),
+                                next_batch_counts=np.array([1, k % 2, 0])), 0.0)
+    arrays, meta = st.snapshot()
+    assert len(arrays) < 20, sorted(arrays)
+    save_checkpoint(tmp_path / "s.ckpt.npz", arrays, meta)
+    arrays, doc = load_checkpoint(tmp_path / "s.ckpt.npz")
+    # The layout before stacks: one array a device and kind, under "<kind>_<device>".
+    older = {k: v for k, v in arrays.items() if "__" not in k}
+    for kind in {k.split("__")[0] for k in arrays if k.endswith("__keys")}:
+        older.update({f"{kind}_{d}": row for d, row in zip(arrays[f"{kind}__keys"],
+                                                          arrays[f"{kind}__stack"],
+                                                          strict=True)})
+    for saved in (arrays, older):
+        back = Station(st.config, num_params=4, num_classes=3, rng=np.random.default_rng(0))
+        back.restore(saved, StationCheckpoint.from_doc(doc))
+        assert set(back.stats) == set(ids)
+        for d in ids:
+            assert back.stats[d].seen_counts.tolist() == st.stats[d].seen_counts.tolist()
+            assert back.stats[d].next_batch_counts.tolist() == \
+                st.stats[d].next_batch_counts.tolist()
+        assert back.roster.ready() == st.roster.ready()
