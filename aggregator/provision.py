@@ -68,6 +68,11 @@ MAX_PACKET = CHUNK_SIZE + 4096  # the chunk plus MQTT's fixed header, topic and 
 STATION_UP = ("update", "stats", "head", "status", "summary")
 
 
+# Clients a broker with a soft limit of 1,024 descriptors serves, with room for the station,
+# its lines, the monitor and the bridge (Mosquitto refused past 1,015: docs/scale.md).
+CONNECTIONS_AT_1024 = 950
+
+
 def _broker_conf(folder: Path, port: int, prefix: Path, extra: Sequence[str] = (),
                  bind: str = "") -> str:
     ca = prefix / "ca"
@@ -169,7 +174,13 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
     run.issue_credentials(stations, revoked)
     cloud_url = run.cloud_broker(stations)
     for s in stations:
-        run.station_broker(s, [d for d in s.devices if d not in revoked])
+        devices = [d for d in s.devices if d not in revoked]
+        run.station_broker(s, devices)
+        if len(devices) > CONNECTIONS_AT_1024:
+            run.created["notes"].append(
+                f"station {s.id}: {len(devices)} devices, and a broker started with the usual "
+                "limit of 1,024 file descriptors refuses clients past about 1,000: raise it "
+                "(docs/deploy.md, 3. Brokers)")
     for name, url in (("cloud", cloud_url), *((s.id, f"mqtts://{s.host}:{s.port}")
                                               for s in stations)):
         (out / "monitor" / f"monitor-{name}.toml").write_text(toml_text(
@@ -195,7 +206,7 @@ class _Provisioner:
     prefix: Path
     state: ProvisionState
     created: dict[str, list] = field(
-        default_factory=lambda: {"ca": [], "credentials": [], "revoked": []})
+        default_factory=lambda: {"ca": [], "credentials": [], "revoked": [], "notes": []})
     credential_dirs: dict[str, Path] = field(default_factory=dict)
 
     def revoke(self, users: tuple[str, ...]) -> set[str]:

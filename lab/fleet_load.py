@@ -311,7 +311,7 @@ def _sum_transport(summaries: Any) -> Counter[str]:
     return total
 
 
-def station_summaries(folder: Path, stations: list[str]) -> dict[str, Any]:
+def station_summaries(folder: Path, stations: list[str], wait: float = 1.0) -> dict[str, Any]:
     """The stations' and the cloud's retained summaries, as ``safl status`` reads them."""
     from aggregator.status import fleet_status
     from edge_client.config import BrokerConfig, load_config
@@ -320,7 +320,7 @@ def station_summaries(folder: Path, stations: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for sid in stations:
         cfg = load_config(BrokerConfig, "broker", monitor / f"status-{sid}.toml")
-        view = fleet_status(cfg, "load", wait=1.0)
+        view = fleet_status(cfg, "load", wait=wait)
         out[sid] = view.stations.get(sid)
         # What its devices say they sent and received (their summaries' transport counts)
         out["devices." + sid] = {"seen": len(view.devices),
@@ -382,10 +382,12 @@ def profile_parts(path: Path) -> dict[str, float]:
     return {k: round(v, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
 
 
-def _snapshot(fleet: LoadFleet, folder: Path, stations: list[str]) -> dict[str, Any]:
+def _snapshot(fleet: LoadFleet, folder: Path, stations: list[str],
+              devices: int) -> dict[str, Any]:
+    # Long enough for every device's retained summary to arrive (1,000 took over a second).
     return {"t": time.monotonic(), "cpu": fleet.sample(),
             "threads": {s: thread_cpu(fleet.procs[s].pid) for s in stations},
-            "status": station_summaries(folder, stations)}
+            "status": station_summaries(folder, stations, wait=1.0 + devices / 300)}
 
 
 def _iterations(status: dict[str, Any], sid: str) -> int:
@@ -474,7 +476,7 @@ def run_load(folder: Path, devices: int, stations: int = 1, *, workers: int = 0,
             if dead:
                 raise RuntimeError(f"died: {dead}: " + "; ".join(
                     fleet.log(n)[-1500:] for n in dead))
-            first = _snapshot(fleet, folder, sids)
+            first = _snapshot(fleet, folder, sids, devices)
             if all(_iterations(first["status"], s) >= warmup for s in sids):
                 break
             if time.monotonic() - began > start_timeout:
@@ -486,7 +488,7 @@ def run_load(folder: Path, devices: int, stations: int = 1, *, workers: int = 0,
         while time.monotonic() < end:
             time.sleep(1.0)
             fleet.sample()
-        last = _snapshot(fleet, folder, sids)
+        last = _snapshot(fleet, folder, sids, devices)
         roster = len(device_ids(devices, stations)[sids[0]])
         figures["faults"] = [inject(fleet, folder, sids, f, roster, broker_nofile)
                              for f in faults]

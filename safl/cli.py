@@ -223,6 +223,8 @@ def _provision(args: argparse.Namespace) -> int:
     print(f"provisioned {args.out}: CA {'created' if created['ca'] else 'kept'}, "
           f"{len(created['credentials'])} new credentials"
           + (f", revoked {', '.join(created['revoked'])}" if created["revoked"] else ""))
+    for note in created["notes"]:
+        print(f"warning: {note}", file=sys.stderr)
     return 0
 
 

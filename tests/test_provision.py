@@ -403,3 +403,23 @@ def test_every_subscription_and_bridged_topic_of_a_role_is_granted_by_its_broker
         if "/station/" in wanted:
             leaf = wanted.replace("/+/", "/st0/")
             assert leaf in outgoing and leaf in written, leaf
+
+
+def test_a_station_of_more_devices_than_a_stock_broker_serves_is_named(tmp_path):
+    """Past about 1,000 clients a broker under the usual limit of 1,024 descriptors refuses
+    the rest, and the station waits for its whole roster for good (measured with 1,100
+    devices: docs/scale.md); provisioning such a station says so, and what to do."""
+    from aggregator.provision import CONNECTIONS_AT_1024
+
+    ports = {"cloud": free_port(), "st0": free_port()}
+    many = ", ".join(f'"d{k}"' for k in range(CONNECTIONS_AT_1024 + 1))
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET.format(**ports).split("[[devices]]")[0].replace(
+        'devices = ["cam1", "cam2", "cam3"]', f"devices = [{many}]"))
+    notes = provision(path, tmp_path / "many")["notes"]
+    assert len(notes) == 1 and "station st0" in notes[0] and "docs/deploy.md" in notes[0]
+    out = subprocess.run([sys.executable, "-m", "safl", "provision", str(path), "--out",
+                          str(tmp_path / "again")], capture_output=True, text=True)
+    assert out.returncode == 0 and "warning: station st0" in out.stderr
+    path.write_text(FLEET.format(**ports))  # three devices: nothing to say
+    assert provision(path, tmp_path / "small")["notes"] == []
