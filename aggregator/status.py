@@ -146,6 +146,23 @@ def _devices_accuracy(doc) -> str:
     return ("  " + ", ".join(parts)) if parts else ""
 
 
+def _device_lines(found: FleetStatus) -> list[str]:
+    """How many devices are online, which are not, and whose models are kept out of use."""
+    devices = {s: o for (r, s), o in found.presence.items() if r == m.Participant.DEVICE}
+    lines = [f"devices online: {sum(devices.values())} of {len(devices)} seen"]
+    offline = sorted(d for d, o in devices.items() if not o)
+    if offline:
+        lines.append("devices offline: " + _some(offline))
+    kept = {d: doc for d, doc in sorted(found.devices.items())
+            if doc.counters.get("promotions_refused")}
+    if kept:
+        lines.append("models kept out of use: " + _some([
+            f"{d} {doc.counters['promotions_refused']} (predicts with round "
+            f"{doc.deployed_round}, last candidate {_fraction(doc.shadow_accuracy)})"
+            for d, doc in kept.items()]))
+    return lines
+
+
 def format_status(found: FleetStatus, fleet: str) -> str:
     """Stations, devices online, round, iteration, last accuracy and upload counts."""
     lines = [f"fleet {fleet}"]
@@ -159,18 +176,7 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                  + (_devices_accuracy(cloud) if cloud else "")
                  + (f", central DP epsilon up to {cloud.epsilon_cloud:.3g} a station"
                     if cloud and cloud.epsilon_cloud is not None else ""))
-    devices = {s: o for (r, s), o in found.presence.items() if r == m.Participant.DEVICE}
-    lines.append(f"devices online: {sum(devices.values())} of {len(devices)} seen")
-    offline = sorted(d for d, o in devices.items() if not o)
-    if offline:
-        lines.append("devices offline: " + _some(offline))
-    kept = {d: doc for d, doc in sorted(found.devices.items())
-            if doc.counters.get("promotions_refused")}
-    if kept:
-        lines.append("models kept out of use: " + _some([
-            f"{d} {doc.counters['promotions_refused']} (predicts with round "
-            f"{doc.deployed_round}, last candidate {_fraction(doc.shadow_accuracy)})"
-            for d, doc in kept.items()]))
+    lines += _device_lines(found)
     lines.append(f"{'station':<10} {'presence':<9} {'state':<11} {'round':>5} {'iter':>5} "
                  f"{'online':>7} {'uploads':>8} {'skips':>6} {'rejected':>9}  device accuracy")
     stations = sorted({s for (r, s) in found.presence if r == m.Participant.STATION}

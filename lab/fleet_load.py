@@ -50,7 +50,7 @@ def free_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError):
         low = 32768
-    rng = np.random.default_rng()
+    rng = np.random.default_rng([os.getpid(), time.monotonic_ns()])  # each process its own
     for port in rng.integers(max(1024, low - 12000), low, 200):
         with socket.socket() as s:
             try:
@@ -189,6 +189,7 @@ class LoadFleet:
     folder: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     commands: dict[str, list[str]] = field(default_factory=dict)  # those a fault restarts
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)  # and their environments
     peak_rss: dict[str, float] = field(default_factory=dict)
 
     def start(self, name: str, command: list[str], nofile: int | None = None,
@@ -294,7 +295,8 @@ def start_fleet(folder: Path, devices: int, stations: int, *, workers: int,
         fleet.commands[s.id] = [sys.executable, *profiled, "-m", "safl", "station", "--config",
                                 str(out / "stations" / s.id / "station.toml"),
                                 "--state-dir", str(folder / "state")]
-        fleet.start(s.id, fleet.commands[s.id], env=_station_env(station or {}))
+        fleet.envs[s.id] = _station_env(station or {})
+        fleet.start(s.id, fleet.commands[s.id], env=fleet.envs[s.id])
     ids = sorted(d for s in ff.stations for d in s.devices)
     first = ff.stations[0].devices[:first_worker]
     for w, group in enumerate(worker_groups(ids, workers, list(first))):
@@ -439,7 +441,7 @@ def inject(fleet: LoadFleet, folder: Path, sids: list[str], fault: str, roster: 
     elif fault == "station":  # killed, restarted from its checkpoint
         fleet.procs[sid].kill()
         fleet.procs[sid].wait()
-        fleet.start(sid, fleet.commands[sid])
+        fleet.start(sid, fleet.commands[sid], env=fleet.envs.get(sid))
     elif fault == "drop":  # a tenth of the devices lose power together
         fleet.procs["worker0"].kill()
         want, allowed = roster - round(roster * DROP_SHARE), ("worker0",)

@@ -22,8 +22,11 @@ REFUSED = ("rejected", "refused", "late_replies", "iterations_below_quorum", "re
 
 @pytest.mark.timeout(400)
 def test_a_tls_fleet_under_load_loses_nothing_and_comes_back_from_each_fault(tmp_path):
-    run = run_load(tmp_path, DEVICES, STATIONS, seconds=8, faults=("broker", "station",
-                                                                    "drop"))
+    # The straggler deadline waits for every member (up to 30 s): beside the rest of the
+    # suite the emulation's workers wait for a core, and the deadline would drop their
+    # replies as late, as designed (the bench counts them, docs/scale.md).
+    run = run_load(tmp_path, DEVICES, STATIONS, seconds=8, station={"straggler_factor": 0},
+                   faults=("broker", "station", "drop"))
     first, last = run["window"]["first"], run["window"]["last"]
     for sid in ("st0", "st1"):
         summary = last["status"][sid]
