@@ -15,6 +15,11 @@ from edge_client.config import ModelConfig, TrainingSettings, check_id, from_map
 from edge_client.errors import ConfigError
 from edge_client.pipeline import UpdatePipeline
 
+# Clients a broker with a soft limit of 1,024 descriptors serves, with room for the station,
+# its lines, the monitor and the bridge (Mosquitto refused past 1,015: docs/scale.md).
+CONNECTIONS_AT_1024 = 950
+
+
 __all__ = ["FleetFile", "StationEntry", "LineEntry", "load_fleet_file", "line_id", "MONITOR",
            "STATUS", "watch_id"]
 

@@ -50,7 +50,15 @@ from edge_client.topics import (
     label_topic,
 )
 
-from .fleet_file import MONITOR, STATUS, FleetFile, StationEntry, load_fleet_file, watch_id
+from .fleet_file import (
+    CONNECTIONS_AT_1024,
+    MONITOR,
+    STATUS,
+    FleetFile,
+    StationEntry,
+    load_fleet_file,
+    watch_id,
+)
 from .pki import issue, make_ca, serial_of, write_crl, write_private
 from .prometheus import ALERT_RULES, scrape_config
 from .role_files import device_file, line_file, model_table, training_table, watch_file
@@ -66,11 +74,6 @@ CHUNK_SIZE = DEFAULT_CHUNK_SIZE
 MAX_PACKET = CHUNK_SIZE + 4096  # the chunk plus MQTT's fixed header, topic and properties
 # What the bridge carries to the cloud.
 STATION_UP = ("update", "stats", "head", "status", "summary")
-
-
-# Clients a broker with a soft limit of 1,024 descriptors serves, with room for the station,
-# its lines, the monitor and the bridge (Mosquitto refused past 1,015: docs/scale.md).
-CONNECTIONS_AT_1024 = 950
 
 
 def _broker_conf(folder: Path, port: int, prefix: Path, extra: Sequence[str] = (),

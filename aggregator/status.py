@@ -34,6 +34,8 @@ from edge_client.topics import (
     summary_topic,
 )
 
+from .fleet_file import CONNECTIONS_AT_1024
+
 __all__ = ["FleetStatus", "fleet_status", "format_status", "observer", "watch_predictions"]
 
 
@@ -215,7 +217,10 @@ def format_status(found: FleetStatus, fleet: str) -> str:
             lines.append(f"{doc.station} waits for devices: {doc.online} online, "
                          f"quorum {doc.quorum}")
         if doc.state == StationState.JOINING and doc.missing:
-            lines.append(f"{doc.station} waits for its roster: missing {_some(doc.missing)}")
+            lines.append(f"{doc.station} waits for its roster: missing {_some(doc.missing)}"
+                         + (" (past about 1,000 devices a broker under the usual 1,024 file "
+                            "descriptors refuses the rest: docs/deploy.md)"
+                            if doc.devices > CONNECTIONS_AT_1024 else ""))
     return "\n".join(lines)
 
 
