@@ -37,6 +37,8 @@ import numpy as np
 
 from edge_client.errors import SaflError
 
+from .process_figures import process_figures, profile_parts, thread_cpu
+
 __all__ = ["write_load_fleet", "run_load", "LoadFleet", "FEATURES", "CLASSES"]
 
 FEATURES, CLASSES = 1280, 10
@@ -156,32 +158,6 @@ def run_worker(fleet: Path, data: Path, ids: list[str], report: Path) -> None:
 
 # -- the fleet around them -------------------------------------------------------------------
 
-def _proc_figures(pid: int) -> tuple[float, float]:
-    """CPU seconds (user and system) and resident set in MB of process ``pid`` (0, 0 gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0.0, 0.0
-    rss = next((int(line.split()[1]) for line in status.splitlines()
-                if line.startswith("VmRSS:")), 0)
-    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK"), rss / 1024
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each of ``pid``'s threads by name (the main thread as ``main``)."""
-    out: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            name = "main" if task.name == str(pid) else (task / "comm").read_text().strip()
-        except OSError:
-            continue
-        name = name.split("-")[0]
-        out[name] = out.get(name, 0.0) + (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-    return out
-
-
 @dataclass
 class LoadFleet:
     """The running fleet's processes, what they have cost so far, and their logs."""
@@ -207,7 +183,7 @@ class LoadFleet:
         """CPU seconds so far per process; the resident sets' peaks are kept."""
         cpu = {}
         for name, proc in self.procs.items():
-            cpu[name], rss = _proc_figures(proc.pid)
+            cpu[name], rss = process_figures(proc.pid)
             self.peak_rss[name] = max(self.peak_rss.get(name, 0.0), rss)
         return cpu
 
@@ -330,58 +306,6 @@ def station_summaries(folder: Path, stations: list[str], wait: float = 1.0) -> d
     cfg = load_config(BrokerConfig, "broker", monitor / "status-cloud.toml")
     out["cloud"] = fleet_status(cfg, "load", wait=1.0).cloud
     return out
-
-
-# The station's parts, by the files their functions are in (the profile's own time of each).
-PARTS = {"admission and trust": ("aggregator/admission.py", "aggregator/trust.py",
-                                 "aggregator/roster.py", "edge_client/admission.py",
-                                 "edge_client/reassembly.py"),
-         "selection": ("aggregator/selection.py", "aggregator/seating.py",
-                       "aggregator/stragglers.py"),
-         "fusion": ("aggregator/fusion.py", "aggregator/internal_sync.py",
-                    "aggregator/external_sync.py", "aggregator/central_dp.py"),
-         "serialisation": ("edge_client/codec.py", "edge_client/documents.py", "json/"),
-         "transport": ("edge_client/mqtt.py", "edge_client/socket_owner.py", "paho/",
-                       "threading.py", "queue.py", "ssl.py"),
-         "checkpoints": ("aggregator/station_resume.py", "aggregator/checkpoint.py",
-                         "edge_client/files.py")}
-
-
-def _part(file: str) -> str | None:
-    return next((name for name, files in PARTS.items() if any(f in file for f in files)), None)
-
-
-def profile_parts(path: Path) -> dict[str, float]:
-    """Seconds of the station's main thread in each of ``PARTS`` (the rest as ``other``),
-    from its cProfile record: a function's own time counts to its part, and a library's
-    (numpy's, hashlib's) to its callers' parts in proportion to the time each spent in it."""
-    import pstats
-
-    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
-    shares: dict[Any, dict[str, float]] = {}
-
-    def owner(fn: Any, seen: frozenset[Any]) -> dict[str, float]:
-        if fn in shares:
-            return shares[fn]
-        part = _part(fn[0])
-        callers = stats[fn][4] if fn in stats else {}
-        if part is not None or not callers or fn in seen or "/aggregator/" in fn[0] \
-                or "/edge_client/" in fn[0]:
-            out = {part or "other": 1.0}
-        else:
-            total = sum(c[3] for c in callers.values()) or 1.0
-            out = {}
-            for caller, c in callers.items():
-                for name, f in owner(caller, seen | {fn}).items():
-                    out[name] = out.get(name, 0.0) + f * c[3] / total
-        shares[fn] = out
-        return out
-
-    parts: dict[str, float] = {}
-    for fn, (_, _, own, _, _) in stats.items():
-        for name, f in owner(fn, frozenset()).items():
-            parts[name] = parts.get(name, 0.0) + own * f
-    return {k: round(v, 3) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])}
 
 
 def _snapshot(fleet: LoadFleet, folder: Path, stations: list[str],
