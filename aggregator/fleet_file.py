@@ -126,6 +126,11 @@ def load_fleet_file(path: str | Path) -> FleetFile:
                   if raw.get("host"))
     cameras = tuple((str(raw["id"]), str(raw["camera"])) for raw in doc.get("devices", [])
                     if raw.get("camera"))
+    model = _table(ModelConfig, "model", doc)
+    if cameras and len(model.input_shape) < 2:  # before anything is written, not midway
+        raise ConfigError("devices.camera", f"device {cameras[0][0]} names a camera, and the "
+                          f"fleet's model takes vectors of shape {list(model.input_shape)}, "
+                          "not frames")
     rounds = fleet.get("rounds", 0)
     if type(rounds) is not int or rounds < 0:
         raise ConfigError("fleet.rounds", f"must be a whole number of rounds (0: learn until "
@@ -142,7 +147,7 @@ def load_fleet_file(path: str | Path) -> FleetFile:
                      _lines(doc.get("lines", []), stations, seen),
                      _address("fleet.cloud_bind", fleet.get("cloud_bind", "")),
                      _address("fleet.metrics_bind", fleet.get("metrics_bind", "127.0.0.1")),
-                     monitor_http, _table(ModelConfig, "model", doc),
+                     monitor_http, model,
                      _table(TrainingSettings, "training", doc), cameras, rounds)
 
 

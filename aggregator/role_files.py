@@ -13,7 +13,6 @@ from typing import Any
 
 from edge_client import topics
 from edge_client.config import toml_text
-from edge_client.errors import ConfigError
 from edge_client.topics import label_topic
 
 from .fleet_file import FleetFile
@@ -78,9 +77,7 @@ def device_file(fleet: FleetFile, did: str, sid: str, *, broker: dict[str, Any],
     device = {"fleet": fleet.name, "device_id": did, "station": sid, **training,
               "min_batch": training["batch_size"], **stages}
     # No camera named: uri stays empty, which start-up refuses, naming [source] uri (path).
-    if camera and not frames:
-        raise ConfigError("camera", f"device {did} names a camera, and the fleet's model "
-                          f"takes vectors of shape {list(fleet.model.input_shape)}, not frames")
+    # (A camera for a model of vectors is refused with the fleet file, load_fleet_file.)
     source = {"kind": "camera", "uri": camera,
               **camera_preprocess(fleet.model.input_shape, fleet.model.body),
               "label_topic": label_topic(sid, did)} if frames else {"kind": "replay", "path": ""}

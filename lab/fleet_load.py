@@ -24,7 +24,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,30 +36,13 @@ import numpy as np
 
 from edge_client.errors import SaflError
 
+from .ports import free_port, wait_for_port
 from .process_figures import process_figures, profile_parts, thread_cpu
 
 __all__ = ["write_load_fleet", "run_load", "LoadFleet", "FEATURES", "CLASSES"]
 
 FEATURES, CLASSES = 1280, 10
 SAMPLES_PER_PART = 64  # each device replays one of CLASSES such parts, in a loop
-
-
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range: a broker restarted on it
-    must find it free, and while it is down paho's wake-up sockets take ephemeral ports."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError):
-        low = 32768
-    rng = np.random.default_rng([os.getpid(), time.monotonic_ns()])  # each process its own
-    for port in rng.integers(max(1024, low - 12000), low, 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", int(port)))
-            except OSError:
-                continue
-            return int(port)
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def device_ids(devices: int, stations: int) -> dict[str, list[str]]:
@@ -204,19 +186,6 @@ class LoadFleet:
             except subprocess.TimeoutExpired:
                 self.procs[name].kill()
                 self.procs[name].wait()
-
-
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"no broker on port {port} after {timeout} s")
 
 
 def _station_env(settings: dict[str, Any]) -> dict[str, str]:

@@ -144,3 +144,19 @@ def test_routes_find_every_subscription_a_topic_reaches_in_subscription_order():
     routes.add("safl/f/dev/d7/update", "late")  # after the topic was routed once
     assert routes.handlers("safl/f/dev/d7/update")[-1] == "late"
     assert routes.filters() == set(filters)
+
+
+def test_routes_keep_at_most_their_bound_of_topics_and_route_the_rest_all_the_same(
+        monkeypatch):
+    """A wildcard on an open broker sees topics without end: the index keeps MAX_ROUTED of
+    them found (exactly the bound), and finds every later one afresh, the same."""
+    from edge_client import topics
+
+    monkeypatch.setattr(topics, "MAX_ROUTED", 3)
+    routes: topics.Routes[str] = topics.Routes()
+    routes.add("safl/f/dev/+/stats", "wild")
+    routes.add("safl/f/dev/d1/stats", "exact")
+    for k in range(5):
+        assert routes.handlers(f"safl/f/dev/d{k}/stats") == (["wild", "exact"] if k == 1
+                                                             else ["wild"])
+    assert len(routes._found) == 3

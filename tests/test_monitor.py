@@ -365,6 +365,10 @@ def test_a_thousand_devices_make_a_page_of_rows_the_lowest_series_and_counts(tmp
         status, _, body = server.answer("/api/fleet?page=x")
         assert status == 200 and json.loads(body)["page"] == 0
         assert server.counters["http.bad_query"] == 1
+        # Six digits are a page (the last one); seven are refused like any bad query.
+        assert json.loads(server.answer("/api/fleet?page=999999")[2])["page"] == 9
+        assert json.loads(server.answer("/api/fleet?page=1000000")[2])["page"] == 0
+        assert server.counters["http.bad_query"] == 2
     finally:
         server.close()
     history.save(tmp_path)
@@ -388,6 +392,14 @@ def test_safl_status_of_a_thousand_devices_stays_a_page():
                            missing=tuple(f"d{i:04d}" for i in range(0, 1000, 2))))
     text = format_status(st, "f")
     assert len(text.splitlines()) < 40 and len(text) < 6000, len(text)
+    # Exactly SHOWN names are all named; one more and the rest is a count.
+    from aggregator.status import SHOWN
+    twenty = dataclasses.replace(st, presence={
+        (m.Participant.DEVICE, f"d{i:04d}"): i >= SHOWN for i in range(1000)})
+    assert "d0019" in format_status(twenty, "f") and "1 more" not in format_status(twenty, "f")
+    twenty.presence[(m.Participant.DEVICE, "d0020")] = False
+    assert "d0020" not in format_status(twenty, "f").split("devices offline:")[1].split("\n")[0]
+    assert "and 1 more" in format_status(twenty, "f")
     assert "devices online: 900 of 1000 seen" in text
     assert "devices offline: d0000, d0010" in text and "and 80 more" in text
     assert "ERROR and 11 devices more in error" in text  # d0777 too

@@ -369,8 +369,9 @@ def test_a_fleet_of_feature_vectors_gives_its_devices_a_file_source(tmp_path):
                          {"source": {"path": str(tmp_path / "x.npz")}})
     assert cfg["source"].kind == "replay" and cfg["model"].input_shape == (64,)
     path.write_text(vectors)
-    with pytest.raises(ConfigError, match="'camera'"):
+    with pytest.raises(ConfigError, match="'devices.camera'"):
         provision(path, tmp_path / "named")
+    assert not (tmp_path / "named").exists()  # refused with the fleet file, nothing written
 
 
 def _grants(acl: str, user: str, access: str) -> list[str]:
@@ -423,3 +424,7 @@ def test_a_station_of_more_devices_than_a_stock_broker_serves_is_named(tmp_path)
     assert out.returncode == 0 and "warning: station st0" in out.stderr
     path.write_text(FLEET.format(**ports))  # three devices: nothing to say
     assert provision(path, tmp_path / "small")["notes"] == []
+    at_bound = ", ".join(f'"d{k}"' for k in range(CONNECTIONS_AT_1024))  # exactly on it
+    path.write_text(FLEET.format(**ports).split("[[devices]]")[0].replace(
+        'devices = ["cam1", "cam2", "cam3"]', f"devices = [{at_bound}]"))
+    assert provision(path, tmp_path / "at-bound")["notes"] == []
