@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = ["Roster", "StatsCheck"]
 # variation between the two, the trained shape stands in for the claimed one in P_real.
 SHAPE_MIN_UPDATES = 8
 SHAPE_TOLERANCE = 0.25
+JOIN_PATIENCE_S = 300.0  # a roster incomplete this long after start is a warning, not news
 
 
 class StatsCheck:
@@ -98,6 +100,7 @@ class Roster:
         self.check = StatsCheck(config, num_classes, reject=reject, clip=clip)
         self.stats: dict[str, m.DeviceStats] = {}
         self.totals = SeenTotals()  # of the seen counts in ``stats``
+        self._joining_since: float | None = None  # when the station first said it waits
         self.offline: set[str] = set()
         self.seen_at: dict[str, int] = {}  # iteration of each device's last accepted stats
         self._window: dict[str, tuple[int, int]] = {}  # what its last accepted grew from
@@ -188,12 +191,22 @@ class Roster:
         self.counters["devices_back_online"] += 1
         return True
 
-    def joining(self) -> str:
-        """Who a joining station has heard from, and who it waits for."""
+    def joining(self, now: float) -> tuple[int, str]:
+        """How loud to say it, and who a joining station has heard from and waits for: a
+        warning, with where to look, once it has waited ``JOIN_PATIENCE_S`` (a broker that
+        refuses devices past its file descriptors keeps a station joining for good)."""
+        if self._joining_since is None:
+            self._joining_since = now
         missing = self.missing
-        return (f"{len(self.stats)} of {self.config.min_devices} devices reported, waiting "
+        text = (f"{len(self.stats)} of {self.config.min_devices} devices reported, waiting "
                 f"for {', '.join(missing[:20])}"
                 + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
+        if now - self._joining_since < JOIN_PATIENCE_S:
+            return logging.INFO, text
+        return logging.WARNING, (f"{text}, for {now - self._joining_since:.0f} s: a missing "
+                                 "device's log says why it cannot report; past about 1,000 "
+                                 "devices a broker under the usual 1,024 file descriptors "
+                                 "refuses the rest (docs/deploy.md)")
 
     @property
     def online(self) -> int:

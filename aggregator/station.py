@@ -104,8 +104,7 @@ class Station(StationResume, RoleBase[StationState]):
         return self.config.station_id
 
     @property
-    def members(self) -> tuple[str, ...]:
-        """The current super node (internal_sync.py)."""
+    def members(self) -> tuple[str, ...]:  # the current super node (internal_sync.py)
         return self.sync.members
 
     def _reject(self, reason: str, detail: str) -> list[m.Message]:
@@ -143,7 +142,8 @@ class Station(StationResume, RoleBase[StationState]):
     def tick(self, now: float) -> list[m.Message]:
         """Close the iteration at its deadline; repeat the join until the cloud answers."""
         if self.state == _S.JOINING and self._limiter.allow(self.id, "joining"):
-            log.info("station %s joining: %s", self.id, self.roster.joining())
+            level, waiting = self.roster.joining(now)  # a warning once it waits for minutes
+            log.log(level, "station %s joining: %s", self.id, waiting)
         if self.state == _S.WAITING and self.weights is None:
             return self.external.hello(now)
         if self.state == _S.GATHERING and now >= self.deadline:

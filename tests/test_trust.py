@@ -631,3 +631,22 @@ def test_a_capped_factory_still_covers_the_samples_it_consumed():
     # Capped, the counts would total 80; the cloud would clip the 96 samples trained to that.
     assert up.num_samples == 96 and up.seen_counts.sum() == 96
     assert st.counters["seen_majority_capped"] > 0
+
+
+def test_a_station_waiting_for_its_roster_for_minutes_says_so_as_a_warning_and_where_to_look():
+    """Joining is news for JOIN_PATIENCE_S, then a warning naming what keeps devices away
+    (a broker refusing past its file descriptors kept 85 of 1,100 out for good)."""
+    import logging
+
+    from aggregator.roster import JOIN_PATIENCE_S
+
+    st = Station(StationConfig(fleet="t", station_id="s", devices=("d0", "d1", "d2"),
+                               super_node_size=2),
+                 num_params=4, num_classes=2, rng=np.random.default_rng(0))
+    st.handle(m.DeviceStats(fleet="t", sender="d0", round=0, iteration=0, station="s",
+                            seen_counts=np.ones(2, int), next_batch_counts=np.ones(2, int)), 0.0)
+    level, text = st.roster.joining(10.0)
+    assert level == logging.INFO and "1 of 3 devices reported, waiting for d1, d2" == text
+    assert st.roster.joining(10.0 + JOIN_PATIENCE_S - 0.1)[0] == logging.INFO
+    level, text = st.roster.joining(10.0 + JOIN_PATIENCE_S)  # exactly on the bound
+    assert level == logging.WARNING and "file descriptors" in text and "docs/deploy.md" in text
