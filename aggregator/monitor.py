@@ -387,6 +387,6 @@ def run_monitor(broker: BrokerConfig, fleet: str, host: str, port: int,
     server = MonitorServer(history, host, port)
     print(f"monitor of fleet {fleet}: http://{host}:{server.port}/", flush=True)
     try:
-        watch(broker, history, stop or StopFlag(), out, save_every)
+        watch(broker, history, StopFlag() if stop is None else stop, out, save_every)
     finally:
         server.close()

@@ -165,7 +165,7 @@ class StationService:
         runner.observers.extend([*checkpoint, note_start])
         with blas_threads(1):  # selection's linear algebra is small: threads only spin
             topic = summary_topic(cfg.fleet, m.Participant.STATION, cfg.station_id)
-            serve(runner, transport, stop=stop or StopFlag(),
+            serve(runner, transport, stop=StopFlag() if stop is None else stop,
                   done=lambda: role.state == StationState.DONE, metrics=metrics,
                   **summaries(transport, topic, summary))
         log.info("station %s finished: %s", cfg.station_id, summary())
@@ -297,7 +297,7 @@ class CloudService:
         runner.observers.extend([*checkpoint, evaluate,
                                  _manifests(transport, self.broker, cfg.fleet)])
         topic = summary_topic(cfg.fleet, m.Participant.CLOUD, CLOUD_ID)
-        serve(runner, transport, stop=stop or StopFlag(),
+        serve(runner, transport, stop=StopFlag() if stop is None else stop,
               done=lambda: role.state == CloudState.DONE, linger=1.0, metrics=metrics,
               **summaries(transport, topic, summary))
         if self.out:

@@ -129,7 +129,8 @@ class Device(RoleBase[DeviceState]):
 
     def start(self, now: float) -> list[m.Message]:
         self._next_hello = now + self.config.hello_interval
-        return [self._stats(0, 0), *(self.head.first() if self.head else [])]
+        return [self._stats(0, 0),
+                *(self.head.first(self._station_online) if self.head else [])]
 
     def tick(self, now: float) -> list[m.Message]:
         """Measure what the last selection left; until a station model comes, say hello."""
@@ -282,7 +283,7 @@ class Device(RoleBase[DeviceState]):
             self._drop_awaiting("the station restarted")
         model = self._model  # (statistics after the seen counts that bound them)
         return [self._stats(model.round if model else 0, model.iteration if model else 0),
-                *(self.head.first() if self.head else [])]
+                *(self.head.first(True) if self.head else [])]
 
     def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
         steps = self.begin_steps(model)

@@ -322,14 +322,20 @@ class HeadStatsPath:
         self.models = 0
         self.sent = 0  # samples sent so far
         self.personal: Any = None  # the device's own sums too (personal_head.py), where asked
+        # Over a broker the first send waits for the station's presence: MQTT drops a
+        # publish no one has subscribed to, and a send is not repeated.
+        self.await_station = False
 
     @classmethod
-    def attach(cls, device: Any, spec: HeadSpec | None, every: int) -> None:
-        """Give ``device`` its statistics, where the federation solves its head."""
+    def attach(cls, device: Any, spec: HeadSpec | None, every: int, *,
+               await_station: bool = False) -> None:
+        """Give ``device`` its statistics, where the federation solves its head;
+        ``await_station`` over a broker (:meth:`first`)."""
         if spec is not None:
             cfg = device.config
             device.head = cls(spec, every, fleet=cfg.fleet, device=cfg.device_id,
                               station=cfg.station)
+            device.head.await_station = await_station
 
     def take(self, x: np.ndarray, y: np.ndarray) -> None:
         if len(y):
@@ -357,12 +363,14 @@ class HeadStatsPath:
             return []
         return self._send(model.round, model.iteration)
 
-    def first(self) -> list[m.Message]:
+    def first(self, station_online: bool) -> list[m.Message]:
         """What the device holds before it has sent anything, for its station's first solve:
-        at its start, or, where it held nothing then, when it hears its station online; so
-        the fleet's first global model is a head solved from the frames its devices started
-        with.  Once only: a send at start that found no station subscribed (MQTT drops it)
-        is not repeated, and those frames are not counted."""
+        at its start, or, where it held nothing then or (``await_station``) its station was
+        not yet heard online, when it hears its station online; so the fleet's first global
+        model is a head solved from the frames its devices started with.  Once only: the
+        station subscribes before its presence says online, so a send after it arrives."""
+        if self.await_station and not station_online:
+            return []
         return self._send(0, 0) if self.sent == 0 and self._held() else []
 
     def _held(self) -> int:

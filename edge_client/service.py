@@ -158,7 +158,7 @@ class DeviceService:
             trainer = PacedTrainer(trainer, self.service.emulate_step_s)
         device = Device(cfg, trainer, num_classes=mc.num_classes, inference=self.inference,
                         sample_shape=head_input_shape(mc), rng=np.random.default_rng(cfg.seed))
-        HeadStatsPath.attach(device, head_spec(mc), cfg.head_stats_every)
+        HeadStatsPath.attach(device, head_spec(mc), cfg.head_stats_every, await_station=True)
         attach_personal(device)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,
                                    participant=cfg.device_id, trainer=trainer, model=mc)
@@ -242,7 +242,7 @@ class DeviceService:
                 keeper.save()
             last_summary()
         try:
-            serve(runner, transport, stop=stop or StopFlag(), metrics=metrics,
+            serve(runner, transport, stop=StopFlag() if stop is None else stop, metrics=metrics,
                   hooks=(*hooks, *published["hooks"]), on_stop=on_stop,
                   done=(lambda: device.finished) if exit_when_done else (lambda: False))
         finally:

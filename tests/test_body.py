@@ -66,6 +66,13 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_centred(tmp_path_factory):
+    """The same body exported with a centre: a fleet on it solves its head in closed form."""
+    yield from exported_user_body(tmp_path_factory, "tiny_centred", TINY_BODY, "make", TINY,
+                                  centred=True)
+
+
+@pytest.fixture(scope="module")
 def lite0(tmp_path_factory):
     """EfficientNet-Lite0 exported as ``safl models export-body`` does, checked on real frames."""
     pytest.importorskip("efficientnet_lite_pytorch")
@@ -541,3 +548,77 @@ def test_the_demos_fleet_out_with_a_body_writes_a_body_fleet(tiny, tmp_path):
                           str(tmp_path / "again"), "--bus", "local"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "'bus'" in out.stderr, out.stderr[-1000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("shutil").which("mosquitto") is None,
+                    reason="Mosquitto is installed by .ci/run")
+def test_a_device_started_before_its_station_has_its_first_frames_in_the_solve(tiny_centred,
+                                                                               tmp_path):
+    """A broker drops a publish nobody has subscribed to: a device that started before its
+    station sent the statistics of the frames it started with into nothing, once, and no
+    solve ever held them.  Over the broker its first statistics wait for the station's
+    presence, and reach the station's sums whole."""
+    import dataclasses
+    import threading
+
+    import paho.mqtt.client as paho
+    from brokers import Mosquitto
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from aggregator.config import StationConfig
+    from aggregator.services import StationService
+    from edge_client.runner import StopFlag
+    from edge_client.service import DEVICE_TABLES, SHARED_TABLES, DeviceService, load_role_file
+    from edge_client.topics import prefix
+    from lab.demo import write_demo_fleet
+
+    (tmp_path / "mq").mkdir()
+    broker = Mosquitto(tmp_path / "mq", ["u"], ["user u", "topic readwrite #"])
+    login = {"username": "u", "password": Mosquitto.PASSWORD}
+    paths = write_demo_fleet(tmp_path / "fleet", broker=broker.url, rounds=2,
+                             body=load_body_manifest(tiny_centred).factory,
+                             body_dir=str(tiny_centred))
+    device = load_role_file(next(p for n, p in paths.items() if n.startswith("dev")),
+                            DEVICE_TABLES, {})
+    device["broker"] = dataclasses.replace(device["broker"], **login)
+    dev, fleet = device["device"].device_id, device["device"].fleet
+    station = load_role_file(paths[device["device"].station],
+                             {"station": StationConfig, **SHARED_TABLES}, {})
+    station["broker"] = dataclasses.replace(station["broker"], **login)
+    heard: list[tuple[float, str]] = []
+    watch = paho.Client(CallbackAPIVersion.VERSION2, client_id="watch")
+    watch.username_pw_set(**login)
+    watch.on_message = lambda c, u, msg: heard.append((time.monotonic(), msg.topic))
+    watch.connect("127.0.0.1", broker.port)
+    watch.subscribe(f"{prefix(fleet, m.Participant.DEVICE, dev)}/#", qos=1)
+    watch.loop_start()
+    stop, roles = StopFlag(install=False), []
+    threads = [threading.Thread(target=lambda: roles.append(DeviceService(**device).run(
+        stop, exit_when_done=False)), daemon=True)]
+    try:
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while not any(t.endswith("/stats") for _, t in heard) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the device's first hello: what it sends at its start
+        time.sleep(1.0)  # and whatever came with it
+        before = [t for _, t in heard if "/head" in t]
+        started = time.monotonic()
+        threads.append(threading.Thread(
+            target=lambda: roles.append(StationService(**station).run(stop)), daemon=True))
+        threads[1].start()
+        while not any(at > started and "/head" in t for at, t in heard) and \
+                time.monotonic() < started + 30:
+            time.sleep(0.05)
+        time.sleep(1.0)  # for the station to admit what it was sent
+    finally:
+        stop.event.set()
+        for t in threads:
+            t.join(30)
+        watch.loop_stop()
+        broker.stop()
+    assert before == [], "the device sent its statistics before its station was there"
+    assert len(roles) == 2, "a service did not stop when asked"
+    sent = next(r for r in roles if r.id == dev).head.sent  # the labelled frames it started with
+    claimed = next(r for r in roles if r.id != dev).heads.claimed
+    assert sent > 0 and claimed == {dev: sent}, (sent, claimed)

@@ -127,5 +127,5 @@ def test_held_out_samples_stay_out_of_the_statistics(digits):
     dev = _device(True, holdout_every=4)
     dev.ingest(x[:40], y[:40], 0.0)
     assert dev.buffer.held_out == 10
-    assert dev.head._held() == 30 and dev.head.first()[0].counts.sum() == 30
+    assert dev.head._held() == 30 and dev.head.first(False)[0].counts.sum() == 30
     assert dev.head.personal.own.n + dev.head.sums.n == 30  # sent, and not yet sent

@@ -11,9 +11,10 @@ import numpy as np
 
 
 def exported_user_body(tmp_path_factory, module: str, source: str, factory: str,
-                       shape: tuple[int, ...]) -> Iterator[Path]:
+                       shape: tuple[int, ...], *, centred: bool = False) -> Iterator[Path]:
     """A fixture's body: ``module`` (``source``) written and importable, ``module:factory``
-    exported with its checks on noise frames; yields the export's folder."""
+    exported with its checks on noise frames (``centred``: and their mean embedding as the
+    centre of a closed-form head); yields the export's folder."""
     from models.body import export_body
 
     where = tmp_path_factory.mktemp(f"{module}_module")
@@ -21,7 +22,8 @@ def exported_user_body(tmp_path_factory, module: str, source: str, factory: str,
     sys.path.insert(0, str(where))
     folder = tmp_path_factory.mktemp(module)
     frames = np.random.default_rng(0).random((6, *shape), dtype=np.float32)
-    export_body(f"{module}:{factory}", folder, input_shape=shape, check_frames={"noise": frames})
+    export_body(f"{module}:{factory}", folder, input_shape=shape, check_frames={"noise": frames},
+                centre_frames=(lambda _: frames) if centred else None)
     yield folder
     sys.path.remove(str(where))
 
