@@ -40,9 +40,12 @@ readme-figures: $(VENV)/.demo-deps
 # password); elsewhere it ends naming what was skipped and how to install it.
 test: $(VENV)/.test-deps
 	@deploy/system-packages.sh auto
-	@$(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not solo" $(PYTEST_ARGS); rc=$$?; \
-	$(PY) -m pytest -n $(SOLO_JOBS) -m solo $(PYTEST_ARGS) || rc=1; \
-	deploy/system-packages.sh report; exit $$rc
+	@solo_log=$$(mktemp); \
+	$(PY) -m pytest -n $(SOLO_JOBS) -m solo $(PYTEST_ARGS) > $$solo_log 2>&1 & solo=$$!; \
+	nice -n 19 $(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not solo" $(PYTEST_ARGS); \
+	rc=$$?; wait $$solo || rc=1; \
+	echo "== the solo tests, run beside the rest at a higher priority =="; cat $$solo_log; \
+	rm -f $$solo_log; deploy/system-packages.sh report; exit $$rc
 
 # The quick tier, for the edit-and-rerun loop: no fleet, broker, camera or doc run.
 test-quick: $(VENV)/.test-deps

@@ -8,10 +8,19 @@ machine."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
+import os
 
-from edge_client.errors import ShapeError
+# One math thread a process, before numpy or torch is imported: the suite runs several
+# workers and their fleets' processes on two cores, where OpenMP's and OpenBLAS's spinning
+# pools cost 4x the CPU for the same result (a 6-federation CNN test: 45 s of CPU against
+# 10.5).  Set them to run otherwise.
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from edge_client.errors import ShapeError  # noqa: E402
 
 # Tests whose verdict depends on wall-clock throughput: the live cameras, learning from
 # labels as they come, have the machine to themselves (marked ``solo``: ``make test`` runs

@@ -4,6 +4,7 @@ folders ``/etc/safl`` and ``/var/lib/safl``, and ``safl``, this checkout's comma
 
 from __future__ import annotations
 
+import fcntl
 import re
 import subprocess
 import sys
@@ -33,9 +34,20 @@ def localise_files(root: Path) -> None:
             path.write_text(re.sub(r'"/var/lib/safl', f'"{root}/var/lib/safl', text))
 
 
+# Pages run as root in two sessions at once (make test) may each create deploy.md's system
+# user: useradd beside useradd fails on /etc/passwd's lock, so one block at a time does.
+USERS_LOCK = Path("/tmp/safl-doc-useradd.lock")
+
+
 def run_block(block: str, cwd: Path, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd,
-                          capture_output=True, text=True, timeout=120, **kw)
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd,
+                              capture_output=True, text=True, timeout=120, **kw)
+    if "useradd" not in block:
+        return run()
+    with USERS_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return run()
 
 
 def venv_runs_as_safl() -> bool:

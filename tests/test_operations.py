@@ -126,22 +126,28 @@ def test_prometheus_scrapes_every_role_and_the_dashboard_reads_real_series(tmp_p
         client.loop_stop()
         client.disconnect()
 
+    dashboard = json.loads((DEPLOY / "grafana" / "safl-edge.json").read_text())
+    used = {name for panel in dashboard["panels"] for t in panel["targets"]
+            for name in _metric_names(t["expr"])}
+
     def watch(fleet) -> None:
         """While every service runs (scraped each second): its series, under its job."""
-        if found or fleet.last_round < 4:
+        if "up" in found or fleet.last_round < 4:
             return
         garbage()
         deadline = time.monotonic() + 60
-        while not found and time.monotonic() < deadline:
+        while "up" not in found and time.monotonic() < deadline:
             time.sleep(1.0)
             rounds = _query(web, "last_over_time(safl_round[5m])")
             refused = _query(web, "last_over_time(safl_rejected_total[5m])")
-            if len(rounds) == len(names) and refused:
+            with urllib.request.urlopen(f"http://127.0.0.1:{web}/api/v1/label/__name__/"
+                                        "values", timeout=5) as r:
+                found["names"] = json.loads(r.read())["data"]
+            # Each series from its first scrape on (a device's local accuracy once it has
+            # held-out samples): wait for every one the dashboard reads.
+            if len(rounds) == len(names) and refused and used <= set(found["names"]):
                 found.update(rounds=rounds, refused=refused,
                              up=_query(web, 'max_over_time(up{job=~"safl-.*"}[5m])'))
-                with urllib.request.urlopen(f"http://127.0.0.1:{web}/api/v1/label/__name__/"
-                                            "values", timeout=5) as r:
-                    found["names"] = json.loads(r.read())["data"]
 
     try:
         rows = launch_fleet(tmp_path / "run", digits, STRATEGY, spec, server.url,
@@ -152,16 +158,14 @@ def test_prometheus_scrapes_every_role_and_the_dashboard_reads_real_series(tmp_p
         prometheus.wait(10)
         server.stop()
     assert rows[-1]["round"] == spec.rounds
-    assert found, (tmp_path / "prometheus.log").read_text()[-2000:]
+    assert "up" in found, (sorted(used - set(found.get("names", ()))),
+                           (tmp_path / "prometheus.log").read_text()[-2000:])
     seen = {(r["metric"]["job"], r["metric"]["participant"]) for r in found["rounds"]}
     assert seen == {(JOBS[role[n]], n) for n in names}  # every participant, under its job
     assert {r["metric"]["reason"] for r in found["refused"]} and all(
         r["metric"]["role"] == "station" for r in found["refused"])
     assert all(r["value"][1] == "1" for r in found["up"])
     served = set(found["names"])
-    dashboard = json.loads((DEPLOY / "grafana" / "safl-edge.json").read_text())
-    used = {name for panel in dashboard["panels"] for t in panel["targets"]
-            for name in _metric_names(t["expr"])}
     assert used and used <= served, sorted(used - served)
     print(f"Prometheus held {len(served)} series names; the dashboard reads {sorted(used)}",
           file=sys.stderr)
