@@ -103,20 +103,22 @@ class HeadSums:
         self.counts += weight * other.counts  # fractional where weighted: bias row and counts agree
 
     def taken(self) -> HeadSums:
-        """These sums, and zero in their place: the increment since the last send."""
-        out = HeadSums(self.gram.copy(), self.cross.copy(), self.counts.copy())
-        self.gram[...] = 0
-        self.cross[...] = 0
-        self.counts[...] = 0
+        """These sums, and zero in their place: the increment since the last send.  The
+        arrays themselves go (fresh zeros take their place, untouched pages until the next
+        rows come): a copy would hold a second Gram (6.6 MB) at a board's peak."""
+        out = HeadSums(self.gram, self.cross, self.counts)
+        self.gram, self.cross, self.counts = (np.zeros_like(a) for a in (out.gram, out.cross,
+                                                                          out.counts))
         return out
 
     def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """float32 for the wire: the Gram's upper triangle row by row, the cross term
         flat, the counts."""
         g = self.gram
-        tri = np.concatenate([g[i, i:] for i in range(len(g))]).astype(np.float32) \
-            if self.has_gram else np.zeros(0, np.float32)
-        return tri, self.cross.astype(np.float32).ravel(), np.rint(self.counts).astype(np.int64)
+        tri = np.concatenate([g[i, i:] for i in range(len(g))]).astype(
+            np.float32, copy=False) if self.has_gram else np.zeros(0, np.float32)
+        return (tri, self.cross.astype(np.float32, copy=False).ravel(),
+                np.rint(self.counts).astype(np.int64))
 
     @classmethod
     def unpacked(cls, d: int, classes: int, tri: np.ndarray, cross: np.ndarray,
@@ -379,7 +381,7 @@ class HeadStatsPath:
     def _send(self, round_: int, iteration: int) -> list[m.Message]:
         self._flush()
         if self.personal is not None:  # what goes up stays in the device's own sums
-            self.personal.own.add(self.sums)
+            self.personal.add(self.sums)
         self.models, self.sent = 0, self.sent + self.sums.n
         gram, cross, counts = self.sums.taken().packed()
         return [m.HeadStats(fleet=self.fleet, sender=self.device, round=round_,

@@ -21,14 +21,24 @@ it goes into use, ``promotion.py``); training and uploads keep the federation's 
 
 from __future__ import annotations
 
+import io
+import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, MessageError
+from .files import write_atomic
 from .head_stats import HeadSpec, HeadSums, gcv_lambda, head_vector
 
-__all__ = ["PersonalHead", "attach_personal"]
+__all__ = ["PersonalHead", "attach_personal", "PERSONAL_FILE"]
+
+log = logging.getLogger(__name__)
+
+# In the device's [service] state_dir: its own sums (float32, the Gram's triangle, 3.3 MB
+# on 1,280 features), rewritten after each send, so that a restart keeps them.
+PERSONAL_FILE = "personal_sums.npz"
 
 
 class PersonalHead:
@@ -45,6 +55,37 @@ class PersonalHead:
         # The last Gram's eigendecomposition, by its sample count: candidates scored with
         # no new frame between them (promote = "always" scores every broadcast) reuse it.
         self._eig: tuple[int, np.ndarray, np.ndarray] | None = None
+        self.path: Path | None = None  # where they are kept (:meth:`keep_in`)
+
+    def add(self, sent: HeadSums) -> None:
+        """What the device just sent joins its own sums, written where they are kept."""
+        self.own.add(sent)
+        if self.path is not None:
+            tri, cross, counts = self.own.packed()
+            out = io.BytesIO()
+            np.savez(out, gram=tri, cross=cross, counts=counts, centre=self.spec.centre)
+            write_atomic(self.path, out.getbuffer())
+
+    def keep_in(self, path: Path) -> None:
+        """Keep the own sums in ``path`` from now on, starting from what it holds: a
+        :class:`ConfigError` on ``state_dir`` where it holds something else (another body's
+        sums, or not sums at all), as nothing should guess what a device saw."""
+        self.path = path
+        if not path.exists():
+            return
+        spec = self.spec
+        try:
+            with np.load(path, allow_pickle=False) as kept:
+                if not np.array_equal(kept["centre"], spec.centre):
+                    raise ValueError("the sums of another body (its centre differs)")
+                own = HeadSums.unpacked(spec.features, spec.classes, kept["gram"],
+                                        kept["cross"], kept["counts"])
+        except (OSError, ValueError, KeyError, MessageError) as exc:
+            raise ConfigError("state_dir", f"{path} is not this device's personal-head sums "
+                              f"({exc}): move it aside to start them again") from exc
+        self.own = HeadSums(own.gram.astype(np.float32), own.cross.astype(np.float32),
+                            own.counts.astype(np.float32))
+        log.info("personal head: the sums of %d samples kept in %s", self.own.n, path)
 
     def solve(self, weights: np.ndarray, unsent: HeadSums | None = None) -> np.ndarray:
         """The personal head beside the global head ``weights`` (the linear head's flat
@@ -73,10 +114,11 @@ class PersonalHead:
         return head_vector(v[:d].T, v[d], self.spec.centre)
 
 
-def attach_personal(device: Any) -> None:
+def attach_personal(device: Any, state_dir: str | None = None) -> None:
     """Give ``device`` its personal head where ``[inference] personal`` asks for one: its
-    statistics keep its own sums too, and each candidate its line judges is first made
-    personal (one solve per candidate scored, not per broadcast)."""
+    statistics keep its own sums too (in ``state_dir`` where there is one, so that a restart
+    keeps them; ``""``, a service without one, is warned about), and each candidate its
+    line judges is first made personal (one solve per candidate scored, not per broadcast)."""
     inference = device.line.inference
     if inference is None or not inference.personal:
         return
@@ -87,3 +129,8 @@ def attach_personal(device: Any) -> None:
                           "(a linear head on a frozen body)")
     head.personal = PersonalHead(head.spec)
     device.line.promoter.personalise = head.personal_head
+    if state_dir:
+        head.personal.keep_in(Path(state_dir) / PERSONAL_FILE)
+    elif state_dir is not None:
+        log.warning("device %s: no [service] state_dir, so its personal head's sums start "
+                    "again at each restart", device.id)

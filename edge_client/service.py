@@ -159,7 +159,7 @@ class DeviceService:
         device = Device(cfg, trainer, num_classes=mc.num_classes, inference=self.inference,
                         sample_shape=head_input_shape(mc), rng=np.random.default_rng(cfg.seed))
         HeadStatsPath.attach(device, head_spec(mc), cfg.head_stats_every, await_station=True)
-        attach_personal(device)
+        attach_personal(device, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,
                                    participant=cfg.device_id, trainer=trainer, model=mc)
         runner = RoleRunner(device, transport)

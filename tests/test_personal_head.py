@@ -129,3 +129,35 @@ def test_held_out_samples_stay_out_of_the_statistics(digits):
     assert dev.buffer.held_out == 10
     assert dev.head._held() == 30 and dev.head.first(False)[0].counts.sum() == 30
     assert dev.head.personal.own.n + dev.head.sums.n == 30  # sent, and not yet sent
+
+
+def test_a_restarted_device_keeps_its_own_sums(digits, tmp_path):
+    """What a device sent stays in its own sums across a restart (its state directory),
+    so its personal head after the restart is the one it had; a file of another body's
+    sums, or not sums at all, is refused naming ``state_dir``."""
+    from edge_client.personal_head import PERSONAL_FILE
+
+    x, y = _flat(digits)
+    glob = _global_head(x, y)
+    dev = _device(True)
+    attach_personal(dev, str(tmp_path))
+    own = np.flatnonzero(np.isin(y, MINE))[-150:]
+    dev.ingest(x[own], y[own], 0.0)
+    dev.head.first(True)  # sent: into its own sums, and kept
+    before = dev.head.personal_head(glob)
+    again = _device(True)
+    assert again.head.personal.own.n == 0  # without the state directory, gone
+    attach_personal(again, str(tmp_path))
+    assert again.head.personal.own.n == 150
+    for name in ("gram", "cross", "counts"):
+        np.testing.assert_array_equal(getattr(again.head.personal.own, name),
+                                      getattr(dev.head.personal.own, name))
+    np.testing.assert_allclose(again.head.personal_head(glob), before, rtol=1e-6)
+    other = _device(True)
+    other.head.spec = other.head.personal.spec = HeadSpec("ridge", 64, 10,
+                                                          np.zeros(64, np.float32), 200.0)
+    with pytest.raises(ConfigError, match="'state_dir'.*another body"):
+        other.head.personal.keep_in(tmp_path / PERSONAL_FILE)
+    (tmp_path / PERSONAL_FILE).write_bytes(b"not sums")
+    with pytest.raises(ConfigError, match="'state_dir'.*not this device's"):
+        attach_personal(_device(True), str(tmp_path))
