@@ -26,7 +26,7 @@ from edge_client.topics import CLOUD_ID
 
 from .checkpoint import group, grouped
 
-__all__ = ["HeadLedger", "attach_heads", "refused"]
+__all__ = ["HeadLedger", "attach_heads", "fused_head", "refused"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ class HeadLedger:
         self.solved = 0  # samples the last solve was made from
         self.head: np.ndarray | None = None  # the last solve
         self.newcomer = False  # the last statistics admitted were their sender's first
+        # A station's round began from a solved head that the next round's solve replaces
+        # (resolve = "every"): its internal syncs keep it (:meth:`fused`).
+        self.round_head: np.ndarray | None = None
 
     def admit(self, msg: m.HeadStats, seen: np.ndarray | None) -> None:
         """Add ``msg``'s sums, checked (:class:`MessageError`, nothing added, where they
@@ -105,6 +108,27 @@ class HeadLedger:
         self.solve(again=True)
         return otherwise if self.head is None else self.head.copy()
 
+    def round_began(self, weights: np.ndarray, *, cloud_solved: int) -> np.ndarray:
+        """What a station's round starts from: the cloud's model, or where the cloud solved
+        no head yet (``cloud_solved``: the samples its head was solved from), this factory's
+        head where there is one."""
+        if not cloud_solved:
+            weights = self.latest(weights)
+        solved = cloud_solved or self.head is not None
+        self.round_head = weights.copy() if solved and self.spec.resolve == "every" else None
+        return weights
+
+    def fused(self, weights: np.ndarray) -> np.ndarray:
+        """An internal sync's fused model, or the round's solved head where the next
+        round's solve replaces whatever the steps make of it (resolve = "every"): fused
+        in, the members' SGD steps moved the models the lines score between solves off the
+        best head the statistics give (a camera line's candidates scored 0.26-0.59 against
+        the solve's 0.59-0.65, and were refused; docs/bodies.md)."""
+        if self.round_head is None:
+            return weights
+        self.counters["head_kept"] += 1
+        return self.round_head.copy()
+
     def arrays(self) -> dict[str, np.ndarray]:
         out = {}
         for name, sums in (("head_total", self.total), ("head_pending", self.pending)):
@@ -113,6 +137,8 @@ class HeadLedger:
                                           "counts": sums.counts}))
         out.update(grouped("head_claimed", {k: np.array([v]) for k, v in self.claimed.items()}))
         out["head_solved"] = np.array([self.solved], np.int64)
+        if self.round_head is not None:
+            out["head_round"] = self.round_head
         return out
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
@@ -128,6 +154,7 @@ class HeadLedger:
                              np.array(part["counts"])))
         self.claimed = {k: float(v[0]) for k, v in group(arrays, "head_claimed").items()}
         self.solved = int(arrays["head_solved"][0])
+        self.round_head = np.array(arrays["head_round"]) if "head_round" in arrays else None
 
 
 def attach_heads(role: Any, spec: HeadSpec | None) -> None:
@@ -135,6 +162,11 @@ def attach_heads(role: Any, spec: HeadSpec | None) -> None:
     if spec is not None:
         role.heads = HeadLedger(spec, role.counters, role.config.fleet,
                                 upstream=role.id != CLOUD_ID)
+
+
+def fused_head(heads: HeadLedger | None, weights: np.ndarray) -> np.ndarray:
+    """:meth:`HeadLedger.fused`, where the federation solves its head."""
+    return weights if heads is None else heads.fused(weights)
 
 
 def refused(heads: HeadLedger | None, msg: m.HeadStats, seen: np.ndarray | None

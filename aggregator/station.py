@@ -28,7 +28,7 @@ from .central_dp import CentralDP
 from .config import StationConfig
 from .external_sync import ExternalSync
 from .fusion import Fold, fold_for
-from .heads import HeadLedger, refused
+from .heads import HeadLedger, fused_head, refused
 from .internal_sync import InternalSync
 from .roster import Roster
 from .seating import Seating
@@ -299,8 +299,8 @@ class Station(StationResume, RoleBase[StationState]):
         new = self.next_state(_E.FINAL_MODEL if msg.final else self._iteration_event(ready))
         self.external.answered()
         self.weights, self.p_real = np.array(msg.weights), np.array(msg.p_real)
-        if self.heads is not None and not msg.head_samples:  # the cloud solved none yet:
-            self.weights = self.heads.latest(self.weights)  # this factory's head, if any
+        if self.heads is not None:  # where the cloud solved none yet, this factory's head
+            self.weights = self.heads.round_began(self.weights, cloud_solved=msg.head_samples)
         self.round, self.iteration = msg.round, msg.iteration
         self._new_round()
         if msg.final:
@@ -379,7 +379,7 @@ class Station(StationResume, RoleBase[StationState]):
         new = self.next_state(_E.SYNC_DUE if ready is None else self._iteration_event(ready))
         fold = self.sync.take()
         if len(fold) >= cfg.min_quorum:
-            self.weights = self.dp.release(fold, self.counters)
+            self.weights = fused_head(self.heads, self.dp.release(fold, self.counters))
             self.external.fused(int(fold.total))
         else:
             self.counters["iterations_below_quorum"] += 1

@@ -254,13 +254,15 @@ def test_a_restarted_station_and_cloud_keep_their_sums(digits):
     bus, runners, cloud, station, devices, *_ = _head_fleet(digits, spec)
     for r in runners:
         r.start()
-    bus.run_until(lambda: cloud.heads.solved)
+    bus.run_until(lambda: cloud.heads.solved and station.heads.round_head is not None)
     for role, meta_cls in ((station, StationCheckpoint), (cloud, CloudCheckpoint)):
         arrays, meta = role.snapshot()
         fresh = _head_fleet(digits, spec)[3 if role is station else 2]
         fresh.restore(arrays, meta_cls.from_doc(__import__("dataclasses").asdict(meta)))
         np.testing.assert_array_equal(fresh.heads.total.gram, role.heads.total.gram)
         assert fresh.heads.claimed == role.heads.claimed and fresh.heads.solved == role.heads.solved
+        if role is station:  # the round's solve its internal syncs keep
+            np.testing.assert_array_equal(fresh.heads.round_head, role.heads.round_head)
 
 
 def test_a_device_claiming_more_than_it_saw_counts_for_what_it_saw_and_a_forged_sum_is_refused(
@@ -439,3 +441,33 @@ def test_a_broker_dropping_the_devices_statistics_is_an_error_at_the_cloud(digit
         assert dropped or cloud.counters["rounds_without_head_stats"] == 0
     errors = [r for r in caplog.records if "no head statistics" in r.message]
     assert [r.levelname for r in errors] == ["ERROR"]
+
+
+@pytest.mark.parametrize("resolve", ["every", "once"])
+def test_a_stations_internal_syncs_keep_the_rounds_solve_where_the_next_replaces_them(
+        digits, resolve):
+    """With head_resolve = "every" each round's solve replaces whatever the SGD steps made
+    of the last one: fused in between, those steps moved the models a camera line scores
+    off the solve (its candidates scored 0.26-0.59 against the solve's 0.59-0.65 and were
+    refused, and the line was at 80% after 920 labelled frames, not 556).  Each station
+    model of a round is then the round's global head; with "once" the steps fine-tune it."""
+    from edge_client import messages as m
+    from edge_client.topics import global_model_topic, station_model_topic
+
+    spec = HeadSpec("ridge", 64, 10, np.full(64, 4.0, np.float32), 200.0, resolve)
+    bus, runners, cloud, station, *_ = _head_fleet(digits, spec, sync_period=3)
+    globals_: list[m.GlobalModel] = []
+    models: list[m.StationModel] = []
+    bus.subscribe(global_model_topic("t"), lambda topic, msg: globals_.append(msg))
+    bus.subscribe(station_model_topic("t", "s"), lambda topic, msg: models.append(msg))
+    for r in runners:
+        r.start()
+    bus.run_until(lambda: len(globals_) >= 3)
+    by_round = {g.round: g.weights for g in globals_}
+    within = [s for s in models if s.round in by_round and s.iteration % 3]  # after a sync
+    assert within and station.counters["received_updates"] > 0
+    kept = [np.array_equal(s.weights, by_round[s.round]) for s in within]
+    assert all(kept) if resolve == "every" else not any(kept), kept
+    # (and the fusions that end a round: the upload is the round's head too)
+    assert (station.counters["head_kept"] >= len(within)) if resolve == "every" else \
+        station.counters["head_kept"] == 0
