@@ -9,8 +9,9 @@ PYTEST_ARGS ?=
 # Test workers: the suite waits on brokers, fleets and soaks more than it computes, so
 # more workers than cores (2 here) finish sooner (the README has the figures).
 TEST_JOBS ?= 4
-# The live camera tests, after: each keeps a camera line busy but uses a tenth of a core
-# (59 s wall, 7 s of CPU), so they run beside each other, with nothing else on the machine.
+# The live camera tests (marked solo): each keeps a camera line busy but uses a tenth of a
+# core (59 s wall, 7 s of CPU), so they run beside each other, and beside the rest of the
+# suite only with the rest under nice 19: a camera line must read its frames when they come.
 SOLO_JOBS ?= 4
 
 .PHONY: demo test test-quick lint bench clean wheel readme-figures

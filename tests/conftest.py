@@ -3,8 +3,8 @@
 ``make test`` runs the suite on several workers (pytest-xdist, ``--dist loadgroup``): the
 soak first, then the rest of the slow tier, longest first where known, so that the soak
 and the fleets start at once and the quick tests fill the gaps beside them instead of
-waiting at the end; then the ``solo`` tests, beside each other only, on an otherwise idle
-machine."""
+waiting at the end.  The ``solo`` tests run in a second session at the same time, four at a
+time, at a higher priority than the first (which runs under ``nice 19``)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ import pytest  # noqa: E402
 from edge_client.errors import ShapeError  # noqa: E402
 
 # Tests whose verdict depends on wall-clock throughput: the live cameras, learning from
-# labels as they come, have the machine to themselves (marked ``solo``: ``make test`` runs
-# them after the parallel run, four at a time, since each uses a tenth of a core; under the
-# parallel run's load a camera line read its frames late, joined its labels to the wrong
-# ones and stayed at chance); the soak and the doc it shares
+# labels as they come, get the cores when they want them (marked ``solo``: ``make test`` runs
+# them in their own session, four at a time, since each uses a tenth of a core, beside the
+# rest under nice 19; beside the rest at the same priority a camera line read its frames
+# late, joined its labels to the wrong ones and stayed at chance); the soak and the doc it shares
 # deploy.md's users and brokers with run one after the other on one worker (xdist_group).
 SOLO = ("test_camera_line_doc", "test_camera_e2e")
 LIVE = {"test_soak_tls": "live", "test_deploy_doc": "live"}
