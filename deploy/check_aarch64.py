@@ -499,11 +499,15 @@ def _camera_data(data, folder: Path):
     set embedded for the cloud (which scores the head), and the body's FleetSpec fields."""
     import dataclasses
 
+    import numpy as np
+
     from edge_client.body import open_exported
     from lab.datasets import camera_frames
 
     body = open_exported(folder)
-    frames = camera_frames(data.x_train[:BODY_TRAIN], BODY_SHAPE)
+    # Pixels, as a camera delivers them (and as the demo's body fleet replays them).
+    frames = np.round(camera_frames(data.x_train[:BODY_TRAIN], BODY_SHAPE) * 255).astype(
+        np.uint8)
     test = body.embed(camera_frames(data.x_test[:BODY_TEST], BODY_SHAPE))
     data = dataclasses.replace(data, x_train=frames, y_train=data.y_train[:BODY_TRAIN],
                                x_test=test, y_test=data.y_test[:BODY_TEST])

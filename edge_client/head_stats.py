@@ -107,8 +107,9 @@ class HeadSums:
         arrays themselves go (fresh zeros take their place, untouched pages until the next
         rows come): a copy would hold a second Gram (6.6 MB) at a board's peak."""
         out = HeadSums(self.gram, self.cross, self.counts)
-        self.gram, self.cross, self.counts = (np.zeros_like(a) for a in (out.gram, out.cross,
-                                                                          out.counts))
+        # np.zeros, not zeros_like: it maps zero pages, where zeros_like writes them all.
+        self.gram, self.cross, self.counts = (np.zeros(a.shape, a.dtype) for a in (
+            out.gram, out.cross, out.counts))
         return out
 
     def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -325,3 +325,22 @@ def test_a_synthetic_source_keeps_its_pace():
     started = time.monotonic()
     assert len(list(paced.samples())) == 6
     assert time.monotonic() - started >= 6 / 50.0 * 0.9
+
+
+def test_a_recording_of_pixels_is_held_as_pixels_and_read_as_a_camera_scales_them(tmp_path):
+    """A replayed recording of camera frames (uint8) is scaled into [0, 1] as it is read,
+    as a camera's frames are; held as float32 it took a board four times the memory."""
+    from edge_client.sources import build_source
+
+    x = np.random.default_rng(0).integers(0, 256, (40, 3, 8, 8), dtype=np.uint8)
+    np.savez(tmp_path / "rec.npz", x=x, y=np.arange(40) % 4)
+    source, live = build_source(SourceConfig(kind="replay", path=str(tmp_path / "rec.npz"),
+                                             loop=False),
+                                sample_shape=(3, 8, 8), num_classes=4,
+                                rng=np.random.default_rng(1))
+    assert not live and source.x.dtype == np.uint8 and source.x.nbytes == x.nbytes
+    got, y = source.read(40)
+    assert got.dtype == np.float32 and got.shape == (40, 3, 8, 8)
+    order = source._order
+    np.testing.assert_allclose(got, x[order].astype(np.float32) / 255, rtol=1e-6)
+    np.testing.assert_array_equal(y, (np.arange(40) % 4)[order])

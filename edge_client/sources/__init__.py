@@ -104,7 +104,7 @@ def build_source(cfg: SourceConfig, *, sample_shape: tuple[int, ...], num_classe
         _require_cv2()
         return ImageFolderSource(path, preprocess, num_classes=num_classes, rng=rng,
                                  classes=cfg.classes, loop=cfg.loop), False
-    x, y = load_arrays(path, cfg.labels_path or None, num_classes)
+    x, y = load_arrays(path, cfg.labels_path or None, num_classes, pixels=True)
     if x[0].size != int(np.prod(sample_shape)):
         raise SourceError(f"{path}: samples of shape {x.shape[1:]}, the model needs "
                           f"{tuple(sample_shape)}")
