@@ -13,6 +13,7 @@ network thread's after.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import socket
@@ -89,8 +90,7 @@ class MqttTransport:
             raise ConfigError("cert", f"the broker knows this connection as {identity!r}, but it "
                               f"speaks for {presence.sender!r}")
         if identity and identity != client_id:
-            log.info("%s connects as %s, the identity its broker knows it by", client_id,
-                     identity)
+            log.info("%s connects as %s, the identity its broker knows it by", client_id, identity)
         client_id = identity or client_id
         self.config, self.client_id, self.fleet, self.persistent = config, client_id, fleet, \
             persistent
@@ -129,9 +129,7 @@ class MqttTransport:
         if cfg.tls:
             client.tls_set(ca_certs=cfg.ca or None, certfile=cfg.cert or None,
                            keyfile=cfg.key or None)
-        if self.presence is not None:
-            client.will_set(topic_for(self.presence), self._presence_frame(online=False),
-                            qos=1, retain=True)
+        self._set_will(client)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
@@ -144,10 +142,8 @@ class MqttTransport:
         if isinstance(sock, socket.socket):  # TLS sockets are socket.socket too
             # paho leaves Nagle on: back-to-back small frames (stats, then the update) would
             # wait for the broker's delayed ACK, about 40 ms a hop.
-            try:
+            with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
         if reason_code.is_failure:
             self._refused = reason_code
             log.error("broker refused %s: %s", self.client_id, reason_code)
@@ -227,8 +223,16 @@ class MqttTransport:
                                         name=f"mqtt-{self.client_id}")
         self._thread.start()
 
+    def _set_will(self, client: paho.Client) -> None:
+        """A will frame of its own a connection: a peer that took one will (a broker restart
+        fires them all) dropped the next of the same frame as a duplicate, silently."""
+        if self.presence is not None:
+            client.will_set(topic_for(self.presence), self._presence_frame(online=False),
+                            qos=1, retain=True)
+
     def _try_reconnect(self) -> bool:
         self.counters["reconnects"] += 1
+        self._set_will(self._client)
         try:
             self._client.reconnect()
         except (OSError, ValueError) as exc:
@@ -262,10 +266,7 @@ class MqttTransport:
     def _add_subscription(self, subs: Routes[Any], topic_filter: str, handler: Any) -> None:
         subs.add(topic_filter, handler)
         if self._connected.is_set():  # else _on_connect subscribes it
-            self._socket.submit(lambda: self._subscribe(topic_filter))
-
-    def _subscribe(self, topic_filter: str) -> None:
-        self._client.subscribe(topic_filter, qos=1)
+            self._socket.submit(lambda: self._client.subscribe(topic_filter, qos=1))
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
         self._add_subscription(self._subs, topic_filter, handler)
@@ -282,8 +283,7 @@ class MqttTransport:
     def publish(self, topic: str, message: m.Message) -> None:
         retain = isinstance(message, m.Presence)
         parts = list(stream(message, chunk_size=self.config.chunk_size, fp16=self.config.fp16,
-                            layout_hash=self.layout_hash,
-                            wire_version=self.config.wire_version))
+                            layout_hash=self.layout_hash, wire_version=self.config.wire_version))
         self.counters["bytes_out"] += sum(len(part) for part in parts)
         self.counters["messages_out"] += 1
         self._socket.submit(lambda: self._send(topic, parts, qos=1, retain=retain))

@@ -31,7 +31,7 @@ class SocketOwner:
 
     def __init__(self, name: str, counters: Counter[str]) -> None:
         self.name, self.counters = name, counters
-        self._outbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -45,7 +45,7 @@ class SocketOwner:
         """Nobody owns it until the next :meth:`take`: calls wait in the outbox."""
         self._owner = None
 
-    def submit(self, call: Callable[[], None]) -> None:
+    def submit(self, call: Callable[[], object]) -> None:
         """Run ``call`` now if this thread owns the socket, else hand it to the owner and
         wake it."""
         if self._owner == threading.get_ident():

@@ -10,6 +10,7 @@ import dataclasses
 import re
 import shutil
 import signal
+import socket
 import time
 
 import numpy as np
@@ -653,4 +654,36 @@ def test_a_final_presence_stays_retained_for_a_device_that_comes_back_late(tmp_p
             device.close()
         assert [(p.online, p.final) for p in seen] == [(False, False), (False, True)]
     finally:
+        server.stop()
+
+
+def test_each_connection_leaves_a_last_will_of_its_own(tmp_path):
+    """A broker restart fires every participant's will.  The will was one frame for all of a
+    transport's connections, one message id: a device that took the station's will at the
+    restart dropped its next one as a duplicate, silently (a station that then died, or a
+    final presence that a will replaced, was never heard of).  Two wills, two deliveries."""
+    server = Mosquitto(tmp_path, ["st0", "d0"], acl_lines("f", {"st0": ["d0"]}))
+    presence = m.Presence(fleet="f", sender="st0", round=0, iteration=0,
+                          role=m.Participant.STATION, online=True)
+    station = MqttTransport(BrokerConfig(url=server.url, username="st0",
+                                         password=Mosquitto.PASSWORD, backoff_min=0.05,
+                                         backoff_max=0.2), client_id="st0", fleet="f",
+                            presence=presence)
+    device = MqttTransport(BrokerConfig(url=server.url, username="d0",
+                                        password=Mosquitto.PASSWORD, backoff_min=0.05,
+                                        backoff_max=0.2), client_id="d0", fleet="f")
+    seen: list[bool] = []
+    device.subscribe("safl/f/station/st0/status", lambda t, msg: seen.append(msg.online))
+    try:
+        device.connect()
+        station.connect()
+        for cut in range(2):
+            _pump(device, seen, 2 * cut + 1)  # online
+            # the station's connection cut under it (no DISCONNECT): the broker sends its will
+            station._socket.submit(lambda: station._client.socket().shutdown(socket.SHUT_RDWR))
+            _pump(device, seen, 2 * cut + 2)  # its will
+        assert seen == [True, False, True, False], (seen, dict(device.counters))
+    finally:
+        station.close()
+        device.close()
         server.stop()
