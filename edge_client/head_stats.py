@@ -123,9 +123,9 @@ class HeadSums:
 
     @classmethod
     def unpacked(cls, d: int, classes: int, tri: np.ndarray, cross: np.ndarray,
-                 counts: np.ndarray) -> HeadSums:
-        """From the wire's arrays (float64 from here on); :class:`MessageError` where their
-        sizes do not fit a head on ``d`` features and ``classes`` classes."""
+                 counts: np.ndarray, dtype: type = np.float64) -> HeadSums:
+        """From the wire's arrays (float64 from here on, or ``dtype``); :class:`MessageError`
+        where their sizes do not fit a head on ``d`` features and ``classes`` classes."""
         n = d + 1
         if cross.size != n * classes or counts.size != classes \
                 or tri.size not in (0, triangle_size(n)):
@@ -133,15 +133,15 @@ class HeadSums:
                                f"and {counts.size} values; a head on {d} features and "
                                f"{classes} classes has {triangle_size(n)}, {n * classes} and "
                                f"{classes}")
-        gram = np.zeros((n, n) if tri.size else (0, 0))
+        gram: np.ndarray = np.zeros((n, n) if tri.size else (0, 0), dtype)
         start = 0
         for i in range(n if tri.size else 0):
             row = tri[start:start + n - i]
             gram[i, i:] = row
             gram[i:, i] = row
             start += n - i
-        return cls(gram, cross.astype(np.float64).reshape(n, classes),
-                   np.asarray(counts, np.float64).copy())
+        return cls(gram, cross.astype(dtype).reshape(n, classes),
+                   np.asarray(counts, dtype).copy())
 
 
 def check_claim(s: HeadSums, clip: float, *, tolerance: float = 1e-3) -> None:
@@ -316,7 +316,7 @@ class HeadStatsPath:
     STAGE = 64  # rows staged before they are added: 330 KB at 1,281 float32 columns
 
     def __init__(self, spec: HeadSpec, every: int, *, fleet: str, device: str,
-                 station: str) -> None:
+                 station: str, await_station: bool = False) -> None:
         self.spec, self.every = spec, every
         self.fleet, self.device, self.station = fleet, device, station
         self.sums = spec.zeros(np.float32)
@@ -327,7 +327,7 @@ class HeadStatsPath:
         self.personal: Any = None  # the device's own sums too (personal_head.py), where asked
         # Over a broker the first send waits for the station's presence: MQTT drops a
         # publish no one has subscribed to, and a send is not repeated.
-        self.await_station = False
+        self.await_station = await_station
 
     @classmethod
     def attach(cls, device: Any, spec: HeadSpec | None, every: int, *,
@@ -337,8 +337,7 @@ class HeadStatsPath:
         if spec is not None:
             cfg = device.config
             device.head = cls(spec, every, fleet=cfg.fleet, device=cfg.device_id,
-                              station=cfg.station)
-            device.head.await_station = await_station
+                              station=cfg.station, await_station=await_station)
 
     def take(self, x: np.ndarray, y: np.ndarray) -> None:
         if len(y):

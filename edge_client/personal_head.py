@@ -78,13 +78,12 @@ class PersonalHead:
             with np.load(path, allow_pickle=False) as kept:
                 if not np.array_equal(kept["centre"], spec.centre):
                     raise ValueError("the sums of another body (its centre differs)")
-                own = HeadSums.unpacked(spec.features, spec.classes, kept["gram"],
-                                        kept["cross"], kept["counts"])
+                # float32, as kept: no float64 Gram (13 MB) at a board's start
+                self.own = HeadSums.unpacked(spec.features, spec.classes, kept["gram"],
+                                             kept["cross"], kept["counts"], np.float32)
         except (OSError, ValueError, KeyError, MessageError) as exc:
             raise ConfigError("state_dir", f"{path} is not this device's personal-head sums "
                               f"({exc}): move it aside to start them again") from exc
-        self.own = HeadSums(own.gram.astype(np.float32), own.cross.astype(np.float32),
-                            own.counts.astype(np.float32))
         log.info("personal head: the sums of %d samples kept in %s", self.own.n, path)
 
     def solve(self, weights: np.ndarray, unsent: HeadSums | None = None) -> np.ndarray:

@@ -54,8 +54,7 @@ class ReplaySource:
             self._pos += len(take)
             n -= len(take)
         sel = np.concatenate(idx) if idx else np.empty(0, dtype=np.int64)
-        x = self.x[sel]
-        return (x * np.float32(1 / 255) if x.dtype == np.uint8 else x), self.y[sel]
+        return _floats(self.x[sel]), self.y[sel]
 
     def samples(self) -> Iterator[tuple[np.ndarray, int]]:
         while True:
@@ -105,9 +104,12 @@ def load_arrays(path: str | Path, labels: str | Path | None = None,
     if num_classes is not None and len(y) and (y.min() < 0 or y.max() >= num_classes):
         bad = np.flatnonzero((y < 0) | (y >= num_classes))[:5].tolist()
         raise SourceError(f"{path}: labels outside [0, {num_classes}) at rows {bad}")
-    if x.dtype == np.uint8:
-        return (x if pixels else x.astype(np.float32) * np.float32(1 / 255)), y.astype(np.int64)
-    return x.astype(np.float32), y.astype(np.int64)
+    return (x if pixels and x.dtype == np.uint8 else _floats(x)), y.astype(np.int64)
+
+
+def _floats(x: np.ndarray) -> np.ndarray:
+    """Samples as float32; pixels (``uint8``) scaled into [0, 1] on the way."""
+    return x * np.float32(1 / 255) if x.dtype == np.uint8 else x.astype(np.float32, copy=False)
 
 
 class ImageFolderSource:
