@@ -106,7 +106,16 @@ class HeadLedger:
         """The head from everything admitted so far (solved again where more came), else
         ``otherwise``."""
         self.solve(again=True)
-        return otherwise if self.head is None else self.head.copy()
+        return otherwise if self.head is None else self.into(otherwise)
+
+    def into(self, weights: np.ndarray) -> np.ndarray:
+        """``weights`` with the last solve as their head: the head's tensors come last in
+        the flat layout, so for a head on a frozen body this is the whole model, and where
+        the body's last blocks train their weights stay as they were before it."""
+        assert self.head is not None and self.head.size <= weights.size
+        out = weights.copy()
+        out[weights.size - self.head.size:] = self.head
+        return out
 
     def round_began(self, weights: np.ndarray, *, cloud_solved: int) -> np.ndarray:
         """What a station's round starts from: the cloud's model, or where the cloud solved

@@ -187,7 +187,8 @@ def body_tail(model: Any) -> BodyTail | None:
     if not manifest.factory:
         raise ConfigError("train_body_blocks", f"body {manifest.name} was exported from an "
                           "ONNX file and has no torch definition to train")
-    return BodyTail(manifest.factory, manifest.input_shape, blocks)
+    return BodyTail(manifest.factory, manifest.input_shape, blocks,
+                    fixed_head=model.head_kind != "random" and bool(manifest.centre))
 
 
 def head_input_shape(model: Any) -> tuple[int, ...]:
@@ -196,7 +197,7 @@ def head_input_shape(model: Any) -> tuple[int, ...]:
     tail = body_tail(model)
     if tail is not None:
         from .trainers.bodies import prefix_shape
-        return prefix_shape(*tail)
+        return prefix_shape(*tail.cut)
     manifest = body_manifest(model)
     return (manifest.embedding,) if manifest is not None else tuple(model.input_shape)
 
@@ -346,7 +347,7 @@ def _prefix(manifest: BodyManifest, tail: BodyTail, device: str, threads: int = 
     from .trainers.torch_backend import module_to_onnx, resolve_device
 
     where = resolve_device(device)
-    prefix, pretrained_tail = split_body(*tail)
+    prefix, pretrained_tail = split_body(*tail.cut)
     if where.type == "cpu" and importlib.util.find_spec("onnxruntime") is not None:
         forward = ort_forward(module_to_onnx(prefix, output="activation",
                                              input_shape=manifest.input_shape), threads)
@@ -354,7 +355,7 @@ def _prefix(manifest: BodyManifest, tail: BodyTail, device: str, threads: int = 
     else:
         forward, runtime = _torch_forward(prefix, where), f"torch ({where})"
     run_tail = _torch_forward(pretrained_tail, where)
-    return Body(manifest, runtime, forward, out_shape=prefix_shape(*tail), blocks=tail.blocks,
+    return Body(manifest, runtime, forward, out_shape=prefix_shape(*tail.cut), blocks=tail.blocks,
                 whole=lambda x: run_tail(forward(x)))
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ HEAD_KINDS = ("ridge", "ncm")
 # A cosine classifier's scores lie in [-1, 1]; softmax over them is nearly flat, so the head
 # fine-tuned from it starts this sharp (a temperature of 0.1, as FedNCM's cosine head uses).
 NCM_SCALE = 10.0
+Embed = Callable[[np.ndarray], np.ndarray]  # buffered samples to the body's embeddings
 _LAMBDAS = np.logspace(-5, 1, 31)  # relative to the mean eigenvalue of the centred Gram
 
 
@@ -251,8 +253,7 @@ def head_vector(w: np.ndarray, bias: np.ndarray, centre: np.ndarray) -> np.ndarr
 class HeadSpec:
     """A federation's closed-form head: ``kind`` (``ridge`` or ``ncm``), on ``features``
     embedding features and ``classes`` classes, the body's ``centre`` and ``clip``, and
-    ``resolve``: ``every`` (each round's solve replaces the fine-tuned head) or ``once`` (the
-    first solve starts the fine-tuning)."""
+    ``resolve``: ``every`` (each round's solve replaces the head) or ``once``."""
 
     kind: str
     features: int
@@ -260,6 +261,10 @@ class HeadSpec:
     centre: np.ndarray
     clip: float
     resolve: str = "every"
+    # A ridge head that stays fixed while tuned blocks train is as sharp as the cosine head
+    # (Fed3R+FT's temperature): its scores, about 1 for its class and 0 for the rest, make a
+    # near-flat softmax, whose loss would push every sample's features however well placed.
+    scale: float = 1.0
 
     def zeros(self, dtype: type = np.float64) -> HeadSums:
         return HeadSums.zeros(self.features, self.classes, kind=self.kind, dtype=dtype)
@@ -270,7 +275,7 @@ class HeadSpec:
             w, b = solve_ncm(s)
         else:
             w, b, _ = solve_ridge(s)
-        return head_vector(w, b, self.centre)
+        return head_vector(w, b, self.centre) * np.float32(self.scale)
 
     def unpack(self, msg: m.HeadStats) -> HeadSums:
         """A message's sums, checked against its counts (:func:`check_claim`)."""
@@ -301,7 +306,8 @@ def head_spec(model: Any) -> HeadSpec | None:
                           "again (safl models export-body), or set head_init = 'random'")
     return HeadSpec(kind, manifest.embedding, model.num_classes,
                     np.asarray(manifest.centre, np.float32), manifest.row_clip,
-                    model.head_resolve)
+                    model.head_resolution, scale=NCM_SCALE if model.train_body_blocks and
+                    kind == "ridge" else 1.0)
 
 
 class HeadStatsPath:
@@ -316,8 +322,11 @@ class HeadStatsPath:
     STAGE = 64  # rows staged before they are added: 330 KB at 1,281 float32 columns
 
     def __init__(self, spec: HeadSpec, every: int, *, fleet: str, device: str,
-                 station: str, await_station: bool = False) -> None:
+                 station: str, await_station: bool = False, embed: Embed | None = None) -> None:
         self.spec, self.every = spec, every
+        # Where the body's last blocks train, a buffered sample is the activation before them,
+        # which ``embed`` finishes with the pretrained blocks: what the head is solved on.
+        self.embed = embed
         self.fleet, self.device, self.station = fleet, device, station
         self.sums = spec.zeros(np.float32)
         self._rows: list[np.ndarray] = []
@@ -331,16 +340,18 @@ class HeadStatsPath:
 
     @classmethod
     def attach(cls, device: Any, spec: HeadSpec | None, every: int, *,
-               await_station: bool = False) -> None:
+               await_station: bool = False, embed: Embed | None = None) -> None:
         """Give ``device`` its statistics, where the federation solves its head;
-        ``await_station`` over a broker (:meth:`first`)."""
+        ``await_station`` over a broker (:meth:`first`); ``embed`` where the body's last
+        blocks train (:func:`~edge_client.trainers.pretrained_embedding`)."""
         if spec is not None:
             cfg = device.config
             device.head = cls(spec, every, fleet=cfg.fleet, device=cfg.device_id,
-                              station=cfg.station, await_station=await_station)
+                              station=cfg.station, await_station=await_station, embed=embed)
 
     def take(self, x: np.ndarray, y: np.ndarray) -> None:
         if len(y):
+            x = x if self.embed is None else self.embed(x)
             self._rows.append(augment(x, self.spec.centre, self.spec.clip))
             self._labels.append(np.asarray(y))
             if sum(len(r) for r in self._rows) >= self.STAGE:

@@ -122,10 +122,10 @@ def attach_personal(device: Any, state_dir: str | None = None) -> None:
     if inference is None or not inference.personal:
         return
     head = device.head
-    if head is None or head.spec.kind != "ridge":
+    if head is None or head.spec.kind != "ridge" or head.embed is not None:
         raise ConfigError("personal", "a personal head pulls the federation's ridge head "
                           "toward the device's frames: it needs [model] head_init = 'ridge' "
-                          "(a linear head on a frozen body)")
+                          "and a frozen body (train_body_blocks = 0)")
     head.personal = PersonalHead(head.spec)
     device.line.promoter.personalise = head.personal_head
     if state_dir:

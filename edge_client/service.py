@@ -40,7 +40,7 @@ from .serving import DeployableKeeper, StreamFeed, resume_deployable
 from .sources import LiveLabels, SourcePump, build_source
 from .sources.replay import ReplaySource
 from .topics import predictions_topic, summary_topic
-from .trainers import Trainer, build_trainer, layout_hash
+from .trainers import Trainer, build_trainer, layout_hash, pretrained_embedding
 from .trainers.paced import PacedTrainer
 
 __all__ = ["DeviceService", "load_role_file", "with_metrics", "model_trainer",
@@ -142,11 +142,10 @@ class DeviceService:
                              tuple[Callable[[float], None], ...]]:
         """The device on its transport, and the ``serve`` hooks that feed it and keep its
         deployable model on disk (no feed where the federation paces a replay)."""
-        cfg, mc = self.device, self.model
+        cfg, mc, src = self.device, self.model, self.source
         trainer = model_trainer(mc, cfg.lr)
         self.body = body = open_body(mc)
-        if body is not None and self.source.decoded and body.manifest.input_shape[0] == 3 \
-                and not self.source.rgb:
+        if body and src.decoded and not src.rgb and body.manifest.input_shape[0] == 3:
             raise ConfigError("rgb", f"body {mc.body} takes RGB frames and OpenCV delivers BGR: "
                               "set [source] rgb = true")
         if body is not None:
@@ -158,7 +157,8 @@ class DeviceService:
             trainer = PacedTrainer(trainer, self.service.emulate_step_s)
         device = Device(cfg, trainer, num_classes=mc.num_classes, inference=self.inference,
                         sample_shape=head_input_shape(mc), rng=np.random.default_rng(cfg.seed))
-        HeadStatsPath.attach(device, head_spec(mc), cfg.head_stats_every, await_station=True)
+        HeadStatsPath.attach(device, head_spec(mc), cfg.head_stats_every, await_station=True,
+                             embed=pretrained_embedding(body_tail(mc)))
         attach_personal(device, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,
                                    participant=cfg.device_id, trainer=trainer, model=mc)
@@ -185,7 +185,6 @@ class DeviceService:
         pump = SourcePump(source, capacity=self.source.queue_size, drop_when_full=drops,
                           name=cfg.device_id).start()
         self.pump = pump
-        src = self.source
         if src.label_topic:
             self.labels = LiveLabels(mc.num_classes, window=src.label_window,
                                      delay_max=src.label_delay_max, lag=src.label_lag)

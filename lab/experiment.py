@@ -160,7 +160,7 @@ class ExperimentConfig(RecipeSettings):
     # head_resolve, [device] head_stats_every; docs/bodies.md).  The lab's default is
     # "random", as every run before heads were solved: name "ridge" or "ncm" to solve it.
     head_init: str = "random"
-    head_resolve: str = "every"
+    head_resolve: str = "auto"
     head_stats_every: int = 10
     # Device-local accuracy of personal heads ([inference] personal) beside the global head's,
     # on each device's held-out slice at the end (head_init = "ridge").
@@ -321,17 +321,18 @@ def _tail(cfg: ExperimentConfig) -> BodyTail | None:
         return None
     folder = body_folder(cfg.body, tuple(cfg.camera_shape), cfg.body_dir)
     manifest = load_body_manifest(folder)
-    return BodyTail(manifest.factory, manifest.input_shape, cfg.train_body_blocks)
+    return BodyTail(manifest.factory, manifest.input_shape, cfg.train_body_blocks,
+                    fixed_head=cfg.head_init != "random" and bool(manifest.centre))
 
 
 def _head(cfg: ExperimentConfig, classes: int) -> HeadSpec | None:
     return closed_form_head(cfg.model, cfg.body, tuple(cfg.camera_shape), cfg.body_dir, classes,
-                            cfg.head_init, cfg.head_resolve)
+                            cfg.head_init, cfg.head_resolve, cfg.train_body_blocks)
 
 
 def closed_form_head(model: str, body: str, shape: tuple[int, ...], body_dir: str,
-                     classes: int, head_init: str = "auto",
-                     head_resolve: str = "every") -> HeadSpec | None:
+                     classes: int, head_init: str = "auto", head_resolve: str = "auto",
+                     train_body_blocks: int = 0) -> HeadSpec | None:
     """The closed-form head ``head_init`` asks for on ``body``, as a field fleet's [model]
     would (None: the head starts random)."""
     if head_init == "random" or body == "none":
@@ -339,7 +340,9 @@ def closed_form_head(model: str, body: str, shape: tuple[int, ...], body_dir: st
     folder = body_folder(body, shape, body_dir)
     return head_spec(ModelConfig(name=model, body=body, body_dir=str(folder), input_shape=shape,
                                  num_classes=classes, head_init=head_init,
-                                 head_resolve=head_resolve))
+                                 head_resolve=head_resolve,
+                                 train_body_blocks=train_body_blocks, backend="torch"
+                                 if train_body_blocks else "numpy"))
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from edge_client.runner import RoleRunner, pace_replay
 from edge_client.sources.replay import ReplaySource
 from edge_client.states import StationState
 from edge_client.topics import cloud_topics, selection_topic
-from edge_client.trainers import build_trainer
+from edge_client.trainers import build_trainer, pretrained_embedding
 from edge_client.trainers.paced import FORWARD_SHARE, REFERENCE_BATCH
 from edge_client.transport import Handler, LocalBus
 
@@ -165,7 +165,8 @@ class Factory:
                          inference=InferenceConfig(every=spec.prequential_every, publish=False,
                                                    promote=PREQUENTIAL_PROMOTE, budget=1.0)
                          if spec.prequential_every else None)
-            HeadStatsPath.attach(dev, spec.head, spec.head_stats_every)
+            HeadStatsPath.attach(dev, spec.head, spec.head_stats_every,
+                                 embed=pretrained_embedding(spec.tail))
             if spec.personal_heads and dev.head is not None:  # measured, not predicted with
                 dev.head.personal = PersonalHead(dev.head.spec)
             source = ReplaySource(x, y, np.random.default_rng(seed))

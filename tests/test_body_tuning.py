@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from user_bodies import exported_device_model, exported_user_body
 
-from edge_client.body import load_body_manifest, open_body, open_exported, probe_frames
+from edge_client.body import body_tail, load_body_manifest, open_body, open_exported, probe_frames
 from edge_client.config import ModelConfig
 from edge_client.errors import ConfigError
 
@@ -90,8 +90,10 @@ def uncut(input_shape):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A user's splittable body, exported: its folder."""
-    yield from exported_user_body(tmp_path_factory, "split_bodies", SPLIT_BODY, "make", TINY)
+    """A user's splittable body, exported with a centre (a closed-form head can start its
+    tuned blocks): its folder."""
+    yield from exported_user_body(tmp_path_factory, "split_bodies", SPLIT_BODY, "make", TINY,
+                                  centred=True)
 
 
 def _model(folder, blocks=1, **kw) -> ModelConfig:
@@ -307,3 +309,82 @@ def test_on_cuda_the_prefix_and_the_tuned_blocks_run_on_the_gpu_and_agree_with_t
     on_gpu.train_step(x, y)
     on_cpu.train_step(x, y)
     np.testing.assert_allclose(on_gpu.get_flat(), on_cpu.get_flat(), rtol=1e-3, atol=1e-5)
+
+
+def test_a_tuned_fleet_starts_from_a_head_solved_on_the_pretrained_embeddings(tiny, digits,
+                                                                              tmp_path):
+    """Fed3R+FT with tuned blocks: the devices finish each buffered activation with the
+    pretrained blocks for their statistics, the cloud solves the head once on them and
+    places it after the blocks' pretrained weights; round 0 predicts from that start, and
+    the fleet fine-tunes blocks and head from it (no second solve)."""
+    from edge_client.trainers import BodyTail
+    from lab.datasets import dirichlet_label_skew, embedded
+    from lab.experiment import ExperimentConfig, closed_form_head
+    from lab.simulation import FleetSpec, run_federation
+    from lab.strategies import build_strategy
+
+    data = embedded(digits, TINY, open_exported(tiny, blocks=1), tmp_path)
+    settings = ExperimentConfig(name="t", factories=1, devices_per_factory=4, super_node=2,
+                                rand_per_group=0, sync_period=2, rounds=6).settings
+    spec = FleetSpec(partitions=tuple(dirichlet_label_skew(digits.y_train, 4, 0.3,
+                                                           np.random.default_rng(0))),
+                     groups=(np.arange(4),), rounds=6, model="linear", backends=("torch",),
+                     torch_device="cpu", lr=0.05, eval_samples=300,
+                     tail=BodyTail("split_bodies:make", TINY, 1),
+                     head=closed_form_head("linear", "split_bodies:make", TINY, str(tiny), 10,
+                                           "ridge", "once", train_body_blocks=1))
+    solved = run_federation(data, build_strategy("fedgs", settings), spec)
+    random = run_federation(data, build_strategy("fedgs", settings),
+                            dataclasses.replace(spec, head=None))
+    assert solved.rows[0]["accuracy"] > 0.45 > 0.25 > random.rows[0]["accuracy"], \
+        (solved.rows[0], random.rows[0])
+    assert solved.counters["head_solves"] == 1, solved.counters  # once: the blocks move on
+
+
+def test_a_solved_head_stays_fixed_while_the_tuned_blocks_train(tiny):
+    """Fed3R+FT's fixed classifier: SGD, one model or several at once, moves the blocks and
+    leaves the head a solve started; a random head trains with them."""
+    from edge_client.service import model_trainer
+
+    x, y = np.random.default_rng(1).random((16, 8, 16, 16), dtype=np.float32), np.arange(16) % 10
+    for head_init, fixed in (("ridge", True), ("random", False)):
+        trainer = model_trainer(_model(tiny, head_init=head_init), 0.5)
+        head = sum(int(np.prod(shape)) for name, shape in trainer.layout
+                   if name.startswith("head."))
+        start = trainer.get_flat()
+        together = trainer.train_members([start, start], [[(x, y)], [(x[:8], y[:8])]],
+                                         [0.5, 0.5])
+        trainer.train_step(x, y)
+        for after in (trainer.get_flat(), *together):
+            assert np.abs(after[:-head] - start[:-head]).max() > 1e-4
+            assert np.array_equal(after[-head:], start[-head:]) == fixed, head_init
+
+
+def test_a_solved_start_for_tuned_blocks_is_solved_once_and_never_personal(tiny):
+    from edge_client.config import DeviceConfig, InferenceConfig
+    from edge_client.device import Device
+    from edge_client.head_stats import HeadStatsPath, head_spec
+    from edge_client.personal_head import attach_personal
+    from edge_client.service import model_trainer
+    from edge_client.trainers import pretrained_embedding
+
+    with pytest.raises(ConfigError, match="solved once, on the pretrained body") as err:
+        _model(tiny, head_resolve="every")
+    assert err.value.key == "head_resolve"
+    cfg = _model(tiny)  # auto: a ridge head, solved once
+    assert (cfg.head_kind, cfg.head_resolution) == ("ridge", "once")
+    assert _model(tiny, head_init="random", head_resolve="every").head_kind == "random"
+    dev = Device(DeviceConfig(device_id="d", station="s", fleet="t"), model_trainer(cfg, 0.1),
+                 num_classes=cfg.num_classes, sample_shape=(8, 16, 16),
+                 inference=InferenceConfig(personal=True), rng=np.random.default_rng(0))
+    embed = pretrained_embedding(body_tail(cfg))
+    HeadStatsPath.attach(dev, head_spec(cfg), 1, embed=embed)
+    frames = _frames(6)
+    dev.sense(open_body(cfg).embed(frames), np.arange(6) % 3)
+    want = open_body(_model(tiny, 0)).embed(frames)  # the frozen body's embeddings
+    np.testing.assert_allclose(embed(open_body(cfg).embed(frames)), want, rtol=1e-4, atol=1e-5)
+    dev.head._flush()
+    assert dev.head.sums.n == 6 and dev.head.sums.gram.shape == (129, 129)
+    with pytest.raises(ConfigError, match="frozen body") as err:
+        attach_personal(dev)
+    assert err.value.key == "personal"

@@ -295,12 +295,15 @@ def test_head_init_comes_to_ridge_for_a_linear_head_on_a_body_and_refuses_what_c
 
     body = {"body": "efficientnet-lite0", "body_dir": "/nowhere", "input_shape": (3, 64, 64)}
     assert ModelConfig(name="linear", **body).head_kind == "ridge"
+    assert ModelConfig(name="linear", **body).head_resolution == "every"
+    tuned = ModelConfig(name="linear", backend="torch", train_body_blocks=1, **body)
+    assert (tuned.head_kind, tuned.head_resolution) == ("ridge", "once")
     assert ModelConfig(name="mlp", **body).head_kind == "random"
     assert ModelConfig(name="linear").head_kind == "random"
     assert ModelConfig(name="linear", head_init="ncm", **body).head_kind == "ncm"
     for bad in ({"name": "mlp", "head_init": "ridge", **body}, {"name": "linear",
                                                                 "head_init": "ncm"}):
-        with pytest.raises(ConfigError, match="'head_init'.*needs a body, name = 'linear'"):
+        with pytest.raises(ConfigError, match="'head_init'.*needs a body and name = 'linear'"):
             ModelConfig(**bad)
     with pytest.raises(ConfigError, match="'head_resolve'"):
         ModelConfig(head_resolve="sometimes")

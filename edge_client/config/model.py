@@ -44,13 +44,15 @@ class ModelConfig:
     train_body_blocks: int = 0
     # How the head starts (docs/bodies.md, "A head solved from what the fleet has seen"):
     # "random", "ridge" (solved in closed form from the statistics every device sums), "ncm"
-    # (class means only); "auto": ridge for a linear head on a frozen body, else random.
+    # (class means only); "auto": ridge for a linear head on a body, else random.  With
+    # train_body_blocks, the head is solved once on the pretrained body and stays fixed
+    # while the blocks train (Fed3R+FT).
     head_init: str = "auto"
     # "every": each round's global head is the latest solve from all the statistics so far,
     # whatever the devices' SGD made of it (measured better under label skew:
     # docs/bodies.md); "once": the first solve starts the federation's fine-tuning, which
-    # then goes on from it.
-    head_resolve: str = "every"
+    # then goes on from it; "auto": every on a frozen body, once where its blocks train.
+    head_resolve: str = "auto"
 
     @property
     def head_kind(self) -> str:
@@ -60,10 +62,17 @@ class ModelConfig:
         return "ridge" if self._head_solvable else "random"
 
     @property
+    def head_resolution(self) -> str:
+        """What ``head_resolve`` comes to: ``once`` or ``every``."""
+        if self.head_resolve != "auto":
+            return self.head_resolve
+        return "once" if self.train_body_blocks else "every"
+
+    @property
     def _head_solvable(self) -> bool:
-        """A linear head on a frozen body: what a closed-form solve can start."""
-        return self.body != "none" and self.name in ("linear", "softmax") \
-            and not self.train_body_blocks and not self.module
+        """A linear head on a body: what a closed-form solve can start (where the body's
+        last blocks train, solved on the pretrained body's embeddings: Fed3R+FT)."""
+        return self.body != "none" and self.name in ("linear", "softmax") and not self.module
 
     def __post_init__(self) -> None:
         if self.backend not in ("numpy", "torch", "ort"):
@@ -93,13 +102,19 @@ class ModelConfig:
         if self.head_init not in ("auto", "random", "ridge", "ncm"):
             raise ConfigError("head_init", f"must be auto, random, ridge or ncm, got "
                               f"{self.head_init!r}")
-        if self.head_resolve not in ("once", "every"):
-            raise ConfigError("head_resolve", f"must be once or every, got "
+        if self.head_resolve not in ("auto", "once", "every"):
+            raise ConfigError("head_resolve", f"must be auto, once or every, got "
                               f"{self.head_resolve!r}")
         if self.head_init in ("ridge", "ncm") and not self._head_solvable:
             raise ConfigError("head_init", f"{self.head_init!r} solves a linear head on a "
-                              "frozen body: it needs a body, name = 'linear' and "
-                              "train_body_blocks = 0")
+                              "body: it needs a body and name = 'linear'")
+        if self.head_kind != "random" and self.train_body_blocks \
+                and self.head_resolution != "once":
+            raise ConfigError("head_resolve", "with train_body_blocks the head is solved "
+                              "once, on the pretrained body, and stays fixed while the blocks "
+                              "learn features for it: a later solve, on the pretrained "
+                              "body's embeddings, would not fit them (head_resolve = 'once' "
+                              "or 'auto')")
         if self.train_body_blocks and self.body == "none":
             raise ConfigError("train_body_blocks", "needs a body (body = 'none')")
         if self.train_body_blocks and self.backend != "torch":

@@ -8,13 +8,17 @@ another for the same model; ``layout_hash`` proves it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import ArtifactError, ConfigError
 from .base import BodyTail, Trainer, proximal_step
 from .manifest import layout_hash
 
-__all__ = ["Trainer", "BodyTail", "build_trainer", "proximal_step", "layout_hash", "BACKENDS"]
+__all__ = ["Trainer", "BodyTail", "build_trainer", "pretrained_embedding", "proximal_step",
+           "layout_hash", "BACKENDS"]
 
 BACKENDS = ("numpy", "torch", "ort")
 
@@ -63,3 +67,13 @@ def build_trainer(model: str, *, backend: str = "numpy", input_shape: tuple[int,
         raise ArtifactError(f"{backend} model {model!r} has layout {layout_hash(trainer.layout)}, "
                             f"the federation uses {expected_layout_hash}")
     return trainer
+
+
+def pretrained_embedding(tail: BodyTail | None) -> Callable[[np.ndarray], np.ndarray] | None:
+    """Where a body's last blocks train, what makes a buffered sample (the activation before
+    them) the pretrained body's embedding, for a closed-form head's statistics (torch,
+    imported here only then); None where the body stays frozen."""
+    if tail is None:
+        return None
+    from .bodies import pretrained_tail
+    return pretrained_tail(tail)

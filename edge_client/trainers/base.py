@@ -18,6 +18,14 @@ class BodyTail(NamedTuple):
     body: str  # the registry name or "package.module:factory"
     frame_shape: tuple[int, ...]
     blocks: int
+    # A closed-form solve starts the head, which then stays fixed while the blocks train:
+    # Fed3R+FT's fixed classifier, stabler under label skew (docs/bodies.md).
+    fixed_head: bool = False
+
+    @property
+    def cut(self) -> tuple[str, tuple[int, ...], int]:
+        """Where the body is cut: what its prefix and tail depend on."""
+        return self.body, tuple(self.frame_shape), self.blocks
 
 
 @runtime_checkable

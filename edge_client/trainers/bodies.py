@@ -23,13 +23,16 @@ import functools
 import importlib
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..errors import ArtifactError, ConfigError
+from .base import BodyTail
 from .zoo import is_module_spec
 
-__all__ = ["BODIES", "build_body_module", "split_body", "TunedModel", "tuned_module"]
+__all__ = ["BODIES", "build_body_module", "split_body", "pretrained_tail", "TunedModel",
+           "tuned_module"]
 
 
 class EfficientNetLite0Body(nn.Module):
@@ -136,6 +139,19 @@ def split_body(name: str, input_shape: tuple[int, ...], blocks: int
     for p in tail.parameters():
         p.requires_grad_(True)
     return prefix.eval(), tail.eval()
+
+
+def pretrained_tail(tail: BodyTail) -> Callable[[np.ndarray], np.ndarray]:
+    """The body's last ``tail.blocks`` blocks as pretrained, frozen, on the CPU: what makes a
+    buffered sample (the activation before them) the body's embedding, on which a
+    closed-form head is solved to start the tuned model (Fed3R+FT).  The shared module, not
+    a copy: it never trains."""
+    _, blocks = _split(*tail.cut)
+
+    def embed(x: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return blocks(torch.from_numpy(np.ascontiguousarray(x, np.float32))).numpy()
+    return embed
 
 
 class TunedModel(nn.Module):

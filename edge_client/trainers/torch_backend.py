@@ -83,6 +83,8 @@ class TorchTrainer:
         self.lr = lr
         self._params = list(module.parameters())
         self.layout = tuple((name, tuple(p.shape)) for name, p in module.named_parameters())
+        # Tensors that ride in the vector but do not train (a tuned body's fixed head).
+        self._fixed = {name for name, p in module.named_parameters() if not p.requires_grad}
 
     @property
     def num_params(self) -> int:
@@ -172,7 +174,7 @@ class TorchTrainer:
             x, y, mask = self._padded([batches[i][step] for i in active])
             idx = torch.tensor(active, device=self.device)
             grads = step_grads({n: params[n][idx] for n in names}, x, y, mask)
-            for n in names:
+            for n in (n for n in names if n not in self._fixed):
                 scale = rates[idx].view(-1, *([1] * (params[n].dim() - 1)))
                 params[n] = params[n].index_add(0, idx, -scale * grads[n])
         out = torch.cat([params[n].reshape(len(starts), -1) for n in names], dim=1)
@@ -243,6 +245,8 @@ def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: flo
 
     module = tuned_module(tail.body, tail.frame_shape, tail.blocks, lambda shape: build_module(
         model, input_shape=shape, num_classes=num_classes, hidden=hidden))
+    for p in module.head.parameters() if tail.fixed_head else ():
+        p.requires_grad_(False)
     if module.input_shape != tuple(input_shape):
         raise ShapeError(f"the body's last {tail.blocks} block(s) take {module.input_shape}, "
                          f"the model was given {tuple(input_shape)}")
