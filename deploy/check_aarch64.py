@@ -498,7 +498,8 @@ def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
 
 
 def _peak_rss(pid: int, field: str = "VmHWM") -> float:
-    """The process's peak RSS in MB (``VmRSS``: its RSS now; 0 where it cannot be read)."""
+    """A process's ``field`` of /proc/PID/status in MB: ``VmHWM``, its peak RSS, or
+    ``VmRSS``, its RSS now (0 where it cannot be read)."""
     with contextlib.suppress(OSError, StopIteration, ValueError):
         status = Path(f"/proc/{pid}/status").read_text().splitlines()
         return int(next(x for x in status if x.startswith(field)).split()[1]) / 1024

@@ -27,7 +27,7 @@ import numpy as np
 from aggregator.central_dp import MECHANISMS, CentralPrivacy, tree_sensitivity
 from aggregator.selection import blas_threads
 from aggregator.server_optimizers import SERVER_OPTIMIZERS
-from edge_client.body import load_body_manifest
+from edge_client.body import body_tail, load_body_manifest
 from edge_client.config import ModelConfig, TrainingSettings, check_range, load_config
 from edge_client.errors import ConfigError
 from edge_client.head_stats import HeadSpec, head_spec
@@ -317,12 +317,12 @@ def experiment_data(cfg: ExperimentConfig) -> Dataset:
 
 
 def _tail(cfg: ExperimentConfig) -> BodyTail | None:
+    """The body's blocks that train, as a field device's [model] makes them (its head fixed
+    where a solve starts it: ``edge_client.body.body_tail``)."""
     if not cfg.train_body_blocks:
         return None
-    folder = body_folder(cfg.body, tuple(cfg.camera_shape), cfg.body_dir)
-    manifest = load_body_manifest(folder)
-    return BodyTail(manifest.factory, manifest.input_shape, cfg.train_body_blocks,
-                    fixed_head=cfg.head_init != "random" and bool(manifest.centre))
+    return body_tail(_field_model(cfg.model, cfg.body, tuple(cfg.camera_shape), cfg.body_dir,
+                                  10, cfg.head_init, cfg.head_resolve, cfg.train_body_blocks))
 
 
 def _head(cfg: ExperimentConfig, classes: int) -> HeadSpec | None:
@@ -337,12 +337,17 @@ def closed_form_head(model: str, body: str, shape: tuple[int, ...], body_dir: st
     would (None: the head starts random)."""
     if head_init == "random" or body == "none":
         return None
-    folder = body_folder(body, shape, body_dir)
-    return head_spec(ModelConfig(name=model, body=body, body_dir=str(folder), input_shape=shape,
-                                 num_classes=classes, head_init=head_init,
-                                 head_resolve=head_resolve,
-                                 train_body_blocks=train_body_blocks, backend="torch"
-                                 if train_body_blocks else "numpy"))
+    return head_spec(_field_model(model, body, shape, body_dir, classes, head_init,
+                                  head_resolve, train_body_blocks))
+
+
+def _field_model(model: str, body: str, shape: tuple[int, ...], body_dir: str, classes: int,
+                 head_init: str, head_resolve: str, train_body_blocks: int) -> ModelConfig:
+    """The [model] table of a field fleet with the body the lab exported (its cache)."""
+    return ModelConfig(name=model, body=body, body_dir=str(body_folder(body, shape, body_dir)),
+                       input_shape=shape, num_classes=classes, head_init=head_init,
+                       head_resolve=head_resolve, train_body_blocks=train_body_blocks,
+                       backend="torch" if train_body_blocks else "numpy")
 
 
 @dataclass(frozen=True)

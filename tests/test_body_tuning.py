@@ -316,8 +316,7 @@ def test_a_tuned_fleet_starts_from_a_head_solved_on_the_pretrained_embeddings(ti
     """Fed3R+FT with tuned blocks: the devices finish each buffered activation with the
     pretrained blocks for their statistics, the cloud solves the head once on them and
     places it after the blocks' pretrained weights; round 0 predicts from that start, and
-    the fleet fine-tunes blocks and head from it (no second solve)."""
-    from edge_client.trainers import BodyTail
+    the fleet tunes the blocks under it, fixed (no second solve)."""
     from lab.datasets import dirichlet_label_skew, embedded
     from lab.experiment import ExperimentConfig, closed_form_head
     from lab.simulation import FleetSpec, run_federation
@@ -330,12 +329,12 @@ def test_a_tuned_fleet_starts_from_a_head_solved_on_the_pretrained_embeddings(ti
                                                            np.random.default_rng(0))),
                      groups=(np.arange(4),), rounds=6, model="linear", backends=("torch",),
                      torch_device="cpu", lr=0.05, eval_samples=300,
-                     tail=BodyTail("split_bodies:make", TINY, 1),
+                     tail=body_tail(_model(tiny)),  # as a field device's: the head fixed
                      head=closed_form_head("linear", "split_bodies:make", TINY, str(tiny), 10,
                                            "ridge", "once", train_body_blocks=1))
     solved = run_federation(data, build_strategy("fedgs", settings), spec)
-    random = run_federation(data, build_strategy("fedgs", settings),
-                            dataclasses.replace(spec, head=None))
+    random = run_federation(data, build_strategy("fedgs", settings), dataclasses.replace(
+        spec, head=None, tail=body_tail(_model(tiny, head_init="random"))))
     assert solved.rows[0]["accuracy"] > 0.45 > 0.25 > random.rows[0]["accuracy"], \
         (solved.rows[0], random.rows[0])
     assert solved.counters["head_solves"] == 1, solved.counters  # once: the blocks move on
