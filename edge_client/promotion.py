@@ -11,17 +11,21 @@ forward pass over the window: the deployed model's are paid once, when it was pr
 and for each sample that arrives after, by its prediction on arrival where one was made.
 
 Judging is lazy (:class:`Promoter`): a candidate waits as the pending one until the next
-labelled samples or the next broadcast, and a newer candidate replaces it unscored, so a
-selected device pays for its merged model only, not for the broadcast it was merged from,
-and one score is paid in ``promote_every`` station iterations.
+labelled samples or the next broadcast, and a newer candidate replaces it unscored, so one
+score is paid in ``promote_every`` station iterations.  One newer candidate does not: a
+selected device's merged model is scored beside the broadcast it was merged from, and the
+better of the two is the candidate.  Judged alone, the merge could keep the broadcast off
+the line: a camera line's devices step a solved head on label bursts of one or two
+classes, and their own models and the merges that keep part of them (the annealed merge,
+early on) predicted one class (docs/sources.md, "Safe promotion").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -39,7 +43,7 @@ CHUNK = 32  # samples a shadow forward pass takes at once: a CNN's buffers grow 
 _UNKNOWN = -1  # a window slot the deployed model has not predicted
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Verdict:
     """A candidate's shadow score: whether it goes into use, its accuracy and the deployed
     model's on the same ``samples`` (None where nothing was compared)."""
@@ -48,6 +52,7 @@ class Verdict:
     shadow_accuracy: float | None = None
     deployed_accuracy: float | None = None
     samples: int = 0
+    choice: int = 0  # which of the candidates scored together was the better
 
 
 class ShadowWindow:
@@ -75,14 +80,15 @@ class ShadowWindow:
         self._x[pos], self._y[pos], self._hits[pos] = x, y, hits
         self._written += len(y)
 
-    def judge(self, trainer: Trainer, candidate: np.ndarray, deployed: np.ndarray,
+    def judge(self, trainer: Trainer, candidates: Sequence[np.ndarray], deployed: np.ndarray,
               margin: float, affordable: Callable[[int], int] = lambda n: n) -> Verdict:
-        """Score ``candidate`` beside ``deployed`` on the window's samples whose deployed
+        """Score ``candidates`` beside ``deployed`` on the window's samples whose deployed
         hits are known, after filling in as many unknown ones (the newest first) as
         ``affordable`` pays for (all of them where nothing limits the line), and up to
         :data:`MIN_EVIDENCE` known in any case.  A slow board predicts few
-        samples on arrival, and filling in the rest doubled each shadow score's cost.  A
-        promoted candidate's hits become the deployed model's."""
+        samples on arrival, and filling in the rest doubled each shadow score's cost.  The
+        verdict is the better candidate's (the first on a tie); a promoted candidate's hits
+        become the deployed model's."""
         n = len(self)
         x, y, hits = self._x[:n], self._y[:n], self._hits[:n]
         unknown = self._newest_first(np.flatnonzero(hits == _UNKNOWN))
@@ -92,9 +98,11 @@ class ShadowWindow:
             some = unknown[:fill]
             hits[some] = _classes(trainer, x[some], deployed) == y[some]
         scored = np.flatnonzero(hits != _UNKNOWN)
-        shadow = _classes(trainer, x[scored], candidate) == y[scored]
+        shadows = [_classes(trainer, x[scored], c) == y[scored] for c in candidates]
+        choice = int(np.argmax([s.mean() for s in shadows]))
+        shadow = shadows[choice]
         verdict = _verdict(float(shadow.mean()), float(hits[scored].mean()), margin,
-                           len(scored))
+                           len(scored), choice)
         if verdict.promoted:
             hits[:] = _UNKNOWN
             hits[scored] = shadow
@@ -120,8 +128,9 @@ def _classes(trainer: Trainer, x: np.ndarray, weights: np.ndarray) -> np.ndarray
                            for i in range(0, len(x), CHUNK)])
 
 
-def _verdict(shadow: float, deployed: float, margin: float, n: int) -> Verdict:
-    return Verdict(shadow >= deployed - margin, shadow, deployed, n)
+def _verdict(shadow: float, deployed: float, margin: float, n: int, choice: int = 0
+             ) -> Verdict:
+    return Verdict(shadow >= deployed - margin, shadow, deployed, n, choice)
 
 
 Holdout = Callable[[], tuple[np.ndarray, np.ndarray]]
@@ -141,7 +150,8 @@ class Promoter:
         self.window = (ShadowWindow(config.promote_window, sample_shape)
                        if config.promote == "not_worse" else None)
         self.last_verdict = Verdict(True)
-        self._pending: tuple[m.StationModel, np.ndarray, bool] | None = None  # and merged
+        # The candidate's model, its weights (a merge's, then its broadcast's) and merged
+        self._pending: tuple[m.StationModel, list[np.ndarray], bool] | None = None
         self._scored_at = -1 << 62  # station iteration of the last scored candidate
         self._refused_in_a_row = 0
         # What a candidate becomes before it is judged: the device's personal head beside
@@ -151,12 +161,18 @@ class Promoter:
     def offer(self, model: m.StationModel, weights: np.ndarray, deployed: bool,
               merged: bool = False) -> bool:
         """``weights`` of ``model``'s round (a broadcast, or, ``merged``, the device's merge
-        of it) are the newest candidate; an older one not yet judged is passed over.
+        of it) are the newest candidate; an older one not yet judged is passed over, but
+        for the broadcast a merge came from, which is scored beside it (see the module).
         Whether to judge it at once: nothing to compare (no window, nothing ``deployed``)
         or a final model."""
+        beside: list[np.ndarray] = []
         if self._pending is not None:
-            self.counters["promotions.waiting"] += 1
-        self._pending = (model, weights, merged)
+            was, kept, was_merged = self._pending
+            if merged and not was_merged and was.iteration == model.iteration:
+                beside = kept
+            else:
+                self.counters["promotions.waiting"] += 1
+        self._pending = (model, [weights, *beside], merged)
         return self.window is None or not deployed or model.final
 
     def judge(self, trainer: Trainer, deployed: np.ndarray | None, holdout: Holdout,
@@ -166,7 +182,7 @@ class Promoter:
         ``affordable``: how many of the window's unknown deployed hits may be filled in."""
         if self._pending is None:
             return None
-        model, weights, merged = self._pending
+        model, candidates, merged = self._pending
         scored = self.window is not None and deployed is not None
         # The merge of an iteration whose broadcast was judged already is due as well:
         # samples that came between the two must not keep the device's own model out.
@@ -175,35 +191,40 @@ class Promoter:
             return None
         self._pending = None
         if self.personalise is not None:
-            weights = self.personalise(weights)
+            candidates = [self.personalise(w) for w in candidates]
         if scored:
             self._scored_at = model.iteration
-        verdict = self.last_verdict = (self._verdict(trainer, weights, deployed, holdout,
+        verdict = self.last_verdict = (self._verdict(trainer, candidates, deployed, holdout,
                                                      affordable)
                                        if deployed is not None and scored else Verdict(True))
         if verdict.promoted:
             self.counters["promotions"] += 1
+            # the broadcast scored better than the device's merge of it
+            self.counters["promotions.broadcast_over_merge"] += verdict.choice > 0
             self._refused_in_a_row = 0
-            return model, weights
+            return model, candidates[verdict.choice]
         self.counters["promotions_refused"] += 1
         self._refused_in_a_row += 1
         say = log.warning if self._refused_in_a_row == 1 else log.debug  # once a streak
-        say("device %s: the model of round %d (iteration %d) scored %.3f on %d recent "
+        say("device %s: the model of round %d (iteration %d)%s scored %.3f on %d recent "
             "samples, the deployed one %.3f: the line keeps the deployed one", self.name,
-            model.round, model.iteration, verdict.shadow_accuracy, verdict.samples,
-            verdict.deployed_accuracy)
+            model.round, model.iteration,
+            " (the better of its merge and the broadcast)" if len(candidates) > 1 else "",
+            verdict.shadow_accuracy, verdict.samples, verdict.deployed_accuracy)
         return None
 
-    def _verdict(self, trainer: Trainer, weights: np.ndarray, deployed: np.ndarray,
+    def _verdict(self, trainer: Trainer, candidates: list[np.ndarray], deployed: np.ndarray,
                  holdout: Holdout, affordable: Callable[[int], int]) -> Verdict:
         """On the recent labelled samples, or the held-out slice while too few have
         arrived; promoted unscored where no evidence exists (``promotions.unscored``)."""
         assert self.window is not None
         margin = self.config.promote_margin
         if len(self.window) >= min(MIN_EVIDENCE, self.window.size):
-            return self.window.judge(trainer, weights, deployed, margin, affordable)
+            return self.window.judge(trainer, candidates, deployed, margin, affordable)
         hx, hy = holdout()
         if len(hy) >= MIN_EVIDENCE:
-            return judge_on(trainer, hx, hy, weights, deployed, margin)
+            verdicts = [judge_on(trainer, hx, hy, w, deployed, margin) for w in candidates]
+            best = int(np.argmax([v.shadow_accuracy or 0.0 for v in verdicts]))
+            return dataclasses.replace(verdicts[best], choice=best)
         self.counters["promotions.unscored"] += 1
         return Verdict(True)

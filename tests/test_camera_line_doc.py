@@ -78,6 +78,24 @@ def _metrics(port: int) -> dict[str, float]:
     return {f.group(1): float(f.group(2)) for f in found if f}
 
 
+def _diagnosis(device_ports: dict[str, int], var: Path) -> str:
+    """What a device that did not learn says of its joins and promotions: its metrics on
+    label lag, promotions and the deployed model, and its log's warnings and lag changes."""
+    out = []
+    for device, port in device_ports.items():
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+        except OSError as exc:
+            text = str(exc).encode()
+        out += [f"== {device}"] + [line for line in text.decode().split("\n") if re.search(
+            "promotion|label_lag|label_joined|label_unmatched|deployed|shadow", line)
+            and not line.startswith("#")]
+        log = var / f"{device}.log"
+        out += [line[:300] for line in (log.read_text() if log.exists() else "").split("\n")
+                if "WARNING" in line or " lag" in line]
+    return "\n".join(out)
+
+
 def _learnt(curve: list[tuple[float, dict[str, tuple[float, float]]]], device: str) -> bool:
     """From its first 50 labelled frames to now, the device rose 0.2 and is at the target.
 
@@ -176,6 +194,7 @@ def test_camera_line_md_runs_as_written(digits):
         out = run_block(localise(watch, root).replace(
             "127.0.0.1:9103/", f"127.0.0.1:{device_ports['cam-01']}/"), work)
         status = out.stdout + out.stderr
+        diagnosis = _diagnosis(device_ports, var)
         logs = {p.name: p.read_text() for p in var.glob("*.log")}
     finally:
         conveyor.stop()
@@ -204,7 +223,7 @@ def test_camera_line_md_runs_as_written(digits):
     shutil.rmtree(root, ignore_errors=True)
     assert {p["device"] for p in seen} == set(device_ports), "predictions from both cameras"
     for device in device_ports:
-        assert _learnt(curve, device), (device, curve)
+        assert _learnt(curve, device), f"{device} did not learn:\n{diagnosis}"
     assert out.returncode == 0, status
     assert "devices online: 2 of 2" in status and "ERROR" not in status, status
     assert "safl_prequential_accuracy" in status and "safl_body_ms_per_frame" in status, status

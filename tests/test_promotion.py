@@ -112,7 +112,7 @@ def test_one_candidate_is_scored_in_promote_every_iterations(digits):
     assert dev.counters["promotions_refused"] == 1 and dev.line.deployable_iteration == 11
 
 
-def test_a_selected_device_scores_its_merged_model_not_the_broadcast_too(digits):
+def test_a_selected_device_scores_its_merged_model_beside_the_broadcast_only(digits):
     dev = _device("not_worse")
     dev.handle(_model(_trained(digits), 0), 0.0)  # nothing deployed: in, unscored
     _stream(dev, digits, 0, 100)
@@ -123,9 +123,36 @@ def test_a_selected_device_scores_its_merged_model_not_the_broadcast_too(digits)
                                members=("d0",), deadline=1e9), 0.0)
         _stream(dev, digits, 100 + 20 * it, 120 + 20 * it)
     scored = dev.counters["promotions"] + dev.counters["promotions_refused"] - 1
-    # One score an iteration, of the merged model; each broadcast was passed over for it.
-    assert scored == 5 and dev.counters["promotions.waiting"] == 5
+    # One verdict an iteration, on the merged model and the broadcast it came from: none
+    # was passed over.
+    assert scored == 5 and dev.counters["promotions.waiting"] == 0
     assert dev.counters["uploads"] + dev.counters["skipped.gate"] == 5
+
+
+@pytest.mark.parametrize("merge_is", ["bad", "good"])
+def test_the_better_of_a_merge_and_its_broadcast_goes_into_use(digits, merge_is):
+    """A camera line's devices step a solved head on bursts of one class: their merges
+    predicted one class, and judged alone they kept the broadcast's solve off the line."""
+    dev = _device("not_worse", promote_every=10)
+    first = _trained(digits, steps=3)  # a poor model in use: the merges would beat it
+    dev.handle(_model(first, 0), 0.0)
+    _stream(dev, digits, 0, 100)
+    good = _trained(digits, steps=120)
+    one_class = _trained(digits, labels=np.zeros(600, np.int64), steps=20)
+    broadcast, merge = (good, one_class) if merge_is == "bad" else (one_class, good)
+    promoter = dev.line.promoter
+    assert not promoter.offer(_model(broadcast, 10), broadcast, deployed=True)
+    assert not promoter.offer(_model(broadcast, 10), merge, deployed=True, merged=True)
+    _stream(dev, digits, 100, 120)  # the next labels: judged
+    assert dev.line.deployable_iteration == 10
+    assert np.array_equal(dev.line.deployable, good)
+    assert dev.line.last_verdict.shadow_accuracy > 0.8
+    assert dev.counters["promotions.broadcast_over_merge"] == (merge_is == "bad")
+    assert dev.counters["promotions.waiting"] == 0
+    later = _trained(digits, steps=130)
+    promoter.offer(_model(later, 20), later, deployed=True)  # a broadcast after the merge:
+    promoter.offer(_model(one_class, 21), one_class, deployed=True, merged=True)  # passed over
+    assert dev.counters["promotions.waiting"] == 1
 
 
 def test_the_held_out_slice_judges_while_no_labels_have_arrived(digits):
@@ -215,11 +242,11 @@ def test_a_candidate_exactly_at_the_margin_is_promoted_and_one_sample_below_is_n
     y2 = y.copy()
     y2[:1] = 1 - label  # the candidate predicts `label` everywhere: 49 of 50 now
     w._y[:] = y2
-    assert w.judge(trainer, candidate, deployed, margin=0.02).promoted  # 0.98 = 1.0 - 0.02
+    assert w.judge(trainer, [candidate], deployed, margin=0.02).promoted  # 0.98 = 1.0 - 0.02
     w.add(x, y, np.full(50, label))
     y2[:2] = 1 - label
     w._y[:] = y2
-    assert not w.judge(trainer, candidate, deployed, margin=0.02).promoted  # 0.96
+    assert not w.judge(trainer, [candidate], deployed, margin=0.02).promoted  # 0.96
 
 
 def test_a_shadow_score_fills_in_only_the_deployed_hits_its_budget_pays_for(digits):
@@ -239,14 +266,14 @@ def test_a_shadow_score_fills_in_only_the_deployed_hits_its_budget_pays_for(digi
 
     w = ShadowWindow(200, (8, 8))
     w.add(x, y, predicted)
-    verdict = w.judge(trainer, flat, flat, 0.02, affordable)
+    verdict = w.judge(trainer, [flat], flat, 0.02, affordable)
     assert asked == [160] and verdict.samples == 50
     assert (w._hits[-50:] != -1).all() and (w._hits[:150] == -1).all()  # the newest filled
-    assert w.judge(trainer, flat, flat, 0.02).samples == 200  # unlimited: all of them
+    assert w.judge(trainer, [flat], flat, 0.02).samples == 200  # unlimited: all of them
     few = ShadowWindow(200, (8, 8))
     few.add(x, y, np.where(np.arange(200) < 190, NOT_PREDICTED, predicted))
     asked.clear()
-    assert few.judge(trainer, flat, flat, 0.02, affordable).samples == MIN_EVIDENCE
+    assert few.judge(trainer, [flat], flat, 0.02, affordable).samples == MIN_EVIDENCE
 
 
 def test_the_deployed_round_and_shadow_accuracy_travel_in_stats_and_are_checked(digits):

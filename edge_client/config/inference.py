@@ -27,8 +27,9 @@ class InferenceConfig:
     use only if its accuracy on the last ``promote_window`` labelled samples is at least
     the deployed model's less ``promote_margin``, and scores one candidate in
     ``promote_every`` station iterations (the newest when labelled samples next arrive
-    once they have passed; a candidate costs a forward pass over the window, the rest are
-    passed over); "always" uses every model that arrives.  ``budget`` is the share of the
+    once they have passed, and beside a selected device's merge the broadcast it merged,
+    the better of the two going in; a candidate costs a forward pass over the window, the
+    rest are passed over); "always" uses every model that arrives.  ``budget`` is the share of the
     device's time its predictions and shadow scores may take (``PredictionBudget``).
     """
 
