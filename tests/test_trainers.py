@@ -73,26 +73,36 @@ def test_trainers_evaluate_a_given_vector_without_swapping(digits, model, backen
     evaluates_as_if_loaded(tr, digits.x_test[:200], digits.y_test[:200])
 
 
-def test_a_numpy_cnn_evaluates_the_held_out_slice_in_bounded_memory():
-    """The upload gate and the device-local accuracy score 256 held-out samples.  In one pass
-    small_cnn's im2col columns for them took 100 MB (a 90 MB device peaked at 234 MB);
-    chunked, the pass holds at most EVAL_WORKSPACE of them, and the figures are the same."""
+def test_a_numpy_cnn_evaluates_and_predicts_in_bounded_memory():
+    """The upload gate and the device-local accuracy score 256 held-out samples, and a
+    replaying device predicts up to 256 drained ones.  In one pass small_cnn's im2col
+    columns for them took 100 MB (a 90 MB device peaked at 234 MB; the emulated Pi's demo
+    device reached its 200 MB bound); chunked, a pass holds at most EVAL_WORKSPACE of them,
+    and the figures are the same."""
     import tracemalloc
 
+    from edge_client.inference import predict
     from edge_client.trainers.numpy_cnn import EVAL_WORKSPACE
 
     trainer = build_trainer("small_cnn", backend="numpy", input_shape=(1, 28, 28),
                             num_classes=10, lr=0.1, seed=0)
     rng = np.random.default_rng(0)
     x, y = rng.random((256, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, 256)
-    whole = trainer.logits(x)
-    tracemalloc.start()
-    try:
-        loss, acc = trainer.evaluate(x, y)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 2 * EVAL_WORKSPACE, peak  # columns, a layer's output and the logits
+    whole = np.concatenate([trainer.logits(x[i:i + 1]) for i in range(256)])
+    peaks = []
+    for call in (lambda: trainer.evaluate(x, y), lambda: predict(trainer, x, trainer.get_flat())):
+        tracemalloc.start()
+        try:
+            out = call()
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        if len(peaks) == 1:
+            loss, acc = out
+        else:
+            assert np.array_equal(out[0], whole.argmax(1))
+    # columns, a layer's output and the logits
+    assert max(peaks) < 2 * EVAL_WORKSPACE, peaks
     assert acc == float((whole.argmax(1) == y).mean())
     shifted = whole - whole.max(axis=1, keepdims=True)
     logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))

@@ -32,7 +32,7 @@ class FlatParameters:
 
     layout: tuple[tuple[str, tuple[int, ...]], ...]
     input_shape: tuple[int, ...]
-    eval_chunk: int | None = None  # samples a forward pass takes at most when evaluating
+    eval_chunk: int | None = None  # samples a forward pass (logits) takes at most
 
     def _allocate(self, layout: list[tuple[str, tuple[int, ...]]], fan_ins: list[int],
                   seed: int) -> None:
@@ -74,9 +74,7 @@ class FlatParameters:
         y = np.asarray(y)
         if len(y) == 0:
             return float("nan"), float("nan")
-        step = self.eval_chunk or len(y)
-        logits = np.concatenate([self.logits(x[i:i + step], weights)
-                                 for i in range(0, len(y), step)])
+        logits = self.logits(x, weights)  # in chunks of eval_chunk where the model has one
         loss, _ = softmax_xent(logits, y)
         return loss, float((logits.argmax(axis=1) == y).mean())
 
