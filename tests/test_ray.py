@@ -39,7 +39,20 @@ strategies = ["fedgs", "safl_fedgs", "fedavg"]
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    """A local Ray node.  Ray waits a fixed 30 s for its raylet to register; make test runs
+    this tier at nice 19 beside the camera tests, and once in a clean-clone run both of this
+    module's starts ran past it ("The current node timed out during startup"): a second
+    start is given where the first ran out of time."""
+    for attempt in (1, 2):
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False,
+                     logging_level="ERROR")
+            break
+        except Exception as exc:  # Ray raises a bare Exception for this
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+            print(f"ray.init: {exc}; starting the node again", file=sys.stderr)
     yield
     ray.shutdown()
 
