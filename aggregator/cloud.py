@@ -160,8 +160,8 @@ class Cloud(RoleBase[CloudState]):
             self.deadline = min(self.deadline, now + self.config.head_join_wait)
             if now < self.deadline:
                 return []
-        if self.heads is not None and self.heads.solve(again=False) is not None:
-            self.weights = self.heads.into(self.weights)
+        if self.heads is not None:
+            self.weights = self.heads.first(self.weights)
         return self._broadcast(self.next_state(_E.STATIONS_JOINED), now)
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
@@ -285,8 +285,8 @@ class Cloud(RoleBase[CloudState]):
             # The head is the latest solve, whether or not statistics came this round: SGD
             # rounds between two solves took a FedAvg fleet's head from 0.86 to 0.61.
             self.weights = self.heads.latest(self.weights)
-        elif self.heads is not None and self.heads.solve(again=False) is not None:
-            self.weights = self.heads.into(self.weights)
+        elif self.heads is not None:
+            self.weights = self.heads.first(self.weights)
         if self.heads is not None and self._updates and not self.heads.total.n:
             self._no_head_stats()
         self._updates, self._fold = {}, self._new_fold()

@@ -108,6 +108,11 @@ class HeadLedger:
         self.solve(again=True)
         return otherwise if self.head is None else self.into(otherwise)
 
+    def first(self, weights: np.ndarray) -> np.ndarray:
+        """``weights`` with the head where the first solve is due now, else as they are
+        (``resolve = "once"``: later rounds keep what the fleet made of it)."""
+        return weights if self.solve(again=False) is None else self.into(weights)
+
     def into(self, weights: np.ndarray) -> np.ndarray:
         """``weights`` with the last solve as their head: the head's tensors come last in
         the flat layout, so for a head on a frozen body this is the whole model, and where

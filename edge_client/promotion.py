@@ -22,10 +22,10 @@ early on) predicted one class (docs/sources.md, "Safe promotion").
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,7 +43,7 @@ CHUNK = 32  # samples a shadow forward pass takes at once: a CNN's buffers grow 
 _UNKNOWN = -1  # a window slot the deployed model has not predicted
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Verdict:
     """A candidate's shadow score: whether it goes into use, its accuracy and the deployed
     model's on the same ``samples`` (None where nothing was compared)."""
@@ -98,9 +98,7 @@ class ShadowWindow:
             some = unknown[:fill]
             hits[some] = _classes(trainer, x[some], deployed) == y[some]
         scored = np.flatnonzero(hits != _UNKNOWN)
-        shadows = [_classes(trainer, x[scored], c) == y[scored] for c in candidates]
-        choice = int(np.argmax([s.mean() for s in shadows]))
-        shadow = shadows[choice]
+        choice, shadow = _better(trainer, x[scored], y[scored], candidates)
         verdict = _verdict(float(shadow.mean()), float(hits[scored].mean()), margin,
                            len(scored), choice)
         if verdict.promoted:
@@ -114,13 +112,21 @@ class ShadowWindow:
         return slots[np.argsort(age, kind="stable")]
 
 
-def judge_on(trainer: Trainer, x: np.ndarray, y: np.ndarray, candidate: np.ndarray,
-             deployed: np.ndarray, margin: float) -> Verdict:
-    """Score ``candidate`` beside ``deployed`` on samples kept for nothing else (the
-    held-out slice)."""
-    shadow = float(np.mean(_classes(trainer, x, candidate) == y))
-    return _verdict(shadow, float(np.mean(_classes(trainer, x, deployed) == y)), margin,
-                    len(y))
+def judge_on(trainer: Trainer, x: np.ndarray, y: np.ndarray,
+             candidates: Sequence[np.ndarray], deployed: np.ndarray, margin: float) -> Verdict:
+    """Score ``candidates`` beside ``deployed`` on samples kept for nothing else (the
+    held-out slice); the verdict is the better candidate's."""
+    choice, shadow = _better(trainer, x, y, candidates)
+    return _verdict(float(shadow.mean()), float(np.mean(_classes(trainer, x, deployed) == y)),
+                    margin, len(y), choice)
+
+
+def _better(trainer: Trainer, x: np.ndarray, y: np.ndarray, candidates: Sequence[np.ndarray]
+            ) -> tuple[int, np.ndarray]:
+    """The candidate that classifies more of ``x`` right (the first on a tie), and its hits."""
+    hits = [_classes(trainer, x, c) == y for c in candidates]
+    choice = int(np.argmax([h.mean() for h in hits]))
+    return choice, hits[choice]
 
 
 def _classes(trainer: Trainer, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -223,8 +229,6 @@ class Promoter:
             return self.window.judge(trainer, candidates, deployed, margin, affordable)
         hx, hy = holdout()
         if len(hy) >= MIN_EVIDENCE:
-            verdicts = [judge_on(trainer, hx, hy, w, deployed, margin) for w in candidates]
-            best = int(np.argmax([v.shadow_accuracy or 0.0 for v in verdicts]))
-            return dataclasses.replace(verdicts[best], choice=best)
+            return judge_on(trainer, hx, hy, candidates, deployed, margin)
         self.counters["promotions.unscored"] += 1
         return Verdict(True)

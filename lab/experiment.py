@@ -321,8 +321,9 @@ def _tail(cfg: ExperimentConfig) -> BodyTail | None:
     where a solve starts it: ``edge_client.body.body_tail``)."""
     if not cfg.train_body_blocks:
         return None
+    classes = 10  # a [model] table needs some; where the body is cut does not depend on them
     return body_tail(_field_model(cfg.model, cfg.body, tuple(cfg.camera_shape), cfg.body_dir,
-                                  10, cfg.head_init, cfg.head_resolve, cfg.train_body_blocks))
+                                  classes, cfg.head_init, cfg.head_resolve, cfg.train_body_blocks))
 
 
 def _head(cfg: ExperimentConfig, classes: int) -> HeadSpec | None:

@@ -273,7 +273,8 @@ class Factory:
             x, y = dev.buffer.holdout()
             if dev.head is None or dev.head.personal is None or weights is None or not len(y):
                 continue
-            verdict = judge_on(dev.trainer, x, y, dev.head.personal_head(weights), weights, 0.0)
+            verdict = judge_on(dev.trainer, x, y, [dev.head.personal_head(weights)], weights,
+                              0.0)
             out.append((verdict.deployed_accuracy or 0.0, verdict.shadow_accuracy or 0.0))
         return out
 

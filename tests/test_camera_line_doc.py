@@ -69,12 +69,16 @@ def _fleet_file(text: str, root: Path, ports: dict[str, int], cameras: list[str]
     return fleet
 
 
-def _metrics(port: int) -> dict[str, float]:
+def _scrape(port: int) -> str:
+    """A device's /metrics page ("" where it cannot be read)."""
     try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
     except OSError:
-        return {}
-    found = (re.match(r"^(\w+)(?:\{[^}]*\})? (\S+)$", line) for line in text.decode().split("\n"))
+        return ""
+
+
+def _metrics(port: int) -> dict[str, float]:
+    found = (re.match(r"^(\w+)(?:\{[^}]*\})? (\S+)$", line) for line in _scrape(port).split("\n"))
     return {f.group(1): float(f.group(2)) for f in found if f}
 
 
@@ -83,11 +87,7 @@ def _diagnosis(device_ports: dict[str, int], var: Path) -> str:
     label lag, promotions and the deployed model, and its log's warnings and lag changes."""
     out = []
     for device, port in device_ports.items():
-        try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read()
-        except OSError as exc:
-            text = str(exc).encode()
-        out += [f"== {device}"] + [line for line in text.decode().split("\n") if re.search(
+        out += [f"== {device}"] + [line for line in _scrape(port).split("\n") if re.search(
             "promotion|label_lag|label_joined|label_unmatched|deployed|shadow", line)
             and not line.startswith("#")]
         log = var / f"{device}.log"

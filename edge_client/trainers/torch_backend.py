@@ -168,13 +168,14 @@ class TorchTrainer:
             return (per_sample * mask).sum() / mask.sum()
 
         step_grads = vmap(grad(loss))
+        trained = [n for n in names if n not in self._fixed]
         self.module.train()
         for step in range(max((len(b) for b in batches), default=0)):
             active = [i for i, b in enumerate(batches) if len(b) > step]
             x, y, mask = self._padded([batches[i][step] for i in active])
             idx = torch.tensor(active, device=self.device)
             grads = step_grads({n: params[n][idx] for n in names}, x, y, mask)
-            for n in (n for n in names if n not in self._fixed):
+            for n in trained:
                 scale = rates[idx].view(-1, *([1] * (params[n].dim() - 1)))
                 params[n] = params[n].index_add(0, idx, -scale * grads[n])
         out = torch.cat([params[n].reshape(len(starts), -1) for n in names], dim=1)
@@ -245,8 +246,8 @@ def build(model: str, *, input_shape: tuple[int, ...], num_classes: int, lr: flo
 
     module = tuned_module(tail.body, tail.frame_shape, tail.blocks, lambda shape: build_module(
         model, input_shape=shape, num_classes=num_classes, hidden=hidden))
-    for p in module.head.parameters() if tail.fixed_head else ():
-        p.requires_grad_(False)
+    if tail.fixed_head:
+        module.head.requires_grad_(False)
     if module.input_shape != tuple(input_shape):
         raise ShapeError(f"the body's last {tail.blocks} block(s) take {module.input_shape}, "
                          f"the model was given {tuple(input_shape)}")
