@@ -294,6 +294,11 @@ class ReplayGuard:
         if self._start[0] is not start:  # every member of a super node starts from one w^m
             self._start = (start, self.sketch(start))
         step = float(np.linalg.norm(z - self._start[1]))
+        if step == 0:
+            # The model it was sent, unchanged: a device whose every sample its head already
+            # scores with certainty (a solved LDA head's softmax on a device's own classes)
+            # takes a zero step, twice alike; it repeats nothing, and fusing it moves nothing.
+            return True, float("inf")
         recent = self.recent.setdefault(device, deque(maxlen=self.depth))
         nearest = min((float(np.linalg.norm(z - r)) for r in recent), default=float("inf"))
         ratio = nearest / step if step > 0 else (0.0 if nearest == 0 else float("inf"))

@@ -1,5 +1,5 @@
 """Closed-form heads from what the fleet has seen: the statistics a device accumulates on its
-body's embeddings, how they travel and are checked, and the solves (Fed3R, FedNCM).
+body's embeddings, how they travel and are checked; the solves are ``head_solves.py``.
 
 A linear head on a frozen body is a ridge regression away from its data: with ``z`` an
 embedding centred by the body's constant, clipped to norm ``clip`` and given a bias column,
@@ -8,19 +8,18 @@ needs, and they are sums.  A device adds each labelled frame once, at ingest; a 
 its devices' increments, the cloud its stations'; the head solved from the sum is the one a
 centralised solve on every frame would give, whatever the label skew and the arrival order
 (Fani et al., ICML 2024, "Accelerating heterogeneous federated learning with closed-form
-classifiers").  ``ncm`` sends only ``B`` and the counts: the class means (Legate et al.,
-NeurIPS 2023), a cosine classifier.
+classifiers").  ``lda`` solves the same sums as a discriminant with equal class priors, so
+that a product with a few frames among thousands is learnt from them; ``ncm`` sends only
+``B`` and the counts: the class means (Legate et al., NeurIPS 2023), a cosine classifier.
 
-The solve centres by the sums' own mean (an unpenalised bias, exactly), so the body's constant
-only keeps the clip meaningful and float32 increments precise.  lambda is chosen by
-generalised cross-validation from the statistics alone (:func:`gcv_lambda`): no data leaves a
-device to tune it.  Everything here is numpy; a device with a body imports it.
+The solves centre by the sums' own mean (an unpenalised bias, exactly), so the body's
+constant only keeps the clip meaningful and float32 increments precise.  Everything here is
+numpy; a device with a body imports it.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,19 +29,16 @@ import numpy as np
 from . import messages as m
 from .body import BODY_MANIFEST, body_manifest
 from .errors import ConfigError, MessageError
+from .head_solves import NCM_SCALE, head_vector, solve_lda, solve_ncm, solve_ridge
 
-__all__ = ["HEAD_KINDS", "HeadSpec", "HeadStatsPath", "head_spec", "HeadSums", "augment",
-           "solve_ridge", "solve_ncm", "gcv_lambda", "head_vector", "check_claim",
-           "triangle_size", "NCM_SCALE"]
+__all__ = ["HEAD_KINDS", "GRAM_KINDS", "HeadSpec", "HeadStatsPath", "head_spec", "HeadSums",
+           "augment", "check_claim", "triangle_size"]
 
 log = logging.getLogger(__name__)
 
-HEAD_KINDS = ("ridge", "ncm")
-# A cosine classifier's scores lie in [-1, 1]; softmax over them is nearly flat, so the head
-# fine-tuned from it starts this sharp (a temperature of 0.1, as FedNCM's cosine head uses).
-NCM_SCALE = 10.0
+HEAD_KINDS = ("lda", "ridge", "ncm")
+GRAM_KINDS = ("lda", "ridge")  # the solves whose statistics carry the Gram
 Embed = Callable[[np.ndarray], np.ndarray]  # buffered samples to the body's embeddings
-_LAMBDAS = np.logspace(-5, 1, 31)  # relative to the mean eigenvalue of the centred Gram
 
 
 def triangle_size(n: int) -> int:
@@ -75,7 +71,7 @@ class HeadSums:
     @classmethod
     def zeros(cls, d: int, classes: int, *, kind: str = "ridge",
               dtype: type = np.float64) -> HeadSums:
-        gram: np.ndarray = np.zeros((d + 1, d + 1) if kind == "ridge" else (0, 0), dtype)
+        gram: np.ndarray = np.zeros((d + 1, d + 1) if kind in GRAM_KINDS else (0, 0), dtype)
         return cls(gram, np.zeros((d + 1, classes), dtype), np.zeros(classes, dtype))
 
     @property
@@ -174,84 +170,9 @@ def check_claim(s: HeadSums, clip: float, *, tolerance: float = 1e-3) -> None:
                            f"exceeds {n} rows of norm {clip}")
 
 
-def _centred(s: HeadSums) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The Gram and cross term centred by the sums' own mean (an unpenalised bias), that
-    mean, and the class frequencies."""
-    d, n = s.cross.shape[0] - 1, max(s.n, 1)
-    mean = s.gram[d, :d] / n if s.has_gram else s.cross[:d].sum(axis=1) / n
-    freq = s.counts / n
-    cross = s.cross[:d] - np.outer(mean, s.counts)
-    gram = s.gram[:d, :d] - n * np.outer(mean, mean) if s.has_gram else np.zeros((0, 0))
-    return gram, cross, mean, freq
-
-
-def gcv_lambda(eig: np.ndarray, q2: np.ndarray, n: int, yy: float) -> float:
-    """The ridge penalty minimising generalised cross-validation, from the centred Gram's
-    eigenvalues ``eig``, the squared norms ``q2`` of the cross term's rows in its eigenbasis,
-    the sample count and ``tr(Y^T Y)`` of the centred one-hot targets: all statistics.
-
-    The residual is split into the part no penalty changes (outside the embeddings' span)
-    and the penalty's part, each a sum of positives, so it stays exact where the rows are
-    fewer than the features; the bias counts as a degree of freedom, without which GCV
-    degenerates to no penalty there (both its terms go to zero)."""
-    live = eig > max(float(eig.max(initial=0.0)), 1e-30) * 1e-10
-    e, q = eig[live], q2[live]
-    outside = max(yy - float((q / e).sum()), 0.0)
-    scale = max(float(eig.sum()) / max(len(eig), 1), 1e-12)
-    best, best_score = float(_LAMBDAS[-1] * scale), math.inf
-    for rel in _LAMBDAS:
-        lam = float(rel * scale)
-        rss = outside + float((q * lam * lam / (e * (e + lam) ** 2)).sum())
-        free = n - 1 - float((e / (e + lam)).sum())
-        if free <= 0:
-            continue
-        score = n * rss / (free * free)
-        if score < best_score:
-            best, best_score = lam, score
-    return best
-
-
-def solve_ridge(s: HeadSums, lam: float | None = None
-                ) -> tuple[np.ndarray, np.ndarray, float]:
-    """The ridge head ``(W (classes, d), b (classes,), lambda)`` on the sums' rows, its
-    bias unpenalised; ``lam`` None: chosen by :func:`gcv_lambda`."""
-    if not s.has_gram:
-        raise ValueError("a ridge head needs the Gram: these sums are class means only")
-    gram, cross, mean, freq = _centred(s)
-    eig, vecs = np.linalg.eigh(gram)
-    q = vecs.T @ cross
-    if lam is None:
-        yy = float(s.n - (s.counts.astype(np.float64) ** 2).sum() / max(s.n, 1))
-        lam = gcv_lambda(eig, (q ** 2).sum(axis=1), s.n, yy)
-    w = vecs @ (q / (np.maximum(eig, 0.0) + lam)[:, None])  # (d, classes)
-    bias = freq - mean @ w
-    return w.T, bias, lam
-
-
-def solve_ncm(s: HeadSums) -> tuple[np.ndarray, np.ndarray]:
-    """The nearest-class-mean head: each seen class's mean (centred by the sums' mean),
-    normalised; a class never seen scores lowest."""
-    _, cross, mean, _ = _centred(s)
-    seen = s.counts > 0
-    means = np.zeros_like(cross)
-    means[:, seen] = cross[:, seen] / s.counts[seen]
-    norms = np.linalg.norm(means, axis=0)
-    w = np.where(norms > 0, means / np.maximum(norms, 1e-12), 0.0).T * NCM_SCALE
-    bias = -(w @ mean)
-    bias[~seen] = -NCM_SCALE * 2  # below any seen class's cosine
-    return w, bias
-
-
-def head_vector(w: np.ndarray, bias: np.ndarray, centre: np.ndarray) -> np.ndarray:
-    """A solved head as the linear head's flat float32 vector (``fc.weight`` then
-    ``fc.bias``), acting on raw embeddings: the body's centring folded into the bias."""
-    return np.concatenate([w.astype(np.float32).ravel(),
-                           (bias - w @ centre).astype(np.float32)])
-
-
 @dataclass(frozen=True)
 class HeadSpec:
-    """A federation's closed-form head: ``kind`` (``ridge`` or ``ncm``), on ``features``
+    """A federation's closed-form head: ``kind`` (``lda``, ``ridge`` or ``ncm``), on ``features``
     embedding features and ``classes`` classes, the body's ``centre`` and ``clip``, and
     ``resolve``: ``every`` (each round's solve replaces the head) or ``once``."""
 
@@ -274,12 +195,12 @@ class HeadSpec:
         if self.kind == "ncm":
             w, b = solve_ncm(s)
         else:
-            w, b, _ = solve_ridge(s)
+            w, b, _ = (solve_lda if self.kind == "lda" else solve_ridge)(s)
         return head_vector(w, b, self.centre) * np.float32(self.scale)
 
     def unpack(self, msg: m.HeadStats) -> HeadSums:
         """A message's sums, checked against its counts (:func:`check_claim`)."""
-        if (msg.gram.size > 0) != (self.kind == "ridge"):
+        if (msg.gram.size > 0) != (self.kind in GRAM_KINDS):
             has = "with" if msg.gram.size else "without"
             raise MessageError("wrong_kind", f"head statistics {has} a Gram, the federation's "
                                f"head is {self.kind}")

@@ -13,7 +13,7 @@ in them, so that slice still judges the head honestly) and the global head it wa
 It is the solve of "the global statistics plus its own" with the fleet's Gram, which no
 device holds (6.6 MB a round to every device), replaced by ``lambda I`` about the global
 head.  lambda is chosen by generalised cross-validation on the device's own sums against
-the global head's residual (:func:`~edge_client.head_stats.gcv_lambda`): a device that has
+the global head's residual (:func:`~edge_client.head_solves.gcv_lambda`): a device that has
 seen a few frames keeps close to the global head, one that has seen many of a few classes
 fits them.  The head is for the device's predictions only (safe promotion decides whether
 it goes into use, ``promotion.py``); training and uploads keep the federation's weights.
@@ -30,7 +30,8 @@ import numpy as np
 
 from .errors import ConfigError, MessageError
 from .files import write_atomic
-from .head_stats import HeadSpec, HeadSums, gcv_lambda, head_vector
+from .head_solves import gcv_lambda, head_vector
+from .head_stats import HeadSpec, HeadSums
 
 __all__ = ["PersonalHead", "attach_personal", "PERSONAL_FILE"]
 

@@ -301,7 +301,7 @@ def run_demo(*, rounds: int | None = None, out: Path | None = None, seed: int = 
     print(f"fleet: {stations} stations x {devices_per_station} devices, Dirichlet({alpha}) label "
           f"skew, {model} on numpy, {rounds} rounds, {where}", file=sys.stderr)
     if body != "none":
-        print('head: head_init = "ridge" (the default with a body): each device sums its '
+        print('head: head_init = "auto" (lda with a body): each device sums its '
               "labelled frames' statistics, and the cloud solves the head from the fleet's "
               "sums before round 0 and every round after (docs/bodies.md)", file=sys.stderr)
     out = out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -9,15 +9,8 @@ import numpy as np
 import pytest
 
 from edge_client.errors import MessageError
-from edge_client.head_stats import (
-    HeadSpec,
-    HeadSums,
-    augment,
-    check_claim,
-    head_vector,
-    solve_ncm,
-    solve_ridge,
-)
+from edge_client.head_solves import head_vector, solve_lda, solve_ncm, solve_ridge
+from edge_client.head_stats import HeadSpec, HeadSums, augment, check_claim
 
 D, C = 24, 5
 
@@ -73,6 +66,56 @@ def test_gcv_chooses_lambda_from_the_statistics_alone_and_it_predicts():
     # and lambda tracks the noise: on pure noise labels it regularises far harder
     noise = _sums(x, np.random.default_rng(3).integers(0, C, len(y)), centre, 1e3)
     assert solve_ridge(noise)[2] > 10 * lam
+
+
+def test_the_lda_head_from_summed_statistics_is_the_discriminant_written_out():
+    """Summed over devices of one or two classes each, the LDA head is the textbook one:
+    class means, the pooled within-class covariance plus lambda, equal priors; up to a score
+    every class shares (the solve centres by the sums' mean), and a scale that puts a
+    class's frames one above the other classes on average, as ridge's one-hot targets do."""
+    x, y = _blobs(1500)
+    centre, clip, lam = np.full(D, 2.0, np.float32), 100.0, 7.0
+    total = HeadSums.zeros(D, C)
+    for k in range(10):
+        mine = (y % 5 == k % 5) & (np.arange(len(y)) % 2 == k // 5)
+        total.add(_sums(x[mine], y[mine], centre, clip))
+    w, b, _ = solve_lda(total, lam)
+    z = (x - centre).astype(np.float64)
+    means = np.stack([z[y == c].mean(axis=0) for c in range(C)])
+    within = sum((z[y == c] - means[c]).T @ (z[y == c] - means[c]) for c in range(C))
+    cov = (within + lam * np.eye(D)) / (len(y) - C)
+    w_ref = np.linalg.solve(cov, means.T).T
+    b_ref = -0.5 * (means * w_ref).sum(axis=1)
+    scores, ref = z @ w.T + b, z @ w_ref.T + b_ref
+    gaps, ref_gaps = scores - scores[:, :1], ref - ref[:, :1]
+    scale = float((gaps * ref_gaps).sum() / (ref_gaps ** 2).sum())
+    assert scale > 0
+    np.testing.assert_allclose(gaps, scale * ref_gaps, rtol=1e-7, atol=1e-7)
+    own = scores[np.arange(len(y)), y]
+    margin = own - (scores.sum(axis=1) - own) / (C - 1)
+    assert margin.mean() == pytest.approx(1.0)
+
+def test_a_product_with_few_frames_among_thousands_is_learnt_by_lda_not_ridge():
+    """Ridge on one-hot targets weighs a class by its frames: 12 frames of a new class
+    among 3,000 of the others leave it scoring below them on its own frames. LDA's equal
+    priors learn it from those 12, and keep the other classes as they were."""
+    x, y = _blobs(3000, skew=[0.25, 0.25, 0.25, 0.25, 0.0])
+    new_x, new_y = _blobs(3000, seed=3)
+    new_x, new_y = new_x[new_y == 4][:12], new_y[new_y == 4][:12]
+    xt, yt = _blobs(3000, seed=9)
+    centre = np.zeros(D, np.float32)
+    before = _sums(x, y, centre, 1e3)
+    after = _sums(np.vstack([x, new_x]), np.concatenate([y, new_y]), centre, 1e3)
+
+    def acc(solve, s, mask):
+        w, b = solve(s)[:2]
+        return ((xt @ w.T + b).argmax(1) == yt)[mask].mean()
+    new, old = yt == 4, yt != 4
+    assert acc(solve_lda, after, new) > 0.9 > 0.5 > acc(solve_ridge, after, new)
+    assert acc(solve_lda, after, old) >= acc(solve_lda, before, old) - 0.01
+    # a class with no frame at all scores below every seen one, everywhere
+    w, b, _ = solve_lda(before)
+    assert ((xt @ w.T + b).argmax(1) != 4).all() and (w[4] == 0).all()
 
 
 def test_class_means_alone_make_a_cosine_head():
@@ -289,13 +332,15 @@ def test_a_device_claiming_more_than_it_saw_counts_for_what_it_saw_and_a_forged_
     assert station.heads.total.n <= before + station.stats["d0"].seen_counts.sum()
 
 
-def test_head_init_comes_to_ridge_for_a_linear_head_on_a_body_and_refuses_what_cannot_solve():
+def test_head_init_comes_to_lda_for_a_linear_head_on_a_frozen_body_and_refuses_what_cannot_solve(
+        ):
     from edge_client.config import ModelConfig
     from edge_client.errors import ConfigError
 
     body = {"body": "efficientnet-lite0", "body_dir": "/nowhere", "input_shape": (3, 64, 64)}
-    assert ModelConfig(name="linear", **body).head_kind == "ridge"
+    assert ModelConfig(name="linear", **body).head_kind == "lda"
     assert ModelConfig(name="linear", **body).head_resolution == "every"
+    assert ModelConfig(name="linear", head_init="ridge", **body).head_kind == "ridge"
     tuned = ModelConfig(name="linear", backend="torch", train_body_blocks=1, **body)
     assert (tuned.head_kind, tuned.head_resolution) == ("ridge", "once")
     assert ModelConfig(name="mlp", **body).head_kind == "random"

@@ -567,6 +567,8 @@ def test_the_replay_guard_tells_a_repeat_from_an_honest_step():
         off = old + 1e-7 * rng.normal(size=w.size).astype(np.float32)
         assert not guard.check("d", off, w)[0]
     assert guard.check("d", sent[0], w)[0]  # older than its depth: left to the other guards
+    for _ in range(3):  # the model it was sent, unchanged, again and again: no replay
+        assert guard.check("d", w.copy(), w)[0]
     assert ReplayGuard(10, seed=0, tolerance=0.0).check("d", np.ones(10), np.ones(10))[0]
     with pytest.raises(ValueError, match="memory"):  # never an honest device by mistake
         tamper(_upd("d0"), "replay")

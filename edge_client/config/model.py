@@ -43,10 +43,12 @@ class ModelConfig:
     # (torch backend only; 0: the body stays frozen).
     train_body_blocks: int = 0
     # How the head starts (docs/bodies.md, "A head solved from what the fleet has seen"):
-    # "random", "ridge" (solved in closed form from the statistics every device sums), "ncm"
-    # (class means only); "auto": ridge for a linear head on a body, else random.  With
-    # train_body_blocks, the head is solved once on the pretrained body and stays fixed
-    # while the blocks train (Fed3R+FT).
+    # "random"; "lda" or "ridge", solved in closed form from the statistics every device
+    # sums (lda: a discriminant with equal class priors, so that a new product is learnt
+    # from its first hundred frames; ridge: one-hot targets, each class weighed by its
+    # frames); "ncm" (class means only); "auto": lda for a linear head on a frozen body,
+    # ridge where its last blocks train, else random.  With train_body_blocks, the head is
+    # solved once on the pretrained body and stays fixed while the blocks train (Fed3R+FT).
     head_init: str = "auto"
     # "every": each round's global head is the latest solve from all the statistics so far,
     # whatever the devices' SGD made of it (measured better under label skew:
@@ -56,10 +58,12 @@ class ModelConfig:
 
     @property
     def head_kind(self) -> str:
-        """What ``head_init`` comes to: ``random``, ``ridge`` or ``ncm``."""
+        """What ``head_init`` comes to: ``random``, ``lda``, ``ridge`` or ``ncm``."""
         if self.head_init != "auto":
             return self.head_init
-        return "ridge" if self._head_solvable else "random"
+        if not self._head_solvable:
+            return "random"
+        return "ridge" if self.train_body_blocks else "lda"
 
     @property
     def head_resolution(self) -> str:
@@ -99,13 +103,13 @@ class ModelConfig:
         if self.body_dir and self.body == "none":
             raise ConfigError("body", "body_dir is set but body is 'none': name the body")
         check_range("train_body_blocks", self.train_body_blocks, 0)
-        if self.head_init not in ("auto", "random", "ridge", "ncm"):
-            raise ConfigError("head_init", f"must be auto, random, ridge or ncm, got "
+        if self.head_init not in ("auto", "random", "lda", "ridge", "ncm"):
+            raise ConfigError("head_init", f"must be auto, random, lda, ridge or ncm, got "
                               f"{self.head_init!r}")
         if self.head_resolve not in ("auto", "once", "every"):
             raise ConfigError("head_resolve", f"must be auto, once or every, got "
                               f"{self.head_resolve!r}")
-        if self.head_init in ("ridge", "ncm") and not self._head_solvable:
+        if self.head_init in ("lda", "ridge", "ncm") and not self._head_solvable:
             raise ConfigError("head_init", f"{self.head_init!r} solves a linear head on a "
                               "body: it needs a body and name = 'linear'")
         if self.head_kind != "random" and self.train_body_blocks \
