@@ -45,7 +45,7 @@ from .monitor_page import (
     requested_page,
     trouble,
 )
-from .status import FleetStatus, observer
+from .status import FleetStatus, observer, prediction_age
 
 __all__ = ["FleetHistory", "MonitorServer", "run_monitor", "watch"]
 
@@ -104,11 +104,11 @@ class FleetHistory:
             self._count_bytes(doc, now)
 
     def _plausible(self, doc: DeviceSummary) -> DeviceSummary:
-        """A device's claimed accuracies outside [0, 1], lags outside [0, MAX_LABEL_LAG] and
-        negative body times are shown as not measured, counted."""
-        def within(key: str, high: float = 1.0) -> float | None:
+        """A device's claimed accuracies outside [0, 1], lags outside [-MAX_LABEL_LAG,
+        MAX_LABEL_LAG], negative times and durations are shown as not measured, counted."""
+        def within(key: str, high: float = 1.0, low: float = 0.0) -> float | None:
             value = getattr(doc, key)
-            if value is None or 0.0 <= value <= high:
+            if value is None or low <= value <= high:
                 return value
             self.counters[f"fleet.implausible_{key}"] += 1
             return None
@@ -117,9 +117,11 @@ class FleetHistory:
             prequential_accuracy=within("prequential_accuracy"),
             shadow_accuracy=within("shadow_accuracy"),
             # A lag the device cannot have applied or measured, a body that ran backwards.
-            label_lag=within("label_lag", MAX_LABEL_LAG),
-            label_lag_estimate=within("label_lag_estimate", MAX_LABEL_LAG),
-            body_ms_per_frame=within("body_ms_per_frame", math.inf))
+            label_lag=within("label_lag", MAX_LABEL_LAG, -MAX_LABEL_LAG),
+            label_lag_estimate=within("label_lag_estimate", MAX_LABEL_LAG, -MAX_LABEL_LAG),
+            body_ms_per_frame=within("body_ms_per_frame", math.inf),
+            camera_outage=within("camera_outage", math.inf),
+            last_prediction=within("last_prediction", math.inf))
         self.status.devices[doc.device] = checked
         return checked
 
@@ -173,6 +175,10 @@ class FleetHistory:
                 "frames_dropped": doc.source.get("frames_dropped", 0),
                 "label_lag": doc.label_lag, "label_lag_estimate": doc.label_lag_estimate,
                 "body_ms_per_frame": doc.body_ms_per_frame,
+                # Whether the line gets predictions now, on this host's clock (NTP keeps the
+                # line's in step): a stalled camera's device is online and ready.
+                "prediction_age": prediction_age(doc.last_prediction),
+                "camera_outage": doc.camera_outage,
                 # A live line's labels: joined to a frame, matching none, or too late.
                 **{k: doc.source.get(k) for k in ("label_joined", "label_unmatched",
                                                    "label_expired")},

@@ -4,9 +4,11 @@ The script fetches ``/api/fleet?page=N`` every two seconds and redraws the table
 charts (inline SVG drawn here): the global model's accuracy per round, the devices' accuracy
 over time (held-out solid, prequential dashed, a legend of device colours beneath; the ten
 lowest of a larger fleet) and the bytes sent and received; each role's last error above
-them, and tables that scroll sideways rather than widen the page.  The devices' table holds
-a page of rows, those in trouble first, with buttons to the others: a thousand devices'
-rows and series were 15 MB every two seconds.  Every value goes
+them, and tables that scroll sideways rather than widen the page (the devices' fits 1,400
+px: short headers that wrap, related counts in one cell, bytes with their units).  The
+devices' table holds a page of rows, those in trouble first (offline, in error, not
+predicting now), with buttons to the others: a thousand devices' rows and series were 15 MB
+every two seconds.  Every value goes
 into the page as text (``textContent``), never as markup, since device ids and states come
 from the fleet.  Each chart's lines carry their values in ``data-values`` so a test (or a
 curious user) can read the series off the rendered page.
@@ -15,6 +17,8 @@ curious user) can read the series off the rendered page.
 from __future__ import annotations
 
 from typing import Any
+
+from .status import STALE_PREDICTION_S
 
 __all__ = ["PAGE", "SCRIPT", "PAGE_ROWS", "CHART_DEVICES", "SHOWN_ERRORS", "trouble",
            "requested_page"]
@@ -27,9 +31,11 @@ SHOWN_ERRORS = 20
 
 
 def trouble(row: dict[str, Any]) -> tuple[int, str]:
-    """Device rows in the order an operator reads them: offline or in error, then refused
-    or clipped, then the rest; by id within each."""
-    if row["presence"] is False or row.get("error"):
+    """Device rows in the order an operator reads them: offline, in error or not predicting
+    now (its camera lost, or its last prediction older than ``STALE_PREDICTION_S``), then
+    refused or clipped, then the rest; by id within each."""
+    quiet = row.get("camera_outage") or (row.get("prediction_age") or 0) > STALE_PREDICTION_S
+    if row["presence"] is False or row.get("error") or quiet:
         return 0, row["id"]
     return (1 if row.get("refused") or row.get("clipped") else 2), row["id"]
 
@@ -49,8 +55,11 @@ body { font: 14px/1.4 system-ui, sans-serif; margin: 1.2em; color: #1b1f24; back
 h1 { font-size: 1.3em; margin: 0 0 .3em; } h2 { font-size: 1.05em; margin: 1.2em 0 .4em; }
 #summary span { margin-right: 1.4em; }
 table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
-th, td { padding: 2px 9px; border-bottom: 1px solid #d8dee4; text-align: right; }
-th { background: #f3f5f7; } td:first-child, th:first-child { text-align: left; }
+th, td { padding: 2px 5px; border-bottom: 1px solid #d8dee4; text-align: right; }
+th { background: #f3f5f7; white-space: normal; max-width: 5.5em; vertical-align: bottom;
+     font-weight: 600; font-size: 12px; }
+td:first-child, th:first-child { text-align: left; } td { white-space: nowrap; }
+td.stale { color: #b3261e; font-weight: 600; }
 .on { color: #116329; font-weight: 600; } .off { color: #b3261e; font-weight: 600; }
 .charts { display: flex; flex-wrap: wrap; gap: 1.2em; }
 figure { margin: 0; } figcaption { font-weight: 600; margin-bottom: .2em; }
@@ -83,14 +92,24 @@ svg text { font-size: 11px; fill: #57606a; } .muted { color: #57606a; }
 """
 
 SCRIPT = r"""'use strict';
+const STALE_PREDICTION_S = @STALE@;  // aggregator/status.py
 const COLORS = ['#0969da', '#cf222e', '#1a7f37', '#8250df', '#bc4c00', '#1b7c83', '#d4a72c',
                 '#57606a', '#e85aad', '#4d2d00'];
 const SVGNS = 'http://www.w3.org/2000/svg';
 
 function fmt(v, digits) {
   if (v === null || v === undefined) return '-';
+  if (digits === 'bytes') return bytes(v);
   if (typeof v === 'number') return digits === undefined ? String(v) : v.toFixed(digits);
   return String(v);
+}
+
+function bytes(v) {
+  if (typeof v !== 'number') return fmt(v);
+  const units = ['B', 'kB', 'MB', 'GB', 'TB'];
+  let i = 0;
+  while (Math.abs(v) >= 1000 && i < units.length - 1) { v /= 1000; i += 1; }
+  return (i ? v.toFixed(v < 10 ? 2 : v < 100 ? 1 : 0) : String(v)) + ' ' + units[i];
 }
 
 function el(tag, attrs, text, ns) {
@@ -121,7 +140,12 @@ function table(id, columns, rows) {
     for (const [key, , digits] of columns) {
       const td = el('td');
       if (key === 'presence') td.appendChild(presence(row.presence));
+      else if (Array.isArray(key)) td.textContent = key.map(k => fmt(row[k])).join(' / ');
+      else if (key === 'lags') td.textContent = fmt(row.label_lag, 2) + ' (' +
+        fmt(row.label_lag_estimate, 2) + ')';
       else td.textContent = fmt(row[key], digits);
+      if ((key === 'prediction_age' && row[key] > STALE_PREDICTION_S) ||
+          (key === 'camera_outage' && row[key] > 0)) td.className = 'stale';
       tr.appendChild(td);
     }
     t.appendChild(tr);
@@ -208,18 +232,17 @@ function render(doc) {
     ['round', 'round'], ['iteration', 'iter'], ['online', 'online'], ['devices', 'roster'],
     ['uploads', 'uploads'], ['skips', 'skips'], ['refused', 'refused'], ['clipped', 'clipped'],
     ['local_mean', 'held-out', 3], ['prequential_mean', 'prequential', 3],
-    ['bytes_in', 'bytes in'], ['bytes_out', 'bytes out']], doc.stations);
+    ['bytes_in', 'received', 'bytes'], ['bytes_out', 'sent', 'bytes']], doc.stations);
   table('devices', [['id', 'device'], ['station', 'station'], ['presence', 'presence'],
-    ['state', 'state'], ['round', 'round'], ['iteration', 'iter'],
-    ['local_accuracy', 'held-out', 3], ['prequential_accuracy', 'prequential', 3],
-    ['deployed_round', 'in use'], ['shadow_accuracy', 'candidate', 3],
-    ['promotions_refused', 'refused models'], ['uploads', 'uploads'], ['skips', 'skips'],
-    ['refused', 'refused'], ['clipped', 'clipped'],
-    ['frames_dropped', 'frames dropped'], ['label_joined', 'labels joined'],
-    ['label_unmatched', 'unmatched'], ['label_expired', 'expired'],
-    ['label_lag', 'label lag s', 2], ['label_lag_estimate', 'measured lag s', 2],
-    ['body_ms_per_frame', 'body ms/frame', 1],
-    ['bytes_out', 'bytes out'], ['bytes_in', 'bytes in']],
+    ['state', 'state'], [['round', 'iteration'], 'round / iter'],
+    ['prediction_age', 'last prediction, s ago', 1], ['camera_outage', 'camera lost, s', 0],
+    ['local_accuracy', 'held-out', 3], ['prequential_accuracy', 'test then train', 3],
+    ['deployed_round', 'round in use'], ['shadow_accuracy', 'candidate', 3],
+    ['promotions_refused', 'models refused'], [['uploads', 'skips'], 'uploads / skips'],
+    [['refused', 'clipped'], 'claims refused / clipped'], ['frames_dropped', 'frames dropped'],
+    [['label_joined', 'label_unmatched', 'label_expired'], 'labels joined / unmatched / expired'],
+    ['lags', 'label lag s (measured)'], ['body_ms_per_frame', 'body ms a frame', 1],
+    ['bytes_out', 'sent', 'bytes'], ['bytes_in', 'received', 'bytes']],
     doc.devices);
   chart('global-accuracy', [{name: 'global', color: COLORS[0], points: doc.global_accuracy}],
         {xInteger: true, xLabel: 'round', yMin: 0, yMax: 1});
@@ -246,6 +269,9 @@ function render(doc) {
   document.getElementById('footer').textContent = 'monitor up ' + doc.seconds +
     ' s; updated ' + new Date().toLocaleTimeString();
   document.body.setAttribute('data-rendered', String(doc.seconds));
+  // How wide the devices' table drew, for a test (or an operator's bug report) to read.
+  document.body.setAttribute('data-devices-width',
+                             String(document.getElementById('devices').scrollWidth));
 }
 
 async function refresh() {
@@ -261,3 +287,4 @@ document.getElementById('prev').onclick = () => { page = Math.max(0, page - 1); 
 document.getElementById('next').onclick = () => { page += 1; };
 refresh();
 """
+SCRIPT = SCRIPT.replace("@STALE@", repr(STALE_PREDICTION_S))

@@ -36,7 +36,18 @@ from edge_client.topics import (
 
 from .fleet_file import CONNECTIONS_AT_1024
 
-__all__ = ["FleetStatus", "fleet_status", "format_status", "observer", "watch_predictions"]
+__all__ = ["FleetStatus", "fleet_status", "format_status", "observer", "watch_predictions",
+           "prediction_age", "STALE_PREDICTION_S"]
+
+# A device whose last prediction is older than this is not predicting now (the page and
+# safl status say so): a line's camera predicts each frame its budget allows, and a slow
+# [inference] fps is a frame every few seconds.
+STALE_PREDICTION_S = 30.0
+
+
+def prediction_age(last: float | None, now: float | None = None) -> float | None:
+    """Seconds since a device's last prediction, on this host's clock (None before one)."""
+    return None if last is None else round(max(0.0, (now or time.time()) - last), 1)
 
 
 @dataclass
@@ -155,6 +166,17 @@ def _device_lines(found: FleetStatus) -> list[str]:
     offline = sorted(d for d, o in devices.items() if not o)
     if offline:
         lines.append("devices offline: " + _some(offline))
+    quiet = [f"{d} (" + (f"camera lost {doc.camera_outage:.0f} s, " if doc.camera_outage
+                         else "") + f"last {age:.0f} s ago)"
+             for d, doc in sorted(found.devices.items())
+             if (age := prediction_age(doc.last_prediction)) is not None
+             and age > STALE_PREDICTION_S]
+    if quiet:
+        lines.append("not predicting now: " + _some(quiet))
+    lost = [f"{d} {doc.camera_outage:.0f} s" for d, doc in sorted(found.devices.items())
+            if doc.camera_outage and prediction_age(doc.last_prediction) is None]
+    if lost:
+        lines.append("cameras lost: " + _some(lost))
     kept = {d: doc for d, doc in sorted(found.devices.items())
             if doc.counters.get("promotions_refused")}
     if kept:
@@ -226,9 +248,10 @@ def format_status(found: FleetStatus, fleet: str) -> str:
 
 def format_prediction(device: str, doc: Prediction) -> str:
     """One prediction as ``safl predictions`` prints it."""
-    return (f"{device} frame {doc.frame} t {doc.t:.3f} label {doc.label} confidence "
-            f"{doc.confidence:.3f} model round {doc.model_round} latency "
-            f"{doc.latency_ms:.0f} ms")
+    return (f"{device} frame {doc.frame} t {doc.t:.3f}"
+            + (f" item_t {doc.item_t:.3f}" if doc.item_t is not None else "")
+            + f" label {doc.label} confidence {doc.confidence:.3f} model round "
+            f"{doc.model_round} latency {doc.latency_ms:.0f} ms")
 
 
 def watch_predictions(broker: BrokerConfig, fleet: str, devices: tuple[str, ...] = (), *,

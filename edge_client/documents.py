@@ -106,6 +106,10 @@ class DeviceSummary:
     label_lag: float | None = None
     label_lag_estimate: float | None = None
     body_ms_per_frame: float | None = None  # what its pretrained body costs a frame
+    # Unix time of its last prediction to the line (None before one): a reader's own clock
+    # tells how long ago, so a stalled camera or a device gone quiet shows as such.
+    last_prediction: float | None = None
+    camera_outage: float | None = None  # s its live camera has been lost for (0: delivering)
     # The last unexpected error of the role's service ("<counter>: <exception>"; "": none):
     # a failure that would otherwise sit in a log nobody reads.
     error: str = ""
@@ -147,6 +151,10 @@ class Prediction:
     confidence: float  # softmax probability of ``label``
     model_round: int  # the federation round the deployable model came from
     latency_ms: float  # from capture to the prediction
+    # The time of the item the frame shows, as the line stamps its labels: ``t`` less the
+    # label lag the device applies (label_lag.py), so a line application matching items
+    # by time matches the one its label would join.  ``t`` where labels do not come live.
+    item_t: float | None = None
 
 
 Document = ModelManifest | StationSummary | CloudSummary | DeviceSummary | Prediction

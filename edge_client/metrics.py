@@ -74,6 +74,8 @@ HELP = {
     "label_lag_seconds": "seconds a label's time is shifted by to reach its frame (label_lag)",
     "label_lag_estimate_seconds": "the lag between labels' times and frames' reads that the "
                                   "labels point to",
+    "camera_outage_seconds": "seconds the live camera has been lost for (0 while it delivers)",
+    "last_prediction_age_seconds": "seconds since the device's last prediction to the line",
 }
 
 

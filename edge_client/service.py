@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from .runner import RoleRunner, StopFlag, pace_replay, serve
 from .serving import DeployableKeeper, StreamFeed, resume_deployable
 from .sources import LiveLabels, SourcePump, build_source
 from .sources.replay import ReplaySource
+from .sources.video import VideoSource
 from .topics import predictions_topic, summary_topic
 from .trainers import Trainer, build_trainer, layout_hash, pretrained_embedding
 from .trainers.paced import PacedTrainer
@@ -47,6 +49,9 @@ __all__ = ["DeviceService", "load_role_file", "with_metrics", "model_trainer",
            "role_transport", "federation_layout", "DEVICE_TABLES", "SHARED_TABLES"]
 
 log = logging.getLogger(__name__)
+
+# Gauges that are times: Prometheus names a time by its unit.
+_SECONDS = ("label_lag", "label_lag_estimate", "camera_outage")
 
 
 # The tables every role's file has beside its own ([station], [cloud]), and a device's.
@@ -200,10 +205,19 @@ class DeviceService:
 
     def _gauges(self) -> dict[str, float | None]:
         """What the page and ``/metrics`` show beside the device's own figures."""
-        labels = self.labels
+        labels, source = self.labels, self.pump.source if self.pump else None
         return {"label_lag": labels.lag if labels else None,
                 "label_lag_estimate": labels.estimate if labels else None,
-                "body_ms_per_frame": self.body.ms_per_frame if self.body else None}
+                "body_ms_per_frame": self.body.ms_per_frame if self.body else None,
+                "camera_outage": source.outage_s if isinstance(source, VideoSource)
+                and source.live else None}
+
+    def _last_prediction(self) -> float | None:
+        return self.feed.last_prediction if self.feed is not None else None
+
+    def _prediction_age(self) -> dict[str, float]:
+        last = self._last_prediction()
+        return {} if last is None else {"last_prediction_age_seconds": time.time() - last}
 
     def summaries(self, runner: RoleRunner[Device], transport: MqttTransport) -> dict[str, Any]:
         """``serve`` keywords that publish the device's retained summary: every 2 s, the
@@ -216,7 +230,7 @@ class DeviceService:
             source={**{k: int(v) for k, v in (pump.metrics() if pump else {}).items()
                        if k != "queued"},
                     **(dict(self.labels.counters) if self.labels else {})},
-            **self._gauges()), every=2.0)
+            last_prediction=self._last_prediction(), **self._gauges()), every=2.0)
 
     def run(self, stop: StopFlag | None = None, *, exit_when_done: bool = True) -> Device:
         runner, transport, hooks = self.build()
@@ -230,8 +244,9 @@ class DeviceService:
             {**device.metrics(), **runner.figures(),
              **({"source_queued": pump.metrics()["queued"]} if pump else {}),
              # Prometheus names a time by its unit.
-             **{k + ("_seconds" if k.startswith("label_lag") else ""): v
-                for k, v in self._gauges().items() if v is not None}}),
+             **{k + ("_seconds" if k in _SECONDS else ""): v
+                for k, v in self._gauges().items() if v is not None},
+             **self._prediction_age()}),
             labels={"fleet": device.config.fleet, "station": device.config.station,
                     "device": device.id})
         keeper, last_summary = self.keeper, published["on_stop"]

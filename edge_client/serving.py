@@ -57,6 +57,7 @@ class StreamFeed:
         self.publish, self.max_samples = publish, max_samples
         self.counters = device.counters  # one set of metrics per device
         self._next_t = 0.0  # earliest capture time the fps cap lets through
+        self.last_prediction: float | None = None  # unix time of the last one made
         self._arrivals = 0
         self._jsonl = None
         if inference.enabled and inference.jsonl:
@@ -131,12 +132,14 @@ class StreamFeed:
             return predicted
         labels, confidence = out
         predicted[chosen] = labels
-        done = time.time()
+        done = self.last_prediction = time.time()
+        lag = self.labels.lag if self.labels is not None else 0.0
         for i, label, conf in zip(chosen, labels, confidence, strict=True):
             doc = Prediction(t=float(batch.times[i]), frame=int(batch.frames[i]),
                              label=int(label), confidence=round(float(conf), 6),
                              model_round=self.device.line.deployable_round,
-                             latency_ms=round(max(0.0, done - batch.times[i]) * 1000, 3))
+                             latency_ms=round(max(0.0, done - batch.times[i]) * 1000, 3),
+                             item_t=float(batch.times[i]) - lag)
             if self.inference.publish and self.publish is not None:
                 self.publish(doc)
             if self._jsonl is not None:

@@ -110,15 +110,22 @@ class Line:
     """Items of ``classes`` pass the camera, ``item_s`` seconds each (each one of the first
     ``variants`` images of its class); labels follow.
 
-    ``publish(topic, payload)`` sends a label; ``labels_per_item`` verdicts per item are
-    timed inside its middle (where a frame captured a little late still shows it), each sent
-    after a delay drawn from 0.5-3 s.
+    ``publish(topic, payload)`` sends a label, each after a delay drawn from 0.5-3 s, stamped
+    as ``stamping`` says: ``"middle"``, ``labels_per_item`` verdicts timed inside the item's
+    middle (where a frame captured a little late still shows it); ``"start"``, one verdict
+    stamped with the time the item came into view; ``"late"``, one stamped ``late_s`` after
+    its middle (an inspection station downstream stamping its own verdict); ``"prediction"``,
+    none by itself: :meth:`answer` gives each prediction the class of the item in front of the
+    camera at the prediction's ``t``, stamped with that ``t``.
     """
 
     def __init__(self, images: np.ndarray, targets: np.ndarray, classes: tuple[int, ...], *,
                  topic: str, publish, item_s: float = 1.0, labels_per_item: int = 3,
-                 variants: int = 3, seed: int = 0, smooth: bool = False) -> None:
-        self.smooth = smooth
+                 variants: int = 3, seed: int = 0, smooth: bool = False,
+                 stamping: str = "middle", late_s: float = 2.0) -> None:
+        self.smooth, self.stamping, self.late_s = smooth, stamping, late_s
+        self.answered: list[tuple[float, int, int]] = []  # (t, predicted, the item's class)
+        self.sent_t: list[float] = []  # the time each label sent names, in sending order
         self.images, self.targets, self.classes = images, targets, classes
         self.topic, self.publish_fn, self.item_s = topic, publish, item_s
         self.labels_per_item, self.variants = labels_per_item, variants
@@ -128,6 +135,7 @@ class Line:
         self.delays: list[float] = []
         self._pending: list[tuple[float, float, int]] = []  # (send at, t, label)
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # answers come on the watcher's thread
         self._threads: list[threading.Thread] = []
 
     def _picture(self, label: int) -> np.ndarray:
@@ -162,10 +170,24 @@ class Line:
         label = int(self.rng.choice(self.classes))
         self.items.append((start, label, self._picture(label)))
         margin = self.item_s * 0.4  # the first 40% of an item may still show the last
-        for k in range(self.labels_per_item):
-            t = start + margin + (self.item_s - margin) * (k + 0.5) / self.labels_per_item
-            delay = float(self.rng.uniform(0.5, 3.0))
-            heapq.heappush(self._pending, (t + delay, t, label))
+        stamps = {"middle": [start + margin + (self.item_s - margin) * (k + 0.5)
+                             / self.labels_per_item for k in range(self.labels_per_item)],
+                  "start": [start], "late": [start + self.item_s / 2 + self.late_s],
+                  "prediction": []}[self.stamping]
+        for t in stamps:
+            self._later(t, label)
+
+    def _later(self, t: float, label: int) -> None:
+        with self._lock:
+            heapq.heappush(self._pending, (max(t, time.time()) + float(self.rng.uniform(0.5, 3.0)),
+                                           t, label))
+
+    def answer(self, t: float, predicted: int) -> None:
+        """The line's verdict on a prediction it received (``stamping = "prediction"``)."""
+        label = self.item_at(t)
+        if label is not None:
+            self.answered.append((t, predicted, label))
+            self._later(t, label)
 
     def run(self, servers: list[StreamServer]) -> None:
         start = time.time()
@@ -191,10 +213,14 @@ class Line:
 
     def _labels(self) -> None:
         while not self._stop.is_set():
-            if self._pending and self._pending[0][0] <= time.time():
-                at, t, label = heapq.heappop(self._pending)
+            with self._lock:
+                due = self._pending and self._pending[0][0] <= time.time()
+                if due:
+                    at, t, label = heapq.heappop(self._pending)
+            if due:
                 self.publish_fn(self.topic, json.dumps({"t": t, "label": label}).encode())
                 self.sent += 1
+                self.sent_t.append(t)
                 self.delays.append(at - t)
             else:
                 self._stop.wait(0.02)

@@ -143,7 +143,8 @@ def test_the_stream_loop_publishes_predictions_and_skips_a_backlog(digits, tmp_p
     assert decode_document(encode_document(doc)) == doc
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert len(lines) == 30 and set(lines[0]) == {"t", "frame", "label", "confidence",
-                                                  "model_round", "latency_ms"}
+                                                  "model_round", "latency_ms", "item_t"}
+    assert all(p.item_t == p.t for p in published)  # no live labels: no lag
     # One document, one serialiser: a line is the published document's fields, byte for byte.
     assert jsonl.read_bytes().splitlines() == [encode_document(p, bare=True) for p in published]
     # fps caps predictions by capture time: 100 frames over 1 s at 20 fps -> 20.
@@ -324,6 +325,24 @@ def test_stations_and_the_cloud_summarise_prequential_accuracy_and_clip_claims()
                  0.0)
     assert cloud.counters["clipped.prequential_accuracies"] == 1
     assert cloud.accuracy_summary()["prequential_mean"] == pytest.approx(0.7)
+
+
+def test_a_prediction_carries_the_item_time_its_label_lag_implies(digits):
+    """A line application matching items by time gets, beside the frame's read time, the
+    time its label would name to join that frame: ``t`` less the lag the join applies."""
+    now = time.time()
+    items = [(digits.x_train[i], None, i, now - 1 + i * 0.1) for i in range(10)]
+    published = []
+    dev = _ready_device(digits, InferenceConfig())
+    labels = LiveLabels(10, window=0.5, delay_max=30.0, lag=1.25)
+    StreamFeed(dev, _drained_pump(items), inference=dev.inference, labels=labels,
+               publish=published.append)(0.0)
+    assert len(published) == 10
+    assert [p.item_t for p in published] == [p.t - 1.25 for p in published]
+    # the label naming a prediction's item time joins that very frame
+    joined = labels.add_label(json.dumps({"t": published[3].item_t,
+                                          "label": int(digits.y_train[3])}).encode())
+    assert len(joined) == 1 and np.array_equal(joined[0][0], digits.x_train[3])
 
 
 def test_predictions_are_a_document_the_line_can_read():

@@ -150,7 +150,8 @@ def test_what_devices_claim_is_checked_before_it_is_shown(monkeypatch):
     from edge_client.config.sources import MAX_LABEL_LAG
     on_bound = dataclasses.replace(liar, label_lag=MAX_LABEL_LAG, label_lag_estimate=0.0,
                                    body_ms_per_frame=0.0)
-    past = dataclasses.replace(liar, label_lag=MAX_LABEL_LAG + 0.01, label_lag_estimate=-0.01,
+    past = dataclasses.replace(liar, label_lag=MAX_LABEL_LAG + 0.01,
+                               label_lag_estimate=-MAX_LABEL_LAG - 0.01,
                                body_ms_per_frame=-0.01)
     for claim, shown in ((on_bound, (MAX_LABEL_LAG, 0.0, 0.0)), (past, (None, None, None))):
         history.status.take(claim)
@@ -177,6 +178,37 @@ def test_what_devices_claim_is_checked_before_it_is_shown(monkeypatch):
     cloud = CloudSummary(state=CloudState.COLLECTING, round=1, iteration=1, stations=())
     assert _from_its_subject("safl/f/cloud/summary", "f", cloud)
     assert not _from_its_subject("safl/f/station/st0/summary", "f", cloud)
+
+
+def test_a_device_that_is_not_predicting_now_is_shown_first_and_in_safl_status():
+    """Online and ready is not enough for a line: a device whose camera is lost, or whose
+    last prediction is older than STALE_PREDICTION_S on the reader's clock, comes first
+    on the page and is named by safl status; a claimed outage below zero is not shown."""
+    from aggregator.monitor_page import trouble
+    from aggregator.status import STALE_PREDICTION_S, format_status
+
+    history = _history()
+    history.status.presence[(m.Participant.DEVICE, "d1")] = True
+    now = time.time()
+    for did, last, outage in (("d0", now - 100.0, 42.0), ("d1", now - 1.0, 0.0)):
+        doc = DeviceSummary(device=did, station="st0", state=DeviceState.READY, round=4,
+                            iteration=12, last_prediction=last, camera_outage=outage)
+        history.status.take(doc)
+        history.take(doc)
+    snap = history.snapshot(Counter())
+    d0, d1 = _row(snap, "d0"), _row(snap, "d1")
+    assert d0["prediction_age"] >= 100.0 > STALE_PREDICTION_S and d0["camera_outage"] == 42.0
+    assert d1["prediction_age"] < STALE_PREDICTION_S
+    assert trouble(d0) < trouble(d1) and snap["devices"][0]["id"] == "d0"
+    text = format_status(history.status, "f")
+    assert "not predicting now: d0 (camera lost 42 s, last 100 s ago)" in text
+    assert "d1 (" not in text
+    liar = DeviceSummary(device="d1", station="st0", state=DeviceState.READY, round=4,
+                         iteration=12, camera_outage=-5.0)
+    history.status.take(liar)
+    history.take(liar)
+    assert _row(history.snapshot(Counter()), "d1")["camera_outage"] is None
+    assert history.counters["fleet.implausible_camera_outage"] == 1
 
 
 def test_a_station_counts_each_devices_refused_and_clipped_claims():
@@ -283,7 +315,7 @@ def test_a_browser_shows_the_running_fleet(tmp_path, digits):
                             credentials=_creds, timeout=240)
         time.sleep(4)  # the devices' last summaries
         url = f"http://127.0.0.1:{port}/"
-        dom = _chromium("--dump-dom", url)
+        dom = _chromium("--dump-dom", "--window-size=1400,1100", url)
         shot = tmp_path / "run" / "monitor.png"
         _chromium(f"--screenshot={shot}", "--window-size=1400,1100", url)
     finally:
@@ -309,6 +341,12 @@ def test_a_browser_shows_the_running_fleet(tmp_path, digits):
     assert all(did in legend for did in devices), legend  # a legend entry per device
     for table in ("stations", "devices"):  # wide tables scroll inside the page's width
         assert f'<div class="scroll"><table id="{table}">' in dom
+    # ... and the devices' fits a 1,400 px window (its margins 2 x 1.2em) without scrolling
+    width = int(dom[dom.index('data-devices-width="') + 20:].split('"')[0])
+    assert 0 < width <= 1400 - 2 * 17, width
+    table = dom[dom.index('<table id="devices">'):]
+    table = table[:table.index("</table>")]
+    assert " kB<" in table or " MB<" in table, table[-600:]  # bytes with their units
     picture = np.asarray(Image.open(shot).convert("RGB"))
     assert picture.shape[0] > 500 and len(np.unique(picture.reshape(-1, 3), axis=0)) > 50
 

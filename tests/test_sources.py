@@ -344,3 +344,56 @@ def test_a_recording_of_pixels_is_held_as_pixels_and_read_as_a_camera_scales_the
     order = source._order
     np.testing.assert_allclose(got, x[order].astype(np.float32) / 255, rtol=1e-6)
     np.testing.assert_array_equal(y, (np.arange(40) % 4)[order])
+
+
+@pytest.mark.skipif(__import__("shutil").which("ffmpeg") is None,
+                    reason="ffmpeg is installed by .ci/run")
+def test_a_live_camera_lost_for_longer_than_its_retries_is_waited_for_and_resumes(tmp_path):
+    """A camera that delivered frames and went away is an outage, not a wrong address: the
+    source retries for as long as it takes (here 6 s against the 2 attempts of 0.1-0.2 s
+    that a camera never opened gets), times the outage, says so at error level, and reads
+    on when the camera is back on the same address."""
+    import threading
+
+    from brokers import free_port
+    from stream_servers import StreamServer
+
+    from lab.ports import wait_for_port
+
+    server = StreamServer("mjpeg", free_port(), tmp_path / "cam.log")
+    stop = threading.Event()
+    frame = np.full((64, 64, 3), 128, np.uint8).tobytes()
+
+    def feed() -> None:
+        while not stop.is_set():
+            server.write(frame)
+            stop.wait(0.1)
+    threading.Thread(target=feed, daemon=True).start()
+    wait_for_port(server.port, server.proc, 20)
+    source = VideoSource(server.uri, GRAY_28, FixedLabel(0, 2), retries=1, backoff=0.1,
+                         max_backoff=0.5, timeout=1.0)
+    pump = SourcePump(source, drop_when_full=True).start()
+    try:
+        deadline = time.monotonic() + 20
+        while pump.drain(256) is None:
+            assert time.monotonic() < deadline and pump.error is None, pump.error
+            time.sleep(0.1)
+        server.kill()
+        deadline = time.monotonic() + 20
+        while source.outage_s < 6.0:  # far past its retries
+            assert time.monotonic() < deadline and pump.error is None, pump.error
+            time.sleep(0.2)
+        assert source.counters["camera_outages"] == 1 and source.counters["open_failures"] > 2
+        server.start()
+        deadline = time.monotonic() + 30
+        while source.outage_s > 0:
+            assert time.monotonic() < deadline and pump.error is None, pump.error
+            time.sleep(0.2)
+        pump.drain(256)
+        time.sleep(1.0)
+        assert pump.drain(256) is not None  # frames again
+        assert source.counters["camera_outages"] == 1 and pump.error is None
+    finally:
+        stop.set()
+        pump.stop()
+        server.stop()

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .loading import check_range
 
-MAX_LABEL_LAG = 5.0  # s: the longest lag the device measures (sources/label_lag.py MAX_LAG)
+MAX_LABEL_LAG = 5.0  # s: the longest lag, either way, the device measures (label_lag.py MAX_LAG)
 
 __all__ = ["SOURCE_KINDS", "PreprocessSettings", "SourceConfig", "VIDEO_SUFFIXES"]
 
@@ -69,8 +69,9 @@ class SourceConfig(PreprocessSettings):
     label_window: float = 0.5
     # seconds a frame waits for its label before it is dropped unlabelled
     label_delay_max: float = 30.0
-    # s a camera's frames reach the device after the time the line's labels name: "auto"
-    # measures it from the labels and joins by it (docs/sources.md), a number fixes it
+    # s a camera's frames reach the device after the time the line's labels name (negative
+    # where the line stamps a verdict after the item passed the camera): "auto" measures it
+    # from the labels and joins by it (docs/sources.md), a number fixes it
     label_lag: float | str = "auto"
     classes: tuple[str, ...] = ()  # class names, for an image folder's sub-folders
     sample_fps: float = 0.0  # frames a second taken from a camera or video, synthetic pace (0: all)
@@ -82,7 +83,10 @@ class SourceConfig(PreprocessSettings):
     per_iteration: float = 0.0
     initial: int = 0  # samples pushed into the buffer before the first iteration (replay)
     queue_size: int = 256  # frames the source's queue holds between the reader thread and training
-    retries: int = 5  # reconnects a lost camera gets before the device ends (exit 5)
+    # Attempts after the first at opening a camera at start, before the device ends (exit 5:
+    # a camera that never answered is a wrong address); a camera lost after it delivered
+    # frames is retried for as long as it takes, every 10 s at most (camera_outage_seconds).
+    retries: int = 5
     backoff: float = 0.5  # seconds before the first reconnect to a lost camera (doubling per try)
     timeout: float = 10.0  # s a network camera may stay silent before it is reconnected
 
@@ -119,7 +123,7 @@ class SourceConfig(PreprocessSettings):
                 raise ConfigError("label_lag", f'must be "auto" or seconds, got '
                                   f'{self.label_lag!r}')
         else:
-            check_range("label_lag", self.label_lag, 0, MAX_LABEL_LAG)
+            check_range("label_lag", self.label_lag, -MAX_LABEL_LAG, MAX_LABEL_LAG)
         check_range("confidence", self.confidence, 0, 1, low_open=True)
         check_range("sample_fps", self.sample_fps, 0)
         check_range("queue_size", self.queue_size, 1)

@@ -5,7 +5,10 @@ An inspection station's verdict, a barcode reader or an operator's button publis
 the frame.  :class:`LiveLabels` keeps the unlabelled frames in a bounded ring (with the
 prediction made when each arrived), joins each label to the frame read nearest before
 ``t`` plus the camera's lag (``label_lag.py``) within ``window`` seconds, and drops frames
-still unlabelled after ``delay_max`` seconds.  It is a state machine: the device service
+still unlabelled after ``delay_max`` seconds.  A label whose ``t`` is exactly a frame's read
+time (a prediction's own ``t``, which the line answered) is the line's verdict on that very
+frame, and joins it whatever the lag (``label_joined_exact``): the line then measures its
+predictions on the frames the device trains on.  It is a state machine: the device service
 feeds it frames and payloads and trains on what it returns; it does no I/O.
 """
 
@@ -30,6 +33,8 @@ __all__ = ["LiveLabels", "parse_label", "MAX_LABEL_PAYLOAD"]
 log = logging.getLogger(__name__)
 
 MAX_LABEL_PAYLOAD = 1024  # bytes: a label is a few dozen
+JOIN_SLACK = 1e-3  # s: a frame read this little after a label's time is the one it names
+EXACT = 1e-6  # s: a label's time this close to a frame's read time names that frame
 
 
 def parse_label(payload: bytes, num_classes: int) -> tuple[float, int]:
@@ -141,6 +146,10 @@ class LiveLabels:
                             "label_refused.%s", exc.reason, exc, exc.reason)
             return []
         self.estimator.label(t, label)
+        i = bisect.bisect_left(self._times, t - EXACT)
+        if i < len(self._times) and self._times[i] <= t + EXACT:
+            self.counters["label_joined_exact"] += 1
+            return [self._take(i, label)]
         if len(self._waiting) >= self.capacity:
             self.counters["label_unmatched"] += 1
             heapq.heappushpop(self._waiting, (t, self.clock(), label))
@@ -160,10 +169,15 @@ class LiveLabels:
         return out
 
     def _join(self, at: float, label: int) -> Joined | None:
-        i = bisect.bisect_right(self._times, at) - 1
+        # A label stamped with a frame's own time (a prediction's ``t`` or ``item_t``)
+        # joins that frame though the lag's arithmetic moved it by a float's last digit.
+        i = bisect.bisect_right(self._times, at + JOIN_SLACK) - 1
         if i < 0 or at - self._times[i] > self.window:
             self.counters["label_unmatched"] += 1
             return None
+        return self._take(i, label)
+
+    def _take(self, i: int, label: int) -> Joined:
         del self._times[i]
         sample, predicted = self._frames.pop(i)
         self.counters["label_joined"] += 1
@@ -171,6 +185,14 @@ class LiveLabels:
 
     def _judge_lag(self) -> None:
         verdict = self.estimator.estimate(self.lag)
+        if verdict is not None and verdict.ambiguous:
+            self.counters["label_lag_ambiguous"] += 1
+            if self._limiter.allow("labels", "ambiguous"):
+                log.warning("labels fit several lags as well as %.2f s (a line whose products "
+                            "pass in a fixed cycle fits a shift of a whole item too): joining "
+                            "at %.2f s, the lag nearest zero; where the line knows how late "
+                            "its labels name their items, set [source] label_lag "
+                            "(docs/sources.md)", verdict.lag, self.lag)
         if verdict is None or not verdict.called_for or verdict.lag == self.lag:
             return
         if self.auto:

@@ -2,8 +2,13 @@
 
 The URI is a device index (``"0"``), an RTSP/HTTP URL, a GStreamer pipeline
 (anything containing ``" ! "``, e.g. a Jetson CSI camera through ``nvarguscamerasrc``),
-or a video file.  Opening and reading retry with jittered exponential backoff,
-then fail with a :class:`SourceError` that names the URI.  A recording ends once (logged,
+or a video file.  Opening retries with jittered exponential backoff, then fails with a
+:class:`SourceError` that names the URI: a camera that never answered is a wrong address.
+A live camera lost after it delivered frames is an outage, not an error: it is reopened
+for as long as it takes, the backoff capped at ``max_backoff`` (a line runs unattended,
+and a camera rebooting or a switch replaced must not end its device), the outage counted
+(``camera_outages``), timed (:attr:`VideoSource.outage_s`) and said at error level once it
+outlasts the retries.  A recording ends once (logged,
 counted as ``recording_ended``) or, with ``loop``, starts over (``loops``); frames of the
 wrong shape are refused with one log line and counted (``wrong_shape``).  Each frame is
 yielded as ``(sample, label, frame number, capture time)``, the time in unix seconds; with
@@ -53,7 +58,8 @@ class VideoSource:
         Frames kept per second of stream time (0 keeps every frame).  Files use
         their own timestamps, live sources the clock.
     retries, backoff, max_backoff : int, float, float
-        Attempts after the first, and the backoff base and cap in seconds.
+        Attempts after the first at opening the camera (a camera lost later is retried
+        until it is back), and the backoff base and cap in seconds.
     timeout : float
         Seconds a network camera may take to open, or between frames, before it counts as
         lost (``read_failures``) and is reconnected.
@@ -84,42 +90,62 @@ class VideoSource:
         self.counters: Counter[str] = shared if shared is not None else Counter()
         self._cap = None
         self._stopped = False
+        self._lost_at: float | None = None  # self.clock() when a live camera was lost
 
     @property
     def live(self) -> bool:
         return self.kind != "file"
 
-    def _open(self) -> Any:
-        import cv2
+    @property
+    def outage_s(self) -> float:
+        """Seconds the live camera has been lost for (0 while it delivers)."""
+        return 0.0 if self._lost_at is None else self.clock() - self._lost_at
 
-        for attempt in range(self.retries + 1):
-            if self._stopped:
-                return None
-            if self.kind == "device":
-                cap = cv2.VideoCapture(int(self.uri))
-            elif self.kind == "gstreamer":
-                cap = cv2.VideoCapture(self.uri, cv2.CAP_GSTREAMER)
-            elif self.kind == "url":
-                # A network camera that accepts the connection but sends nothing would hold
-                # the read for FFmpeg's default 30 s: give up sooner and reconnect.
-                ms = int(self.timeout * 1000)
-                cap = cv2.VideoCapture(self.uri, cv2.CAP_FFMPEG,
-                                       [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, ms,
-                                        cv2.CAP_PROP_READ_TIMEOUT_MSEC, ms])
-            else:
-                cap = cv2.VideoCapture(self.uri)
+    def _open(self) -> Any:
+        """The capture, opened: ``retries`` more attempts for a camera never opened, every
+        attempt it takes for one lost during an outage (``_lost_at`` set)."""
+        attempt = 0
+        while not self._stopped:
+            cap = self._capture()
             if cap.isOpened():
                 return cap
             cap.release()
             self.counters["open_failures"] += 1
-            if attempt < self.retries:
-                delay = min(self.max_backoff, self.backoff * 2**attempt)
-                delay *= 0.5 + 0.5 * self.rng.random()  # jitter: cameras rebooting together
+            if attempt >= self.retries and self._lost_at is None:
+                raise SourceError(f"cannot open {self.kind} {self.uri!r} after "
+                                  f"{self.retries + 1} attempts: check the device, URL or "
+                                  "pipeline")
+            delay = min(self.max_backoff, self.backoff * 2 ** min(attempt, 32))
+            delay *= 0.5 + 0.5 * self.rng.random()  # jitter: cameras rebooting together
+            if attempt == self.retries:  # said once an outage, at error level
+                log.error("%s %s lost %.0f s ago and still not back after %d attempts: "
+                          "trying again every %.0f s at most for as long as it takes "
+                          "(camera_outage_seconds)", self.kind, self.uri, self.outage_s,
+                          attempt + 1, self.max_backoff)
+            elif attempt < self.retries:
                 log.warning("cannot open %s %s (attempt %d of %d); retrying in %.1f s",
                             self.kind, self.uri, attempt + 1, self.retries + 1, delay)
-                self.sleep(delay)
-        raise SourceError(f"cannot open {self.kind} {self.uri!r} after {self.retries + 1} "
-                          "attempts: check the device, URL or pipeline")
+            self.sleep(delay)
+            attempt += 1
+        return None
+
+    def _capture(self) -> Any:
+        import cv2
+
+        if self.kind == "device":
+            cap = cv2.VideoCapture(int(self.uri))
+        elif self.kind == "gstreamer":
+            cap = cv2.VideoCapture(self.uri, cv2.CAP_GSTREAMER)
+        elif self.kind == "url":
+            # A network camera that accepts the connection but sends nothing would hold
+            # the read for FFmpeg's default 30 s: give up sooner and reconnect.
+            ms = int(self.timeout * 1000)
+            cap = cv2.VideoCapture(self.uri, cv2.CAP_FFMPEG,
+                                   [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, ms,
+                                    cv2.CAP_PROP_READ_TIMEOUT_MSEC, ms])
+        else:
+            cap = cv2.VideoCapture(self.uri)
+        return cap
 
     def samples(self) -> Iterator[tuple[np.ndarray, int | None, int, float]]:
         import cv2
@@ -149,13 +175,18 @@ class VideoSource:
                     log.info("%s ended after %d frames", self.uri, frame_no + 1)
                     return
                 self.counters["read_failures"] += 1
+                if self._lost_at is None:
+                    self._lost_at = self.clock()
+                    self.counters["camera_outages"] += 1
                 log.warning("lost %s %s; reconnecting", self.kind, self.uri)
                 self._cap.release()
                 self._cap = self._open()
                 if self._cap is not None:
                     self.counters["reconnects"] += 1
-                    log.info("%s %s is back", self.kind, self.uri)
                 continue
+            if self._lost_at is not None:  # frames again: the outage is over
+                log.info("%s %s is back after %.1f s", self.kind, self.uri, self.outage_s)
+                self._lost_at = None
             frame_no += 1
             captured = self.wall()
             t = self.clock() if self.live else self._cap.get(cv2.CAP_PROP_POS_MSEC) / 1000.0
