@@ -98,7 +98,7 @@ class HeadLedger:
         self.solved = self.total.n
         self.counters["head_solves"] += 1
         self.head = self.spec.solve(self.total)
-        log.info("fleet %s: a %s head solved from the statistics of %d samples", self.fleet,
+        log.info("fleet %s: its %s head solved from the statistics of %d samples", self.fleet,
                  self.spec.kind, self.solved)
         return self.head
 

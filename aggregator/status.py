@@ -250,7 +250,8 @@ def format_prediction(device: str, doc: Prediction) -> str:
     """One prediction as ``safl predictions`` prints it."""
     return (f"{device} frame {doc.frame} t {doc.t:.3f}"
             + (f" item_t {doc.item_t:.3f}" if doc.item_t is not None else "")
-            + f" label {doc.label} confidence {doc.confidence:.3f} model round "
+            + f" label {doc.label}" + (f" ({doc.product})" if doc.product else "")
+            + f" confidence {doc.confidence:.3f} model round "
             f"{doc.model_round} latency {doc.latency_ms:.0f} ms")
 
 

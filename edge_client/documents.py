@@ -155,6 +155,7 @@ class Prediction:
     # label lag the device applies (label_lag.py), so a line application matching items
     # by time matches the one its label would join.  ``t`` where labels do not come live.
     item_t: float | None = None
+    product: str | None = None  # the name of ``label`` where the fleet names its classes
 
 
 Document = ModelManifest | StationSummary | CloudSummary | DeviceSummary | Prediction

@@ -191,11 +191,12 @@ class DeviceService:
                           name=cfg.device_id).start()
         self.pump = pump
         if src.label_topic:
-            self.labels = LiveLabels(mc.num_classes, window=src.label_window,
+            self.labels = LiveLabels(mc.num_classes, class_names=mc.class_names,
+                                     window=src.label_window,
                                      delay_max=src.label_delay_max, lag=src.label_lag)
         topic = predictions_topic(cfg.fleet, cfg.device_id)
         self.feed = feed = StreamFeed(device, pump, inference=self.inference, labels=self.labels,
-                                      body=body,
+                                      body=body, class_names=mc.class_names,
                                       publish=lambda doc: transport.publish_document(
                                           topic, doc, retain=False, qos=0))
         if src.label_topic:

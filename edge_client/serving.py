@@ -51,10 +51,12 @@ class StreamFeed:
     def __init__(self, device: Device, pump: SourcePump, *, inference: InferenceConfig,
                  labels: LiveLabels | None = None,
                  publish: Callable[[Prediction], None] | None = None,
-                 max_samples: int = 256, body: Body | None = None) -> None:
+                 max_samples: int = 256, body: Body | None = None,
+                 class_names: tuple[str, ...] = ()) -> None:
         self.device, self.pump, self.inference, self.labels = device, pump, inference, labels
         self.body = body
         self.publish, self.max_samples = publish, max_samples
+        self.class_names = class_names  # the products' names, class 0 first (or none)
         self.counters = device.counters  # one set of metrics per device
         self._next_t = 0.0  # earliest capture time the fps cap lets through
         self.last_prediction: float | None = None  # unix time of the last one made
@@ -134,12 +136,14 @@ class StreamFeed:
         predicted[chosen] = labels
         done = self.last_prediction = time.time()
         lag = self.labels.lag if self.labels is not None else 0.0
+        names = self.class_names
         for i, label, conf in zip(chosen, labels, confidence, strict=True):
             doc = Prediction(t=float(batch.times[i]), frame=int(batch.frames[i]),
                              label=int(label), confidence=round(float(conf), 6),
                              model_round=self.device.line.deployable_round,
                              latency_ms=round(max(0.0, done - batch.times[i]) * 1000, 3),
-                             item_t=float(batch.times[i]) - lag)
+                             item_t=float(batch.times[i]) - lag,
+                             product=names[label] if names else None)
             if self.inference.publish and self.publish is not None:
                 self.publish(doc)
             if self._jsonl is not None:

@@ -382,7 +382,7 @@ def test_an_mjpeg_camera_with_a_pretrained_body_learns_from_live_labels(tmp_path
 def test_a_camera_fleet_with_a_body_is_at_80_percent_within_a_thousand_labelled_frames(
         tmp_path, digits):
     """Four MJPEG cameras on one line, EfficientNet-Lite0 on each device and the head solved
-    in closed form (``head_init`` comes to ridge with a body) from the statistics of the
+    in closed form (``head_init`` comes to lda with a frozen body) from the statistics of the
     frames the line labels, summed by the station and the cloud: the fleet's prequential
     accuracy (each device's over its last 100 labelled predictions, the mean of the four)
     is at 80% before 1,000 labelled frames have arrived fleet-wide.  Without the solve the
@@ -421,7 +421,7 @@ def test_a_camera_fleet_with_a_body_is_at_80_percent_within_a_thousand_labelled_
             server.stop()
     print("\nfour cameras with a body, prequential accuracy by labelled frames fleet-wide: "
           + ", ".join(f"{t:.0f}s {n:.0f} {a:.2f}" for t, n, a in curve))
-    assert "a ridge head solved from the statistics of" in (tmp_path / "cloud.log").read_text()
+    assert "its lda head solved from the statistics of" in (tmp_path / "cloud.log").read_text()
     at = next((n for _, n, a in curve if a >= 0.8), None)
     assert at is not None and at <= 1000, curve
     assert all(f.get("safl_promotions_total", 0) >= 1 for f in final)

@@ -143,7 +143,8 @@ def test_the_stream_loop_publishes_predictions_and_skips_a_backlog(digits, tmp_p
     assert decode_document(encode_document(doc)) == doc
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert len(lines) == 30 and set(lines[0]) == {"t", "frame", "label", "confidence",
-                                                  "model_round", "latency_ms", "item_t"}
+                                                  "model_round", "latency_ms", "item_t",
+                                                  "product"}
     assert all(p.item_t == p.t for p in published)  # no live labels: no lag
     # One document, one serialiser: a line is the published document's fields, byte for byte.
     assert jsonl.read_bytes().splitlines() == [encode_document(p, bare=True) for p in published]
@@ -343,6 +344,38 @@ def test_a_prediction_carries_the_item_time_its_label_lag_implies(digits):
     joined = labels.add_label(json.dumps({"t": published[3].item_t,
                                           "label": int(digits.y_train[3])}).encode())
     assert len(joined) == 1 and np.array_equal(joined[0][0], digits.x_train[3])
+
+
+def test_products_by_name_in_labels_and_predictions(digits):
+    """Where the fleet names its classes ([model] class_names, in every role's file), a label
+    may name its product instead of its number and each prediction carries the name; a
+    product the fleet does not have is refused and counted, and so is a name where the
+    classes have none."""
+    from edge_client.config import ModelConfig
+    from edge_client.errors import ConfigError
+
+    names = ("bolt", "nut", "washer", "bracket", "gear", "pin", "cap", "ring", "clip", "hub")
+    assert ModelConfig(num_classes=10, class_names=names).class_names == names
+    for bad, why in ((names[:9], "9 names for num_classes = 10"),
+                     (("bolt",) * 10, "bolt named twice"), (("7", *names[1:]), "not a number"),
+                     ((" bolt", *names[1:]), "no spaces")):
+        with pytest.raises(ConfigError, match=f"'class_names'.*{why}"):
+            ModelConfig(num_classes=10, class_names=bad)
+    now = time.time()
+    items = [(digits.x_train[i], None, i, now - 1 + i * 0.1) for i in range(4)]
+    published = []
+    dev = _ready_device(digits, InferenceConfig())
+    labels = LiveLabels(10, window=0.5, delay_max=30.0, lag=0.0, class_names=names)
+    StreamFeed(dev, _drained_pump(items), inference=dev.inference, labels=labels,
+               publish=published.append, class_names=names)(0.0)
+    assert [p.product for p in published] == [names[p.label] for p in published]
+    joined = labels.add_label(json.dumps({"t": published[1].t, "label": "washer"}).encode())
+    assert [label for _, label, _ in joined] == [2]
+    assert labels.add_label(json.dumps({"t": published[2].t, "label": "sprocket"}).encode()) == []
+    assert labels.counters["label_refused.unknown_product"] == 1
+    unnamed = LiveLabels(10, window=0.5, delay_max=30.0, lag=0.0)
+    assert unnamed.add_label(json.dumps({"t": now, "label": "nut"}).encode()) == []
+    assert unnamed.counters["label_refused.unknown_product"] == 1
 
 
 def test_predictions_are_a_document_the_line_can_read():

@@ -36,6 +36,7 @@ metrics_port = 9101
 name = "mlp"
 input_shape = [3, 16, 16]
 num_classes = 4
+class_names = ["bolt", "nut", "washer", "bracket"]
 
 [training]
 batch_size = 16
@@ -98,12 +99,17 @@ def test_device_files_run_as_written_and_agree_with_their_station(lined):
         assert device.batch_size * device.local_steps <= station.batch_size * station.local_steps
         assert device.min_batch <= device.batch_size
         assert model.input_shape == (3, 16, 16) and model.num_classes == 4
+        assert model.class_names == ("bolt", "nut", "washer", "bracket")  # in every file
         assert _station(out)["model"] == model
         assert source.kind == "camera" and source.resize == (16, 16) and not source.grayscale
         assert source.label_topic == f"line/st0/{did}/labels"
         assert cfg["inference"].enabled and cfg["inference"].publish
         assert cfg["service"].metrics_host == "127.0.0.1"  # loopback unless the fleet opens it
     assert station.batch_size == 16 and station.local_steps == 2
+    # The line application's file names the products its labels may carry.
+    import tomllib
+    line = tomllib.loads((out / "lines" / "press-line" / "line.toml").read_text())
+    assert line["line"]["products"] == ["bolt", "nut", "washer", "bracket"]
 
 
 def test_brokers_listen_where_the_fleet_file_says(lined, tmp_path):

@@ -8,7 +8,9 @@ import re
 from ..errors import ConfigError
 from .loading import check_range
 
-__all__ = ["ModelConfig"]
+__all__ = ["ModelConfig", "MAX_NAME"]
+
+MAX_NAME = 64  # characters of a product's name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +57,9 @@ class ModelConfig:
     # docs/bodies.md); "once": the first solve starts the federation's fine-tuning, which
     # then goes on from it; "auto": every on a frozen body, once where its blocks train.
     head_resolve: str = "auto"
+    # The products' names, class 0 first (docs/camera-line.md): a label may name its product
+    # instead of its number, and each prediction carries the name; () leaves them numbers.
+    class_names: tuple[str, ...] = ()
 
     @property
     def head_kind(self) -> str:
@@ -71,6 +76,23 @@ class ModelConfig:
         if self.head_resolve != "auto":
             return self.head_resolve
         return "once" if self.train_body_blocks else "every"
+
+    def _check_class_names(self) -> None:
+        names = self.class_names
+        if not names:
+            return
+        if len(names) != self.num_classes:
+            raise ConfigError("class_names", f"{len(names)} names for num_classes = "
+                              f"{self.num_classes}: name every class, class 0 first")
+        bad = [n for n in names if not (0 < len(n) <= MAX_NAME and n.isprintable()
+                                        and n == n.strip() and not n.isdigit())]
+        if bad:
+            raise ConfigError("class_names", f"{bad[0][:80]!r} is not a product name: 1-"
+                              f"{MAX_NAME} printable characters, not a number, no spaces "
+                              "around it")
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ConfigError("class_names", f"{', '.join(twice)} named twice")
 
     @property
     def _head_solvable(self) -> bool:
@@ -96,6 +118,7 @@ class ModelConfig:
         if not self.input_shape or min(self.input_shape) < 1:
             raise ConfigError("input_shape", f"must be positive sizes, got {self.input_shape}")
         check_range("num_classes", self.num_classes, 2)
+        self._check_class_names()
         check_range("hidden", self.hidden, 1)
         if self.body != "none" and not self.body_dir:
             raise ConfigError("body_dir", f"body {self.body!r} needs the folder `safl models "

@@ -44,7 +44,11 @@ __all__ = ["LagEstimator", "LagVerdict", "MAX_LAG", "STEP"]
 STEP = 0.05  # s between the shifts tried
 DIMS = 16  # random projections a frame is reduced to: 64 bytes a frame kept
 KEEP = 400  # labels the estimate is made over
-MIN_LABELS = 64  # labels scored before any estimate
+MIN_LABELS = 64  # labels scored before any estimate ...
+# ... over this many seconds of the line at least: 64 labels answering predictions at 10 a
+# second are six items, which a shift of a few items can fit by chance (seen over a real
+# camera: -1.75 s, then the right 0.30 s once more items were in)
+MIN_SPAN = 20.0
 EVERY = 16  # labels scored between two estimates
 TIE = 0.02  # R^2 within this of a peak counts as the peak (the noise of a few hundred)
 # A peak within this share of the best is as good a fit: a line whose products come in a
@@ -92,6 +96,7 @@ class LagEstimator:
         self._rows: deque[np.ndarray] = deque(maxlen=KEEP)
         self._found: deque[np.ndarray] = deque(maxlen=KEEP)
         self._labels: deque[int] = deque(maxlen=KEEP)
+        self._span = (np.inf, -np.inf)  # the first and last time a label scored named
         self._scored_since = 0
         self.last: LagVerdict | None = None
 
@@ -136,6 +141,7 @@ class LagEstimator:
         self._found.extend(found)
         self._labels.extend(r[1] for r in ready)
         self._scored_since += len(ready)
+        self._span = (min(self._span[0], ready[0][0]), max(self._span[1], ready[-1][0]))
 
     def explained(self) -> np.ndarray:
         """R^2 of the class means at each shift (NaN where too few labels found a frame)."""
@@ -156,9 +162,11 @@ class LagEstimator:
         return np.where((n >= MIN_LABELS // 2) & (within_total > 0), r2, np.nan)
 
     def estimate(self, applied: float) -> LagVerdict | None:
-        """A new verdict every ``EVERY`` labels scored, once ``MIN_LABELS`` are; None between
-        them or while the labels explain the frames no better than independent labels."""
-        if len(self._rows) < MIN_LABELS or self._scored_since < EVERY:
+        """A new verdict every ``EVERY`` labels scored, once ``MIN_LABELS`` are over
+        ``MIN_SPAN`` seconds; None between them or while the labels explain the frames no
+        better than independent labels."""
+        if len(self._rows) < MIN_LABELS or self._scored_since < EVERY \
+                or self._span[1] - self._span[0] < MIN_SPAN:
             return None
         self._scored_since = 0
         r2 = self.explained()

@@ -37,9 +37,11 @@ JOIN_SLACK = 1e-3  # s: a frame read this little after a label's time is the one
 EXACT = 1e-6  # s: a label's time this close to a frame's read time names that frame
 
 
-def parse_label(payload: bytes, num_classes: int) -> tuple[float, int]:
-    """``(t, label)`` of one label message; :class:`MessageError` (with a counter-ready
-    reason) for anything else."""
+def parse_label(payload: bytes, num_classes: int,
+                names: dict[str, int] | None = None) -> tuple[float, int]:
+    """``(t, label)`` of one label message, its label a class number or, where the fleet
+    names its classes (``names``), a product's name; :class:`MessageError` (with a
+    counter-ready reason) for anything else."""
     if len(payload) > MAX_LABEL_PAYLOAD:
         raise MessageError("oversized", f"{len(payload)} bytes, more than {MAX_LABEL_PAYLOAD}")
     try:
@@ -51,6 +53,15 @@ def parse_label(payload: bytes, num_classes: int) -> tuple[float, int]:
     t, label = doc["t"], doc["label"]
     if type(t) not in (int, float) or not math.isfinite(t) or t < 0:
         raise MessageError("bad_time", f"t = {str(t)[:40]!r} is not a finite unix time")
+    if type(label) is str:
+        if not names:
+            raise MessageError("unknown_product", f"label {label[:40]!r} names a product, and "
+                               "this fleet's classes have no names ([model] class_names)")
+        if label not in names:
+            raise MessageError("unknown_product", f"no product {label[:40]!r} in this "
+                               f"fleet's classes ({', '.join(list(names)[:8])}"
+                               f"{', ...' if len(names) > 8 else ''})")
+        return float(t), names[label]
     if type(label) is not int or not 0 <= label < num_classes:
         raise MessageError("out_of_range", f"label {str(label)[:40]!r} outside "
                            f"[0, {num_classes})")
@@ -66,6 +77,8 @@ class LiveLabels:
     Parameters
     ----------
     num_classes : int
+    class_names : tuple of str
+        The products' names, class 0 first: a label may name one instead of its number.
     window : float
         A label joins the frame read nearest before ``t + lag`` and at most this many
         seconds before it; a label with no such frame is ``label_unmatched``.
@@ -84,10 +97,12 @@ class LiveLabels:
 
     def __init__(self, num_classes: int, *, window: float, delay_max: float,
                  lag: float | str = "auto", capacity: int = 4096,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None,
+                 class_names: tuple[str, ...] = ()) -> None:
         import time
 
         self.num_classes, self.window, self.delay_max = num_classes, window, delay_max
+        self.names = {name: k for k, name in enumerate(class_names)}
         self.capacity = capacity
         self.clock = clock or time.time
         self.auto = lag == "auto"
@@ -135,7 +150,7 @@ class LiveLabels:
         """One label message: joined at once when its frame has been read, else when it is
         (:meth:`add_frames`); refused messages are counted."""
         try:
-            t, label = parse_label(payload, self.num_classes)
+            t, label = parse_label(payload, self.num_classes, self.names)
             if t > self.clock() + self.delay_max:  # it would wait for frames for ever
                 raise MessageError("bad_time", f"t = {t} is more than {self.delay_max} s ahead "
                                    "of this device's clock")
