@@ -354,7 +354,10 @@ def test_an_mjpeg_camera_with_a_pretrained_body_learns_from_live_labels(tmp_path
     export_checked("efficientnet-lite0", body, (3, 64, 64))
     model = ('[model]\nname = "linear"\ninput_shape = [3, 64, 64]\nnum_classes = 4\n'
              f'body = "efficientnet-lite0"\nbody_dir = "{body}"\n')
-    seconds = 50.0
+    # 60 s: at 50 s the prequential window (100 labels) still held the first seconds' chance
+    # predictions, 0.72-0.73 here alone and 0.64 beside the rest of the suite in one
+    # clean-clone run (ridge and lda alike: 0.72-0.75 and 0.72-0.73, three runs each)
+    seconds = 60.0
     fed, line, samples, final, _, start, log = _run(
         # Items filmed, not pixel blocks: JPEG rings at a blocky 8x8 digit's edges, which
         # moves its embedding 3x as far as another exemplar of its class (docs/bodies.md).
@@ -365,7 +368,7 @@ def test_an_mjpeg_camera_with_a_pretrained_body_learns_from_live_labels(tmp_path
     assert "body efficientnet-lite0" in log and "onnxruntime" in log
     assert rate >= 0.6 * FPS and joined >= 0.6 * sent
     early, end = _learned(samples, final)
-    # 0.75 measured (0.47 at 10 s): 15 federated steps of 8 frames in 50 s; chance is 0.25
+    # 0.75 measured at 50 s (0.47 at 10 s): 15 federated steps of 8 frames; chance is 0.25
     assert end >= 0.65, (early, end)
     out = tmp_path / "line.onnx"
     subprocess.run([sys.executable, "-m", "edge_client", "export", "--config",
