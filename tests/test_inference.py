@@ -344,6 +344,13 @@ def test_a_prediction_carries_the_item_time_its_label_lag_implies(digits):
     joined = labels.add_label(json.dumps({"t": published[3].item_t,
                                           "label": int(digits.y_train[3])}).encode())
     assert len(joined) == 1 and np.array_equal(joined[0][0], digits.x_train[3])
+    # A label on a frame's read time to the microsecond is the line's verdict on that frame;
+    # two microseconds off, it is an item's time like any other, joined by the lag.
+    exact = labels.counters["label_joined_exact"]
+    labels.add_label(json.dumps({"t": published[5].t + 0.9e-6, "label": 1}).encode())
+    assert labels.counters["label_joined_exact"] == exact + 1
+    labels.add_label(json.dumps({"t": published[6].t + 2e-6, "label": 1}).encode())
+    assert labels.counters["label_joined_exact"] == exact + 1
 
 
 def test_products_by_name_in_labels_and_predictions(digits):
@@ -356,6 +363,10 @@ def test_products_by_name_in_labels_and_predictions(digits):
 
     names = ("bolt", "nut", "washer", "bracket", "gear", "pin", "cap", "ring", "clip", "hub")
     assert ModelConfig(num_classes=10, class_names=names).class_names == names
+    longest = ("x" * 64, *names[1:])  # a name exactly at the bound, and one past it
+    assert ModelConfig(num_classes=10, class_names=longest).class_names == longest
+    with pytest.raises(ConfigError, match="'class_names'.*1-64 printable"):
+        ModelConfig(num_classes=10, class_names=("x" * 65, *names[1:]))
     for bad, why in ((names[:9], "9 names for num_classes = 10"),
                      (("bolt",) * 10, "bolt named twice"), (("7", *names[1:]), "not a number"),
                      ((" bolt", *names[1:]), "no spaces")):
