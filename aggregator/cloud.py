@@ -242,6 +242,8 @@ class Cloud(RoleBase[CloudState]):
             return []
         if msg.online:
             self.offline.discard(msg.sender)
+            if self.heads is not None:  # a restarted station holds no detector: it goes again
+                self.heads.resend = self.heads.detector is not None
             if self.state == _C.JOINING or msg.sender in self._updates:
                 return []
             # A (re)started station may have missed this round's model: repeat it.
@@ -315,4 +317,5 @@ class Cloud(RoleBase[CloudState]):
         return m.GlobalModel(fleet=self.config.fleet, sender=CLOUD_ID, round=self.round,
                              iteration=self.iteration, weights=self.weights,
                              p_real=self.p_real, final=self.state == _C.DONE,
-                             head_samples=self.heads.solved if self.heads else 0)
+                             head_samples=self.heads.solved if self.heads else 0,
+                             **(self.heads.novelty_out() if self.heads else {}))

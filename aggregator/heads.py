@@ -21,12 +21,13 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import MessageError
-from edge_client.head_stats import HeadSpec, HeadSums
+from edge_client.head_stats import GRAM_KINDS, HeadSpec, HeadSums
+from edge_client.novelty import BINS, Detector, solve_detector, threshold_of
 from edge_client.topics import CLOUD_ID
 
 from .checkpoint import group, grouped
 
-__all__ = ["HeadLedger", "attach_heads", "fused_head", "refused"]
+__all__ = ["HeadLedger", "attach_heads", "came_online", "fused_head", "refused"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,16 @@ class HeadLedger:
         # A station's round began from a solved head that the next round's solve replaces
         # (resolve = "every"): its internal syncs keep it (:meth:`fused`).
         self.round_head: np.ndarray | None = None
+        # The unknown-part detector (edge_client/novelty.py): the cloud solves it as the
+        # sums double and sets its threshold from the devices' scores of labelled frames
+        # (``scored``, by the detector of ``detector_of`` samples: at a station, those it
+        # owes the cloud); a station relays both to its devices.  Packed; sent where it
+        # changed, and again once a device comes online (``resend``).
+        self.detector: np.ndarray | None = None
+        self.detector_of = 0
+        self.threshold = 0.0  # the score past which a frame is unknown (0: none yet)
+        self.scored = np.zeros(BINS)
+        self.resend = False
 
     def admit(self, msg: m.HeadStats, seen: np.ndarray | None) -> None:
         """Add ``msg``'s sums, checked (:class:`MessageError`, nothing added, where they
@@ -55,6 +66,7 @@ class HeadLedger:
         keeps them; statistics of more samples in all than that are weighted down to it
         (``clipped.head_stats``), as a claim at its bound is."""
         sums = self.spec.unpack(msg)
+        scored = self._scored(msg, sums.n)
         so_far = self.claimed.get(msg.sender, 0.0)
         room = float(seen.sum()) - so_far if seen is not None else 0.0
         weight = min(1.0, max(room, 0.0) / max(sums.n, 1))
@@ -66,7 +78,29 @@ class HeadLedger:
         self.newcomer = msg.sender not in self.claimed
         self.claimed[msg.sender] = so_far + weight * sums.n
         self.counters["head_stats"] += 1
+        if scored is not None:
+            self.scored += weight * scored
+            if self.pending is None and self.spec.unknown_share > 0:
+                threshold = threshold_of(self.scored, self.spec.unknown_share)
+                self.threshold = threshold if np.isfinite(threshold) else self.threshold
 
+    def _scored(self, msg: m.HeadStats, frames: int) -> np.ndarray | None:
+        """The histogram of scores ``msg`` carries, checked as a claim: each is one of its
+        ``frames`` (a :class:`MessageError` otherwise); None where it has none, or they are
+        of another detector than the one in use (``novelty.stale``: they calibrate nothing
+        of it)."""
+        if not msg.novelty.size:
+            return None
+        if msg.novelty.size != BINS:
+            raise MessageError("wrong_length", f"{msg.novelty.size} bins of unknown-part "
+                               f"scores, not {BINS}")
+        if int(msg.novelty.sum()) > frames:
+            raise MessageError("novelty_claim", f"{int(msg.novelty.sum())} frames scored, "
+                               f"of {frames} in the statistics")
+        if msg.novelty_of != self.detector_of:
+            self.counters["novelty.stale"] += 1
+            return None
+        return msg.novelty.astype(np.float64)
     def upstream(self, seen: Callable[[], m.StationStats], round_: int, iteration: int, *,
                  early: bool = False, roster: int = 0) -> list[m.Message]:
         """What was admitted since the last send, for the level above (none where nothing),
@@ -85,10 +119,14 @@ class HeadLedger:
         gram, cross, counts = self.pending.taken().packed()
         self.counters["head_stats_forwarded"] += 1
         counts_first = seen()
+        scored = np.floor(self.scored).astype(np.int64)  # a weighted-down claim, rounded down
+        self.scored[:] = 0
         return [counts_first, m.HeadStats(fleet=self.fleet, sender=counts_first.sender,
                                           round=round_, iteration=iteration,
                                           station=counts_first.sender, gram=gram,
-                                          cross=cross, counts=counts)]
+                                          cross=cross, counts=counts,
+                                          novelty=scored if scored.any() else scored[:0],
+                                          novelty_of=self.detector_of if scored.any() else 0)]
 
     def solve(self, *, again: bool) -> np.ndarray | None:
         """The head from every admitted statistic, where there are any and a solve is due:
@@ -100,7 +138,50 @@ class HeadLedger:
         self.head = self.spec.solve(self.total)
         log.info("fleet %s: its %s head solved from the statistics of %d samples", self.fleet,
                  self.spec.kind, self.solved)
+        if self.pending is None and self.spec.kind in GRAM_KINDS \
+                and self.total.n >= max(2 * self.detector_of, self.spec.features):
+            self._detect()
         return self.head
+
+    def _detect(self) -> None:
+        """The cloud's detector from everything admitted: the first once the sums hold as
+        many frames as the body has features (AUROC 0.87 there in the lab; a camera line's
+        first few hundred frames of a few items score every new frame thousands of times
+        farther than a known one), then again as they double (3.3 MB to every device each
+        time: ten detectors to 650,000 frames at 1,280 features), its threshold kept until
+        the new one's scores calibrate it."""
+        detector = solve_detector(self.total)
+        # by its packed count (float32), as the devices name it
+        self.detector = detector.packed()
+        self.detector_of = int(self.detector[1])
+        self.scored[:] = 0
+        self.resend = True
+        self.counters["novelty.detectors"] += 1
+        log.info("fleet %s: its unknown-part detector solved from %d samples (%.0f degrees "
+                 "of freedom)", self.fleet, detector.samples, detector.df)
+
+    def relay(self, msg: m.GlobalModel) -> None:
+        """A station's: the detector and threshold the cloud sent, for its devices; a
+        detector that is not one for this head is refused and counted (the one held stays)."""
+        self.threshold = msg.novelty_threshold
+        if not msg.novelty.size:
+            return
+        try:
+            detector = Detector.unpacked(msg.novelty, self.spec.features, self.spec.classes)
+        except MessageError as exc:
+            self.counters[f"rejected.novelty.{exc.reason}"] += 1
+            log.warning("station: refused the cloud's unknown-part detector: %s", exc)
+            return
+        if detector.samples != self.detector_of:
+            self.scored[:] = 0  # scores of the detector before it go nowhere now
+        self.detector, self.detector_of, self.resend = np.array(msg.novelty), detector.samples, True
+
+    def novelty_out(self) -> dict[str, Any]:
+        """The detector (where it is due) and threshold, as a model message's fields."""
+        out: dict[str, Any] = {"novelty_threshold": self.threshold}
+        if self.resend and self.detector is not None:
+            out["novelty"], self.resend = self.detector, False
+        return out
 
     def latest(self, otherwise: np.ndarray) -> np.ndarray:
         """The head from everything admitted so far (solved again where more came), else
@@ -122,13 +203,15 @@ class HeadLedger:
         out[weights.size - self.head.size:] = self.head
         return out
 
-    def round_began(self, weights: np.ndarray, *, cloud_solved: int) -> np.ndarray:
-        """What a station's round starts from: the cloud's model, or where the cloud solved
-        no head yet (``cloud_solved``: the samples its head was solved from), this factory's
-        head where there is one."""
-        if not cloud_solved:
+    def round_began(self, msg: m.GlobalModel) -> np.ndarray:
+        """What a station's round starts from: the cloud's model ``msg``, or where the cloud
+        solved no head yet (its ``head_samples``), this factory's head where there is one;
+        the detector and threshold it carries are kept for the devices (:meth:`relay`)."""
+        weights = np.array(msg.weights)
+        if not msg.head_samples:
             weights = self.latest(weights)
-        solved = cloud_solved or self.head is not None
+        self.relay(msg)
+        solved = msg.head_samples or self.head is not None
         self.round_head = weights.copy() if solved and self.spec.resolve == "every" else None
         return weights
 
@@ -153,6 +236,10 @@ class HeadLedger:
         out["head_solved"] = np.array([self.solved], np.int64)
         if self.round_head is not None:
             out["head_round"] = self.round_head
+        if self.detector is not None:
+            out["head_detector"] = self.detector
+        out["head_scored"] = self.scored
+        out["head_threshold"] = np.array([self.threshold])
         return out
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
@@ -169,6 +256,12 @@ class HeadLedger:
         self.claimed = {k: float(v[0]) for k, v in group(arrays, "head_claimed").items()}
         self.solved = int(arrays["head_solved"][0])
         self.round_head = np.array(arrays["head_round"]) if "head_round" in arrays else None
+        if "head_detector" in arrays:  # sent again: a device may have restarted meanwhile
+            self.detector, self.resend = np.array(arrays["head_detector"]), True
+            self.detector_of = int(self.detector[1])
+        if "head_scored" in arrays:
+            self.scored = np.array(arrays["head_scored"], np.float64)
+            self.threshold = float(arrays["head_threshold"][0])
 
 
 def attach_heads(role: Any, spec: HeadSpec | None) -> None:
@@ -176,6 +269,12 @@ def attach_heads(role: Any, spec: HeadSpec | None) -> None:
     if spec is not None:
         role.heads = HeadLedger(spec, role.counters, role.config.fleet,
                                 upstream=role.id != CLOUD_ID)
+
+
+def came_online(heads: HeadLedger | None) -> None:
+    """A device came online: it may have restarted, so the detector goes again."""
+    if heads is not None:
+        heads.resend = heads.detector is not None
 
 
 def fused_head(heads: HeadLedger | None, weights: np.ndarray) -> np.ndarray:

@@ -168,6 +168,8 @@ class FleetHistory:
                 "prequential_accuracy": doc.prequential_accuracy, "epsilon": doc.epsilon,
                 "deployed_round": doc.deployed_round, "shadow_accuracy": doc.shadow_accuracy,
                 "promotions_refused": doc.counters.get("promotions_refused", 0),
+                # Predictions flagged as a part the fleet never labelled (novelty.py)
+                "unknown": doc.counters.get("predictions.unknown", 0),
                 "uploads": doc.counters.get("uploads", 0),
                 "skips": counted(doc.counters, "skipped."),
                 "refused": seen_by.device_refused.get(did, 0) if seen_by else None,

@@ -236,6 +236,7 @@ function render(doc) {
   table('devices', [['id', 'device'], ['station', 'station'], ['presence', 'presence'],
     ['state', 'state'], [['round', 'iteration'], 'round / iter'],
     ['prediction_age', 'last prediction, s ago', 1], ['camera_outage', 'camera lost, s', 0],
+    ['unknown', 'unknown parts'],
     ['local_accuracy', 'held-out', 3], ['prequential_accuracy', 'test then train', 3],
     ['deployed_round', 'round in use'], ['shadow_accuracy', 'candidate', 3],
     ['promotions_refused', 'models refused'], [['uploads', 'skips'], 'uploads / skips'],

@@ -28,7 +28,7 @@ from .central_dp import CentralDP
 from .config import StationConfig
 from .external_sync import ExternalSync
 from .fusion import Fold, fold_for
-from .heads import HeadLedger, fused_head, refused
+from .heads import HeadLedger, came_online, fused_head, refused
 from .internal_sync import InternalSync
 from .roster import Roster
 from .seating import Seating
@@ -170,8 +170,7 @@ class Station(StationResume, RoleBase[StationState]):
         return None
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
-        cfg = self.config
-        if message.fleet != cfg.fleet:
+        if message.fleet != self.config.fleet:
             return self._reject("wrong_fleet", f"fleet {message.fleet!r}")
         if isinstance(message, m.GlobalModel):
             return self._on_global(message, now)
@@ -183,7 +182,7 @@ class Station(StationResume, RoleBase[StationState]):
             return self._reject("unexpected_type", type(message).__name__)
         if message.station != self.id:
             return []  # another factory's device on the shared tree
-        if message.sender not in cfg.devices:
+        if message.sender not in self.config.devices:
             return self._reject("unknown_sender", f"device {message.sender!r} is not on the roster")
         if isinstance(message, m.DeviceStats):
             return self._on_stats(message, now)
@@ -241,6 +240,7 @@ class Station(StationResume, RoleBase[StationState]):
         if msg.role != m.Participant.DEVICE or msg.sender not in self.config.devices:
             return []
         if msg.online:  # after a Last Will (a broker restart fires them all): selectable again
+            came_online(self.heads)
             return self._end_gathering(now) if self.roster.back_online(msg.sender) else []
         self.roster.went_offline(msg.sender)
         return self._member_offline(msg.sender, now)
@@ -298,9 +298,8 @@ class Station(StationResume, RoleBase[StationState]):
         ready = self.roster.ready()  # the global model changes who is ready no more than the rest
         new = self.next_state(_E.FINAL_MODEL if msg.final else self._iteration_event(ready))
         self.external.answered()
-        self.weights, self.p_real = np.array(msg.weights), np.array(msg.p_real)
-        if self.heads is not None:  # where the cloud solved none yet, this factory's head
-            self.weights = self.heads.round_began(self.weights, cloud_solved=msg.head_samples)
+        self.p_real = np.array(msg.p_real)  # and w^m, or where the cloud solved no head, ours
+        self.weights = np.array(msg.weights) if self.heads is None else self.heads.round_began(msg)
         self.round, self.iteration = msg.round, msg.iteration
         self._new_round()
         if msg.final:
@@ -397,4 +396,5 @@ class Station(StationResume, RoleBase[StationState]):
 
     def _model_message(self, final: bool = False) -> m.StationModel:
         return m.StationModel(fleet=self.config.fleet, sender=self.id, round=self.round,
-                              iteration=self.iteration, weights=self._model(), final=final)
+                              iteration=self.iteration, weights=self._model(), final=final,
+                              **(self.heads.novelty_out() if self.heads else {}))

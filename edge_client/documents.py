@@ -156,6 +156,12 @@ class Prediction:
     # by time matches the one its label would join.  ``t`` where labels do not come live.
     item_t: float | None = None
     product: str | None = None  # the name of ``label`` where the fleet names its classes
+    # How far the frame lies from every product the fleet has labelled (novelty.py: about 1
+    # for a known one where the fleet has labelled many), and whether that is past the
+    # fleet's threshold: a part the line has never labelled.  None without a detector
+    # (yet), ``unknown`` None before its threshold is calibrated.
+    novelty: float | None = None
+    unknown: bool | None = None
 
 
 Document = ModelManifest | StationSummary | CloudSummary | DeviceSummary | Prediction

@@ -20,6 +20,7 @@ numpy; a device with a body imports it.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from . import messages as m
 from .body import BODY_MANIFEST, body_manifest
 from .errors import ConfigError, MessageError
 from .head_solves import NCM_SCALE, head_vector, solve_lda, solve_ncm, solve_ridge
+from .novelty import DeviceNovelty
 
 __all__ = ["HEAD_KINDS", "GRAM_KINDS", "HeadSpec", "HeadStatsPath", "head_spec", "HeadSums",
            "augment", "check_claim", "triangle_size"]
@@ -186,6 +188,7 @@ class HeadSpec:
     # (Fed3R+FT's temperature): its scores, about 1 for its class and 0 for the rest, make a
     # near-flat softmax, whose loss would push every sample's features however well placed.
     scale: float = 1.0
+    unknown_share: float = 0.05  # [model] unknown_share: what the cloud's threshold flags
 
     def zeros(self, dtype: type = np.float64) -> HeadSums:
         return HeadSums.zeros(self.features, self.classes, kind=self.kind, dtype=dtype)
@@ -228,7 +231,7 @@ def head_spec(model: Any) -> HeadSpec | None:
     return HeadSpec(kind, manifest.embedding, model.num_classes,
                     np.asarray(manifest.centre, np.float32), manifest.row_clip,
                     model.head_resolution, scale=NCM_SCALE if model.train_body_blocks and
-                    kind == "ridge" else 1.0)
+                    kind == "ridge" else 1.0, unknown_share=model.unknown_share)
 
 
 class HeadStatsPath:
@@ -243,8 +246,14 @@ class HeadStatsPath:
     STAGE = 64  # rows staged before they are added: 330 KB at 1,281 float32 columns
 
     def __init__(self, spec: HeadSpec, every: int, *, fleet: str, device: str,
-                 station: str, await_station: bool = False, embed: Embed | None = None) -> None:
+                 station: str, await_station: bool = False, embed: Embed | None = None,
+                 counters: Counter[str] | None = None) -> None:
         self.spec, self.every = spec, every
+        # The fleet's unknown-part detector, and the labelled frames' scores that set its
+        # threshold (novelty.py); none on class means only (no Gram, no covariance).
+        self.novelty = DeviceNovelty(spec.features, spec.classes,
+                                     Counter() if counters is None else counters, device) \
+            if spec.kind in GRAM_KINDS else None
         # Where the body's last blocks train, a buffered sample is the activation before them,
         # which ``embed`` finishes with the pretrained blocks: what the head is solved on.
         self.embed = embed
@@ -268,15 +277,24 @@ class HeadStatsPath:
         if spec is not None:
             cfg = device.config
             device.head = cls(spec, every, fleet=cfg.fleet, device=cfg.device_id,
-                              station=cfg.station, await_station=await_station, embed=embed)
+                              station=cfg.station, await_station=await_station, embed=embed,
+                              counters=device.counters)
 
     def take(self, x: np.ndarray, y: np.ndarray) -> None:
         if len(y):
-            x = x if self.embed is None else self.embed(x)
-            self._rows.append(augment(x, self.spec.centre, self.spec.clip))
+            rows = self.rows(x)
+            if self.novelty is not None:
+                self.novelty.calibrate(rows)
+            self._rows.append(rows)
             self._labels.append(np.asarray(y))
             if sum(len(r) for r in self._rows) >= self.STAGE:
                 self._flush()
+
+    def rows(self, x: np.ndarray) -> np.ndarray:
+        """Samples as the rows the statistics sum (through the pretrained blocks, where the
+        body's last ones train)."""
+        x = x if self.embed is None else self.embed(x)
+        return augment(x, self.spec.centre, self.spec.clip)
 
     def _flush(self) -> None:
         if self._rows:
@@ -292,6 +310,8 @@ class HeadStatsPath:
         """The increment, where there is one and this model is the ``every``-th since the
         last send, or the increment is at least everything sent before it."""
         self.models += 1
+        if self.novelty is not None:
+            self.novelty.receive(model)
         held = self._held()
         if held == 0 or (self.models < self.every and held < self.sent):
             return []
@@ -316,6 +336,8 @@ class HeadStatsPath:
             self.personal.add(self.sums)
         self.models, self.sent = 0, self.sent + self.sums.n
         gram, cross, counts = self.sums.taken().packed()
+        scored, scored_by = self.novelty.taken() if self.novelty is not None \
+            else (np.zeros(0, np.int64), 0)
         return [m.HeadStats(fleet=self.fleet, sender=self.device, round=round_,
                             iteration=iteration, station=self.station, gram=gram,
-                            cross=cross, counts=counts)]
+                            cross=cross, counts=counts, novelty=scored, novelty_of=scored_by)]

@@ -208,6 +208,10 @@ _WEIGHTS = (("weights", np.float32),)
 
 
 _COUNTS = (("seen_counts", np.int64),)
+# The fleet's unknown-part detector (edge_client/novelty.py), packed, where it changed or a
+# device came online since the last model sent (empty otherwise: 3.3 MB at 1,280 features),
+# and the score past which a frame is unknown (0: none calibrated yet), with every model.
+_NOVELTY = (("novelty", np.float32),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,7 +276,9 @@ class StationModel(Message):
 
     weights: np.ndarray
     final: bool = False
-    _vectors = _WEIGHTS
+    novelty: np.ndarray = field(default_factory=_no(np.float32), metadata=OPTIONAL)
+    novelty_threshold: float = field(default=0.0, metadata=OPTIONAL)
+    _vectors = _WEIGHTS + _NOVELTY
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,7 +321,9 @@ class GlobalModel(Message):
     # Samples the cloud's closed-form head was last solved from (0: not yet): until then a
     # station starts its rounds from its own factory's solve.
     head_samples: int = field(default=0, metadata=OPTIONAL)
-    _vectors = _WEIGHTS + (("p_real", np.float64),)
+    novelty: np.ndarray = field(default_factory=_no(np.float32), metadata=OPTIONAL)
+    novelty_threshold: float = field(default=0.0, metadata=OPTIONAL)
+    _vectors = _WEIGHTS + (("p_real", np.float64),) + _NOVELTY
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,7 +336,12 @@ class HeadStats(Message):
     gram: np.ndarray
     cross: np.ndarray
     counts: np.ndarray
-    _vectors = (("gram", np.float32), ("cross", np.float32), ("counts", np.int64))
+    # The labelled frames' unknown-part scores, binned (novelty.binned), by the detector
+    # solved from ``novelty_of`` samples, each scored before it joined these sums.
+    novelty: np.ndarray = field(default_factory=_no(np.int64), metadata=OPTIONAL)
+    novelty_of: int = field(default=0, metadata=OPTIONAL)
+    _vectors = (("gram", np.float32), ("cross", np.float32), ("counts", np.int64),
+                ("novelty", np.int64))
 
 
 @dataclass(frozen=True, kw_only=True)

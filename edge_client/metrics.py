@@ -60,6 +60,8 @@ HELP = {
     "received_updates": "device updates a station accepted",
     "received_skips": "skip notices a station received",
     "uploads": "updates a device uploaded",
+    "predictions": "predictions a device made for the line (kind unknown: flagged as a part "
+                   "the fleet never labelled)",
     "steps": "training iterations a device ran",
     "round": "the current round (external synchronisations so far)",
     "iteration": "the current station iteration",

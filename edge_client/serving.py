@@ -134,21 +134,33 @@ class StreamFeed:
             return predicted
         labels, confidence = out
         predicted[chosen] = labels
+        scores, unknown = self._novelty(batch.x[chosen])
         done = self.last_prediction = time.time()
         lag = self.labels.lag if self.labels is not None else 0.0
         names = self.class_names
-        for i, label, conf in zip(chosen, labels, confidence, strict=True):
+        for j, (i, label, conf) in enumerate(zip(chosen, labels, confidence, strict=True)):
             doc = Prediction(t=float(batch.times[i]), frame=int(batch.frames[i]),
                              label=int(label), confidence=round(float(conf), 6),
                              model_round=self.device.line.deployable_round,
                              latency_ms=round(max(0.0, done - batch.times[i]) * 1000, 3),
                              item_t=float(batch.times[i]) - lag,
-                             product=names[label] if names else None)
+                             product=names[label] if names else None,
+                             novelty=None if scores is None else round(float(scores[j]), 4),
+                             unknown=None if unknown is None else bool(unknown[j]))
             if self.inference.publish and self.publish is not None:
                 self.publish(doc)
             if self._jsonl is not None:
                 self._jsonl.write(encode_document(doc, bare=True).decode() + "\n")
         return predicted
+
+    def _novelty(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The predicted frames' unknown-part scores and flags, where the fleet's detector
+        has come (and its threshold: flags)."""
+        head = self.device.head
+        if head is None or head.novelty is None:
+            return None, None
+        judged = head.novelty.judge(head.rows(x))
+        return (None, None) if judged is None else judged
 
     def close(self) -> None:
         if self._jsonl is not None:

@@ -10,6 +10,11 @@ embeddings of Fashion-MNIST at 3x64x64, scored on the full test set, over seeds.
   exemplars of each of four products, ten noisy frames an item, one label in ten joined to
   the item before); the largest fall below the best accuracy so far, in points.
 - **Full data**: 1k to 50k independent frames.
+- **Unknown parts** (``edge_client/novelty.py``): the sums of 16,000 frames of classes 0-7,
+  the detector solved as the cloud solves it (at 1k, 2k, 4k, 8k and 16k frames), each one's
+  threshold from the frames after it scored before they joined the sums (as the devices
+  score them); AUROC of classes 8 and 9 against the known test frames, and the share of
+  each flagged, at the default share of 5%.
 
 The sums are the ones a fleet's devices add whatever the label skew and the order (the
 solve from summed statistics is the centralised one: ``tests/test_head_stats.py``), so
@@ -31,6 +36,7 @@ import numpy as np
 from edge_client.body import open_exported
 from edge_client.head_solves import solve_lda, solve_ridge
 from edge_client.head_stats import HeadSums, augment
+from edge_client.novelty import binned, solve_detector, threshold_of
 
 from .datasets import body_folder, camera_frames, load_dataset, through_body
 
@@ -82,6 +88,41 @@ def new_product(train: _Rows, test_a: np.ndarray, yt: np.ndarray, seed: int) -> 
             out[name][k] = [float(ok[is_new].mean()), float(ok[~is_new].mean()),
                             float(ok.mean())]
     return out
+
+
+DETECTOR_AT = (1000, 2000, 4000, 8000, 16000)
+UNKNOWN_SHARE = 0.05
+
+
+def unknown_parts(train: _Rows, test_a: np.ndarray, yt: np.ndarray, seed: int) -> dict:
+    """The detector and its threshold as a fleet makes them (see the module)."""
+    order = np.random.default_rng(seed).permutation(np.flatnonzero(train.y < 8))
+    order = order[:DETECTOR_AT[-1]]
+    known = yt < 8
+    s, done, threshold, out = None, 0, float("inf"), {}
+    for i, n in enumerate(DETECTOR_AT):
+        s = train.sums(order[done:n], into=s)
+        done = n
+        detector = solve_detector(s)
+        scores = detector.scores(test_a)
+        flagged = scores > threshold  # with the threshold the detector before it calibrated
+        out[n] = {"auroc": auroc(scores[~known], scores[known]),
+                  "known_flagged": float(flagged[known].mean()),
+                  "unknown_flagged": float(flagged[~known].mean())}
+        if i + 1 < len(DETECTOR_AT):  # the frames it meets next, scored before they join
+            later = train.a[order[n:DETECTOR_AT[i + 1]]]
+            threshold = threshold_of(binned(detector.scores(later)), UNKNOWN_SHARE)
+            own = scores > threshold
+            out[n].update(own_known_flagged=float(own[known].mean()),
+                          own_unknown_flagged=float(own[~known].mean()))
+    return out
+
+
+def auroc(positive: np.ndarray, negative: np.ndarray) -> float:
+    """The chance that a positive scores above a negative (ties count half)."""
+    ranks = np.concatenate([positive, negative]).argsort().argsort() + 1.0
+    return float((ranks[:len(positive)].sum() - len(positive) * (len(positive) + 1) / 2)
+                 / (len(positive) * len(negative)))
 
 
 def curve(train: _Rows, test_a: np.ndarray, yt: np.ndarray, order: np.ndarray,
@@ -145,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     test_a = augment(data.x_test, centre, clip).astype(np.float64)
     yt = np.asarray(data.y_test)
     seeds = range(args.seeds)
-    figures: dict = {"new_product": [], "full": [], "curve_iid": [], "curve_line": []}
+    figures: dict = {"new_product": [], "full": [], "curve_iid": [], "curve_line": [],
+                     "unknown": []}
     for seed in seeds:
+        print(f"seed {seed}: unknown parts", file=sys.stderr, flush=True)
+        figures["unknown"].append(unknown_parts(train, test_a, yt, seed))
         print(f"seed {seed}: a new product", file=sys.stderr, flush=True)
         figures["new_product"].append(new_product(train, test_a, yt, seed))
         order = np.random.default_rng(100 + seed).permutation(len(train.y))
@@ -165,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(f: dict) -> None:
+    _print_unknown(f["unknown"])
     print("A new product: accuracy on its frames / on the old products / on all ten")
     print("| solve | old before | " + " | ".join(f"k = {k}" for k in NEW_K) + " |")
     print("|---" * (len(NEW_K) + 2) + "|")
@@ -190,6 +235,24 @@ def _print(f: dict) -> None:
             accs = " / ".join(_summary([r[i] for r in runs]) for i in at)
             falls = ", ".join(f"{largest_fall(r):.1f}" for r in runs)
             print(f"| {name} | {accs} | {falls} |")
+
+
+def _print_unknown(runs: list[dict]) -> None:
+    print("Unknown parts (classes 8, 9 never labelled): AUROC, and the share of known / "
+          f"unknown test frames flagged at a threshold for {UNKNOWN_SHARE:.0%}")
+    print("| detector solved at | AUROC | flagged, the threshold in use (the one before) "
+          "| flagged, its own threshold |")
+    print("|---|---|---|---|")
+    for n in DETECTOR_AT:
+        rows = [r[n] for r in runs]
+        own = (" / ".join(_summary([r[k] for r in rows]) for k in ("own_known_flagged",
+                                                                     "own_unknown_flagged"))
+               if "own_known_flagged" in rows[0] else "")
+        print(f"| {n:,} | {_summary([r['auroc'] for r in rows])} | "
+              + " / ".join(_summary([r[k] for r in rows]) for k in ("known_flagged",
+                                                                     "unknown_flagged"))
+              + f" | {own} |")
+    print()
 
 
 if __name__ == "__main__":

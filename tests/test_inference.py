@@ -144,7 +144,7 @@ def test_the_stream_loop_publishes_predictions_and_skips_a_backlog(digits, tmp_p
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert len(lines) == 30 and set(lines[0]) == {"t", "frame", "label", "confidence",
                                                   "model_round", "latency_ms", "item_t",
-                                                  "product"}
+                                                  "product", "novelty", "unknown"}
     assert all(p.item_t == p.t for p in published)  # no live labels: no lag
     # One document, one serialiser: a line is the published document's fields, byte for byte.
     assert jsonl.read_bytes().splitlines() == [encode_document(p, bare=True) for p in published]

@@ -60,6 +60,10 @@ class ModelConfig:
     # The products' names, class 0 first (docs/camera-line.md): a label may name its product
     # instead of its number, and each prediction carries the name; () leaves them numbers.
     class_names: tuple[str, ...] = ()
+    # The share of known frames a prediction's unknown flag may fall on (docs/camera-line.md,
+    # "Unknown parts"): the cloud sets one threshold for the fleet from its devices' scores
+    # of labelled frames (edge_client/novelty.py); 0 flags nothing.  Read by the cloud.
+    unknown_share: float = 0.05
 
     @property
     def head_kind(self) -> str:
@@ -119,6 +123,7 @@ class ModelConfig:
             raise ConfigError("input_shape", f"must be positive sizes, got {self.input_shape}")
         check_range("num_classes", self.num_classes, 2)
         self._check_class_names()
+        check_range("unknown_share", self.unknown_share, 0, 0.5)
         check_range("hidden", self.hidden, 1)
         if self.body != "none" and not self.body_dir:
             raise ConfigError("body_dir", f"body {self.body!r} needs the folder `safl models "
