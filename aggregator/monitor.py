@@ -121,6 +121,7 @@ class FleetHistory:
             label_lag_estimate=within("label_lag_estimate", MAX_LABEL_LAG, -MAX_LABEL_LAG),
             body_ms_per_frame=within("body_ms_per_frame", math.inf),
             camera_outage=within("camera_outage", math.inf),
+            predictions_behind=within("predictions_behind"),
             last_prediction=within("last_prediction", math.inf))
         self.status.devices[doc.device] = checked
         return checked
@@ -168,8 +169,7 @@ class FleetHistory:
                 "prequential_accuracy": doc.prequential_accuracy, "epsilon": doc.epsilon,
                 "deployed_round": doc.deployed_round, "shadow_accuracy": doc.shadow_accuracy,
                 "promotions_refused": doc.counters.get("promotions_refused", 0),
-                # Predictions flagged as a part the fleet never labelled (novelty.py)
-                "unknown": doc.counters.get("predictions.unknown", 0),
+                "unknown": doc.counters.get("predictions.unknown", 0),  # parts: novelty.py
                 "uploads": doc.counters.get("uploads", 0),
                 "skips": counted(doc.counters, "skipped."),
                 "refused": seen_by.device_refused.get(did, 0) if seen_by else None,
@@ -180,7 +180,7 @@ class FleetHistory:
                 # Whether the line gets predictions now, on this host's clock (NTP keeps the
                 # line's in step): a stalled camera's device is online and ready.
                 "prediction_age": prediction_age(doc.last_prediction),
-                "camera_outage": doc.camera_outage,
+                "camera_outage": doc.camera_outage, "predictions_behind": doc.predictions_behind,
                 # A live line's labels: joined to a frame, matching none, or too late.
                 **{k: doc.source.get(k) for k in ("label_joined", "label_unmatched",
                                                    "label_expired")},

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from edge_client.inference import FallingBehind
+
 from .status import STALE_PREDICTION_S
 
 __all__ = ["PAGE", "SCRIPT", "PAGE_ROWS", "CHART_DEVICES", "SHOWN_ERRORS", "trouble",
@@ -93,6 +95,7 @@ svg text { font-size: 11px; fill: #57606a; } .muted { color: #57606a; }
 
 SCRIPT = r"""'use strict';
 const STALE_PREDICTION_S = @STALE@;  // aggregator/status.py
+const BEHIND = @BEHIND@;  // edge_client/inference.py: FallingBehind
 const COLORS = ['#0969da', '#cf222e', '#1a7f37', '#8250df', '#bc4c00', '#1b7c83', '#d4a72c',
                 '#57606a', '#e85aad', '#4d2d00'];
 const SVGNS = 'http://www.w3.org/2000/svg';
@@ -100,6 +103,7 @@ const SVGNS = 'http://www.w3.org/2000/svg';
 function fmt(v, digits) {
   if (v === null || v === undefined) return '-';
   if (digits === 'bytes') return bytes(v);
+  if (digits === 'share' && typeof v === 'number') return Math.round(v * 100) + '%';
   if (typeof v === 'number') return digits === undefined ? String(v) : v.toFixed(digits);
   return String(v);
 }
@@ -140,12 +144,15 @@ function table(id, columns, rows) {
     for (const [key, , digits] of columns) {
       const td = el('td');
       if (key === 'presence') td.appendChild(presence(row.presence));
-      else if (Array.isArray(key)) td.textContent = key.map(k => fmt(row[k])).join(' / ');
+      else if (Array.isArray(key)) td.textContent = key.map(
+        (k, i) => fmt(row[k], Array.isArray(digits) ? digits[i] : undefined)).join(' / ');
       else if (key === 'lags') td.textContent = fmt(row.label_lag, 2) + ' (' +
         fmt(row.label_lag_estimate, 2) + ')';
       else td.textContent = fmt(row[key], digits);
       if ((key === 'prediction_age' && row[key] > STALE_PREDICTION_S) ||
-          (key === 'camera_outage' && row[key] > 0)) td.className = 'stale';
+          (key === 'camera_outage' && row[key] > 0) ||
+          (Array.isArray(key) && key[0] === 'predictions_behind' &&
+           row.predictions_behind > BEHIND)) td.className = 'stale';
       tr.appendChild(td);
     }
     t.appendChild(tr);
@@ -236,7 +243,7 @@ function render(doc) {
   table('devices', [['id', 'device'], ['station', 'station'], ['presence', 'presence'],
     ['state', 'state'], [['round', 'iteration'], 'round / iter'],
     ['prediction_age', 'last prediction, s ago', 1], ['camera_outage', 'camera lost, s', 0],
-    ['unknown', 'unknown parts'],
+    [['predictions_behind', 'unknown'], 'unpredicted / unknown', ['share']],
     ['local_accuracy', 'held-out', 3], ['prequential_accuracy', 'test then train', 3],
     ['deployed_round', 'round in use'], ['shadow_accuracy', 'candidate', 3],
     ['promotions_refused', 'models refused'], [['uploads', 'skips'], 'uploads / skips'],
@@ -288,4 +295,5 @@ document.getElementById('prev').onclick = () => { page = Math.max(0, page - 1); 
 document.getElementById('next').onclick = () => { page += 1; };
 refresh();
 """
-SCRIPT = SCRIPT.replace("@STALE@", repr(STALE_PREDICTION_S))
+SCRIPT = SCRIPT.replace("@STALE@", repr(STALE_PREDICTION_S)).replace(
+    "@BEHIND@", repr(FallingBehind.BEHIND))

@@ -21,6 +21,7 @@ from edge_client.documents import (
     Prediction,
     StationSummary,
 )
+from edge_client.inference import FallingBehind
 from edge_client.metrics import counted
 from edge_client.mqtt import MqttTransport
 from edge_client.states import StationState
@@ -173,6 +174,11 @@ def _device_lines(found: FleetStatus) -> list[str]:
              and age > STALE_PREDICTION_S]
     if quiet:
         lines.append("not predicting now: " + _some(quiet))
+    behind = [f"{d} ({share:.0%} of frames unpredicted)"
+              for d, doc in sorted(found.devices.items())
+              if (share := doc.predictions_behind) is not None and share > FallingBehind.BEHIND]
+    if behind:
+        lines.append("predictions falling behind: " + _some(behind))
     lost = [f"{d} {doc.camera_outage:.0f} s" for d, doc in sorted(found.devices.items())
             if doc.camera_outage and prediction_age(doc.last_prediction) is None]
     if lost:

@@ -110,6 +110,9 @@ class DeviceSummary:
     # tells how long ago, so a stalled camera or a device gone quiet shows as such.
     last_prediction: float | None = None
     camera_outage: float | None = None  # s its live camera has been lost for (0: delivering)
+    # Of the frames chosen for a prediction over the last minute, the share that went
+    # unpredicted (over its [inference] budget): a camera the line hears too little from.
+    predictions_behind: float | None = None
     # The last unexpected error of the role's service ("<counter>: <exception>"; "": none):
     # a failure that would otherwise sit in a log nobody reads.
     error: str = ""

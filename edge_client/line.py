@@ -17,7 +17,14 @@ import numpy as np
 
 from . import messages as m
 from .config import InferenceConfig
-from .inference import NOT_PREDICTED, PredictionBudget, Prequential, one_in, predict
+from .inference import (
+    NOT_PREDICTED,
+    FallingBehind,
+    PredictionBudget,
+    Prequential,
+    one_in,
+    predict,
+)
 from .promotion import Promoter, Verdict
 from .trainers import Trainer
 
@@ -44,6 +51,7 @@ class Line:
                          if inference is not None else None)
         self.last_inference_s = 0.0  # per sample, of the last prediction
         self.budget = PredictionBudget(inference.budget if inference is not None else 1.0)
+        self.behind = FallingBehind(name)
 
     @property
     def last_verdict(self) -> Verdict:
@@ -68,6 +76,7 @@ class Line:
         """The newest of the ``chosen`` sample indices the prediction budget pays for; the
         rest are counted (``inference.over_budget``) and go unpredicted."""
         n = self.budget.affordable(len(chosen)) if len(chosen) else 0
+        self.behind.note(len(chosen), len(chosen) - n)
         if n < len(chosen):
             self.counters["inference.over_budget"] += len(chosen) - n
             chosen = chosen[len(chosen) - n:]

@@ -78,6 +78,8 @@ HELP = {
                                   "labels point to",
     "camera_outage_seconds": "seconds the live camera has been lost for (0 while it delivers)",
     "last_prediction_age_seconds": "seconds since the device's last prediction to the line",
+    "predictions_behind": "share of the frames chosen for a prediction over the last minute "
+                          "that went unpredicted, over the [inference] budget",
 }
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ PERSONAL_FILE = "personal_sums.npz"
 class PersonalHead:
     """A device's own sums of every labelled frame it trained on, and its personal solve."""
 
-    def __init__(self, spec: HeadSpec) -> None:
+    def __init__(self, spec: HeadSpec, *, background: bool = False) -> None:
         if spec.kind != "ridge":
             raise ValueError("a personal head pulls a ridge head toward the device's frames")
         self.spec = spec
@@ -53,9 +54,16 @@ class PersonalHead:
         # frame's rank-one update is paid twice); the unsent increment joins it at a solve.
         self.own = spec.zeros(np.float32)  # as the device's statistics: 6.6 MB at 1,280 features
         self.last_lambda = 0.0  # the last solve's penalty
-        # The last Gram's eigendecomposition, by its sample count: candidates scored with
-        # no new frame between them (promote = "always" scores every broadcast) reuse it.
-        self._eig: tuple[int, np.ndarray, np.ndarray] | None = None
+        # The own sums' eigendecomposition, with the sums it is of (float64): by their sample
+        # count, so that candidates scored with no new frame between them (promote =
+        # "always" scores every broadcast) reuse it.  ``background``: made on a thread of
+        # its own (a device service's), since it costs seconds on a board (1,281 features:
+        # docs/bodies.md) and the line's predictions must not wait for it; a solve then uses
+        # the last one made and asks for the next.  The thread touches no socket.
+        self._eig: tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.background = background
+        self._worker: threading.Thread | None = None
+        self.waited = 0  # solves that found no decomposition yet: the global head as it was
         self.path: Path | None = None  # where they are kept (:meth:`keep_in`)
 
     def add(self, sent: HeadSums) -> None:
@@ -95,17 +103,18 @@ class PersonalHead:
         n = own.n + (unsent.n if unsent is not None else 0)
         if n == 0:
             return weights
+        ready = self._eig  # in the background, the one made before this solve: never waited for
+        if ready is None or ready[0] != n:
+            self._decompose(n, unsent)
+            ready = ready if self.background else self._eig
+        if ready is None:  # the first is still being made
+            self.waited += 1
+            return weights
+        n, eig, vecs, gram, cross = ready
         w = np.asarray(weights[:d * c], np.float64).reshape(c, d)
         # On the augmented rows (centred, a bias column) the global head is [W^T; b + W centre].
         prior = np.vstack([w.T, (np.asarray(weights[d * c:], np.float64)
                                  + w @ self.spec.centre)[None, :]])
-        gram, cross = own.gram.astype(np.float64), own.cross.astype(np.float64)
-        if unsent is not None:
-            gram += unsent.gram
-            cross += unsent.cross
-        if self._eig is None or self._eig[0] != n:
-            self._eig = (n, *np.linalg.eigh(gram))
-        _, eig, vecs = self._eig
         q = vecs.T @ (cross - gram @ prior)
         yy = n - 2.0 * float((prior * cross).sum()) + float((prior * (gram @ prior)).sum())
         lam = gcv_lambda(eig, (q ** 2).sum(axis=1), n, max(yy, 0.0))
@@ -113,12 +122,39 @@ class PersonalHead:
         self.last_lambda = lam
         return head_vector(v[:d].T, v[d], self.spec.centre)
 
+    def _decompose(self, n: int, unsent: HeadSums | None) -> None:
+        """The eigendecomposition of the own sums as they are (``n`` samples): here, or on
+        the background thread where none is being made already."""
+        if self._worker is not None and self._worker.is_alive():
+            return
+        gram, cross = self.own.gram.astype(np.float64), self.own.cross.astype(np.float64)
+        if unsent is not None:
+            gram += unsent.gram
+            cross += unsent.cross
 
-def attach_personal(device: Any, state_dir: str | None = None) -> None:
+        def made() -> None:
+            eig, vecs = np.linalg.eigh(gram)
+            self._eig = (n, eig, vecs, gram, cross)  # one assignment: read whole or not at all
+
+        if not self.background:
+            made()
+            return
+        self._worker = threading.Thread(target=made, name="personal-head", daemon=True)
+        self._worker.start()
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait for the decomposition being made, if any (tests, and a service's end)."""
+        if self._worker is not None:
+            self._worker.join(timeout)
+
+
+def attach_personal(device: Any, state_dir: str | None = None, *,
+                    background: bool = False) -> None:
     """Give ``device`` its personal head where ``[inference] personal`` asks for one: its
     statistics keep its own sums too (in ``state_dir`` where there is one, so that a restart
     keeps them; ``""``, a service without one, is warned about), and each candidate its
-    line judges is first made personal (one solve per candidate scored, not per broadcast)."""
+    line judges is first made personal (one solve per candidate scored, not per broadcast);
+    ``background``, a service's: its eigendecompositions off the prediction path."""
     inference = device.line.inference
     if inference is None or not inference.personal:
         return
@@ -127,7 +163,7 @@ def attach_personal(device: Any, state_dir: str | None = None) -> None:
         raise ConfigError("personal", "a personal head pulls the federation's ridge head "
                           "toward the device's frames: it needs [model] head_init = 'ridge' "
                           "and a frozen body (train_body_blocks = 0)")
-    head.personal = PersonalHead(head.spec)
+    head.personal = PersonalHead(head.spec, background=background)
     device.line.promoter.personalise = head.personal_head
     if state_dir:
         head.personal.keep_in(Path(state_dir) / PERSONAL_FILE)

@@ -164,7 +164,7 @@ class DeviceService:
                         sample_shape=head_input_shape(mc), rng=np.random.default_rng(cfg.seed))
         HeadStatsPath.attach(device, head_spec(mc), cfg.head_stats_every, await_station=True,
                              embed=pretrained_embedding(body_tail(mc)))
-        attach_personal(device, self.service.state_dir)
+        attach_personal(device, self.service.state_dir, background=True)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,
                                    participant=cfg.device_id, trainer=trainer, model=mc)
         runner = RoleRunner(device, transport)
@@ -211,7 +211,9 @@ class DeviceService:
                 "label_lag_estimate": labels.estimate if labels else None,
                 "body_ms_per_frame": self.body.ms_per_frame if self.body else None,
                 "camera_outage": source.outage_s if isinstance(source, VideoSource)
-                and source.live else None}
+                and source.live else None,
+                "predictions_behind": self.feed.device.line.behind.share
+                if self.feed is not None and self.feed.inference.enabled else None}
 
     def _last_prediction(self) -> float | None:
         return self.feed.last_prediction if self.feed is not None else None

@@ -622,3 +622,23 @@ def test_a_device_started_before_its_station_has_its_first_frames_in_the_solve(t
     sent = next(r for r in roles if r.id == dev).head.sent  # the labelled frames it started with
     claimed = next(r for r in roles if r.id != dev).heads.claimed
     assert sent > 0 and claimed == {dev: sent}, (sent, claimed)
+
+
+def test_a_device_services_personal_head_is_decomposed_off_its_prediction_path(tiny_centred,
+                                                                              tmp_path):
+    """The service a board runs gives a personal head its background decomposition
+    (personal_head.py): a solve on the prediction path costs seconds on a board."""
+    import dataclasses
+
+    from edge_client.service import DEVICE_TABLES, DeviceService, load_role_file
+    from lab.demo import write_demo_fleet
+
+    body = load_body_manifest(tiny_centred).factory
+    paths = write_demo_fleet(tmp_path / "fleet", broker="mqtt://127.0.0.1:9", rounds=2,
+                             body=body, body_dir=str(tiny_centred))
+    cfg = load_role_file(paths["dev000"], DEVICE_TABLES, {})
+    cfg["model"] = dataclasses.replace(cfg["model"], head_init="ridge")
+    cfg["inference"] = dataclasses.replace(cfg["inference"], personal=True)
+    runner, _, _ = DeviceService(**cfg).build()
+    personal = runner.role.head.personal
+    assert personal is not None and personal.background

@@ -470,3 +470,34 @@ def test_a_slow_board_predicts_within_its_budget_and_keeps_the_newest(digits):
     dev, _, _ = run(1.0, seconds=0.3)
     assert dev.counters["inference.over_budget"] == 0
     assert dev.counters["predictions"] == dev.counters["prequential.scored"] > 0
+
+
+def test_a_camera_whose_predictions_fall_behind_says_so_and_when_it_keeps_up_again(caplog):
+    """Over each minute, the share of the frames chosen for a prediction that the budget
+    left unpredicted: past half, a warning (once, not every minute), back under, an info;
+    the share is what /metrics, the page and safl status show (predictions_behind)."""
+    import logging
+
+    from aggregator.status import FleetStatus, _device_lines
+    from edge_client.documents import DeviceSummary
+    from edge_client.inference import FallingBehind
+    from edge_client.states import DeviceState
+
+    now = [0.0]
+    watch = FallingBehind("cam-1", clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="edge_client.inference")
+    for minute, skipped in enumerate((0, 7, 8, 2)):
+        for second in range(60):
+            now[0] = minute * 60 + second
+            watch.note(10, skipped)
+        now[0] = (minute + 1) * 60
+        watch.note(0, 0)
+        assert watch.share == pytest.approx(skipped / 10, abs=0.02), minute
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert "fall behind the camera" in said[0][1] and "cam-1" in said[0][1]
+    found = FleetStatus()
+    found.devices["cam-1"] = DeviceSummary(device="cam-1", station="s", round=1, iteration=1,
+                                           state=DeviceState.READY, predictions_behind=0.7)
+    assert "predictions falling behind: cam-1 (70% of frames unpredicted)" in \
+        _device_lines(found)

@@ -161,3 +161,27 @@ def test_a_restarted_device_keeps_its_own_sums(digits, tmp_path):
     (tmp_path / PERSONAL_FILE).write_bytes(b"not sums")
     with pytest.raises(ConfigError, match="'state_dir'.*not this device's"):
         attach_personal(_device(True), str(tmp_path))
+
+
+def test_a_services_personal_head_is_decomposed_off_the_prediction_path(digits):
+    """A device service's personal head (background) never makes the line wait for its
+    eigendecomposition: the candidate judged while the first is being made is the global
+    head as it came, and once it is made the same closed form as in the foreground; a
+    solve with frames the last decomposition lacked uses it and asks for the next."""
+    x, y = _flat(digits)
+    glob = _global_head(x, y)
+    own = np.flatnonzero(np.isin(y, MINE))
+    rows = augment(x[own], SPEC.centre, SPEC.clip)
+    head, here = PersonalHead(SPEC, background=True), PersonalHead(SPEC)
+    for h in (head, here):
+        h.own.add_rows(rows[:150], y[own][:150])
+    assert head.solve(glob) is glob and head.waited == 1
+    head.settle()
+    np.testing.assert_allclose(head.solve(glob), here.solve(glob), rtol=1e-6, atol=1e-6)
+    for h in (head, here):
+        h.own.add_rows(rows[150:], y[own][150:])
+    stale = head.solve(glob)  # of the first 150 frames, while the next is made
+    head.settle()
+    np.testing.assert_allclose(head.solve(glob), here.solve(glob), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(stale, head.solve(glob)) and head.waited == 1
+
