@@ -94,6 +94,8 @@ class HeadLedger:
         if msg.novelty.size != BINS:
             raise MessageError("wrong_length", f"{msg.novelty.size} bins of unknown-part "
                                f"scores, not {BINS}")
+        if msg.novelty_of == 0:  # a device scores with a detector it was sent, by its name
+            raise MessageError("novelty_claim", "unknown-part scores of no detector")
         if int(msg.novelty.sum()) > frames:
             raise MessageError("novelty_claim", f"{int(msg.novelty.sum())} frames scored, "
                                f"of {frames} in the statistics")

@@ -143,9 +143,10 @@ def test_histograms_are_claims_a_forged_one_is_refused_and_one_of_another_detect
     assert ledger.detector_of == 400 and counters["novelty.detectors"] == 1
     scored = binned(solve_detector(s).scores(augment(x, spec.centre, spec.clip)))
     too_many = scored * 2
-    for forged, reason in ((too_many, "novelty_claim"), (scored[:-1], "wrong_length")):
+    for forged, of, reason in ((too_many, 400, "novelty_claim"), (scored, 0, "novelty_claim"),
+                               (scored[:-1], 400, "wrong_length")):
         with pytest.raises(MessageError) as err:
-            ledger.admit(stats("b", forged, 400), SEEN)
+            ledger.admit(stats("b", forged, of), SEEN)
         assert err.value.reason == reason
     assert ledger.total.n == 400 and not ledger.scored.any()  # nothing of them added
     ledger.admit(stats("c", scored, 399), SEEN)  # another detector's: the sums count, not these
