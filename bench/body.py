@@ -10,7 +10,11 @@ cache, as ``safl experiment`` does):
 - the heads' SGD step (batch 32, numpy) beside the small CNN's on the frames (torch, one
   thread): the baseline;
 - what a buffered sample costs (an embedding against a frame), and what an upload costs
-  (the head's parameters against the small CNN's).
+  (the head's parameters against the small CNN's);
+- what the closed-form head's extras cost on 1,280 features: scoring a frame for unknown
+  parts (``edge_client/novelty.py``), the personal head's eigendecomposition (made off the
+  prediction path: ``edge_client/personal_head.py``), and the bytes of a detector and of a
+  histogram of scores.
 
     python bench/body.py
 """
@@ -35,6 +39,7 @@ def main() -> None:
     import torch
 
     from edge_client.body import default_body_dir, open_exported
+    from edge_client.novelty import BINS
     from edge_client.trainers import build_trainer
     from edge_client.trainers.bodies import build_body_module
     from safl.bodies import ensure_body
@@ -68,6 +73,11 @@ def main() -> None:
             ("mlp head step (numpy, 32 hidden, batch 32)",
              _per_call(lambda: heads["mlp"].train_step(x, y), 200)),
             ("small CNN step on frames (torch, batch 32)", cnn_step)]
+    detector, gram = _extras(body.embed(frames), rng)
+    rows += [("unknown-part score, per frame in 32", _per_call(
+                  lambda: detector.scores(x), 20) / 32),
+             ("personal head's decomposition (1,281 x 1,281)", _per_call(
+                  lambda: np.linalg.eigh(gram), 2))]
     for what, seconds in rows:
         print(f"{what:<44} {seconds * 1e3:>8.3f} {seconds / cnn_step:>11.3f}")
     print(f"\n{'bytes':<44} {'value':>10} {'x frame/CNN':>12}")
@@ -78,6 +88,24 @@ def main() -> None:
         print(f"{'an upload: ' + name + ' head':<44} {4 * head.num_params:>10,} "
               f"{head.num_params / cnn.num_params:>12.3f}")
     print(f"{'an upload: small CNN at 3x64x64':<44} {4 * cnn.num_params:>10,} {1.0:>12.3f}")
+    packed = 4 * detector.packed().size
+    print(f"{'a detector (to every device, as sums double)':<44} {packed:>10,} "
+          f"{packed / (4 * cnn.num_params):>12.3f}")
+    print(f"{'a histogram of scores (with statistics)':<44} {8 * BINS:>10,} "
+          f"{8 * BINS / (4 * cnn.num_params):>12.3f}")
+
+
+def _extras(embedded: np.ndarray, rng: np.random.Generator):
+    """A detector and a Gram from 4,000 rows about the embeddings (their costs depend on the
+    width alone)."""
+    from edge_client.head_stats import HeadSums, augment
+    from edge_client.novelty import solve_detector
+
+    rows = embedded[rng.integers(0, len(embedded), 4000)]
+    rows = rows + rng.normal(0, 0.1, rows.shape).astype(np.float32)
+    s = HeadSums.zeros(rows.shape[1], 10)
+    s.add_rows(augment(rows, np.zeros(rows.shape[1], np.float32), 1e6), rng.integers(0, 10, 4000))
+    return solve_detector(s), s.gram
 
 
 if __name__ == "__main__":
