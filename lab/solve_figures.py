@@ -10,6 +10,10 @@ embeddings of Fashion-MNIST at 3x64x64, scored on the full test set, over seeds.
   exemplars of each of four products, ten noisy frames an item, one label in ten joined to
   the item before); the largest fall below the best accuracy so far, in points.
 - **Full data**: 1k to 50k independent frames.
+- **Lamps that change**: the head solved on 20,000 frames of the old picture, scored on the
+  test frames under three lighting changes as they come and after 500 labelled frames of the
+  new picture join the sums, with the frames as they are and stretched before the body
+  (``[model] body_input = "autocontrast"``, ``edge_client/body.py``).
 - **Unknown parts** (``edge_client/novelty.py``): the sums of 16,000 frames of classes 0-7,
   the detector solved as the cloud solves it (at 1k, 2k, 4k, 8k and 16k frames), each one's
   threshold from the frames after it scored before they joined the sums (as the devices
@@ -20,7 +24,7 @@ The sums are the ones a fleet's devices add whatever the label skew and the orde
 solve from summed statistics is the centralised one: ``tests/test_head_stats.py``), so
 the fleet's split changes none of these figures.
 
-    python -m lab.solve_figures [--seeds 3] [--out figures.json]
+    python -m lab.solve_figures [--seeds 3] [--out figures.json] [--only lamps ...]
 """
 
 from __future__ import annotations
@@ -87,6 +91,60 @@ def new_product(train: _Rows, test_a: np.ndarray, yt: np.ndarray, seed: int) -> 
             ok = _scores(solve, s, test_a).argmax(1) == yt
             out[name][k] = [float(ok[is_new].mean()), float(ok[~is_new].mean()),
                             float(ok.mean())]
+    return out
+
+
+def _gradient(low: float, axis: int) -> np.ndarray:
+    """A lamp's fall-off across the picture: ``low`` at one edge to 1 at the other."""
+    ramp = np.linspace(low, 1.0, SHAPE[axis], dtype=np.float32)
+    return ramp[None, None, :, None] if axis == 1 else ramp[None, None, None, :]
+
+
+# Three lighting changes: the issue's (lower contrast, brighter, a gradient left to right),
+# a lamp gone dim, and glare falling off top to bottom (clipped where it saturates).
+LAMPS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "dim, flat, graded": lambda f: 0.45 * _gradient(0.7, 2) * f + 0.35,
+    "dim": lambda f: 0.6 * f,
+    "glare, graded": lambda f: np.clip(1.3 * _gradient(0.7, 1) * f + 0.1, 0.0, 1.0),
+}
+LAMP_TRAIN, LAMP_NEW = 20000, 500
+
+
+def lamps(raw, body, centre: np.ndarray, clip: float, seeds: range) -> dict:
+    """Accuracy before, at once and after ``LAMP_NEW`` labelled frames of the new picture,
+    per lighting change, frames as they are and stretched (see the module)."""
+    from edge_client.body import autocontrast
+
+    def embedded(images: np.ndarray, *steps: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        out = []
+        for i in range(0, len(images), 1000):
+            frames = camera_frames(images[i:i + 1000], SHAPE)
+            for step in steps:
+                frames = step(frames)
+            out.append(body.embed(frames))
+        return np.concatenate(out)
+
+    yt, ytr = np.asarray(raw.y_test), np.asarray(raw.y_train)
+    out: dict = {}
+    for stretched in (False, True):
+        last = (autocontrast,) if stretched else ()
+        rows = _Rows(embedded(raw.x_train, *last), ytr, centre, clip)
+        test = augment(embedded(raw.x_test, *last), centre, clip).astype(np.float64)
+        changed = {name: augment(embedded(raw.x_test, lamp, *last), centre, clip)
+                   .astype(np.float64) for name, lamp in LAMPS.items()}
+        for seed in seeds:
+            order = np.random.default_rng(200 + seed).permutation(len(ytr))
+            base = rows.sums(order[:LAMP_TRAIN])
+            new = order[LAMP_TRAIN:LAMP_TRAIN + LAMP_NEW]
+            for name, lamp in LAMPS.items():
+                more = _Rows(embedded(raw.x_train[new], lamp, *last), ytr[new], centre, clip)
+                after = more.sums(np.arange(len(new)), into=HeadSums(
+                    base.gram.copy(), base.cross.copy(), base.counts.copy()))
+                accs = [(_scores(solve_lda, s, a).argmax(1) == yt).mean()
+                        for s, a in ((base, test), (base, changed[name]),
+                                     (after, changed[name]))]
+                out.setdefault(f"{'autocontrast' if stretched else 'as_is'}: {name}",
+                               []).append([float(v) for v in accs])
     return out
 
 
@@ -176,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", nargs="*", choices=("solves", "lamps"), default=("solves", "lamps"))
     args = ap.parse_args(argv)
     raw = load_dataset("fashion-mnist")
     data = through_body(raw, SHAPE, BODY)
@@ -188,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     seeds = range(args.seeds)
     figures: dict = {"new_product": [], "full": [], "curve_iid": [], "curve_line": [],
                      "unknown": []}
-    for seed in seeds:
+    if "lamps" in args.only:
+        print("lamps that change", file=sys.stderr, flush=True)
+        figures["lamps"] = lamps(raw, body, centre, clip, seeds)
+    for seed in seeds if "solves" in args.only else ():
         print(f"seed {seed}: unknown parts", file=sys.stderr, flush=True)
         figures["unknown"].append(unknown_parts(train, test_a, yt, seed))
         print(f"seed {seed}: a new product", file=sys.stderr, flush=True)
@@ -209,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(f: dict) -> None:
+    if "lamps" in f:
+        _print_lamps(f["lamps"])
+    if not f["unknown"]:
+        return
     _print_unknown(f["unknown"])
     print("A new product: accuracy on its frames / on the old products / on all ten")
     print("| solve | old before | " + " | ".join(f"k = {k}" for k in NEW_K) + " |")
@@ -235,6 +301,18 @@ def _print(f: dict) -> None:
             accs = " / ".join(_summary([r[i] for r in runs]) for i in at)
             falls = ", ".join(f"{largest_fall(r):.1f}" for r in runs)
             print(f"| {name} | {accs} | {falls} |")
+
+
+def _print_lamps(runs: dict) -> None:
+    print(f"Lamps that change: the head of {LAMP_TRAIN:,} frames on the old picture; accuracy "
+          f"on it, on the new one at once, and after {LAMP_NEW} labelled frames of the new one")
+    print("| frames | lighting change | old picture | new, at once | new, after 500 |")
+    print("|---|---|---|---|---|")
+    for key, rows in runs.items():
+        body_input, name = key.split(": ")
+        print(f"| {body_input} | {name} | " + " | ".join(
+            _summary([r[i] for r in rows]) for i in range(3)) + " |")
+    print()
 
 
 def _print_unknown(runs: list[dict]) -> None:

@@ -642,3 +642,27 @@ def test_a_device_services_personal_head_is_decomposed_off_its_prediction_path(t
     runner, _, _ = DeviceService(**cfg).build()
     personal = runner.role.head.personal
     assert personal is not None and personal.background
+
+
+def test_a_lamp_that_dims_or_brightens_the_picture_leaves_the_stretched_embedding_as_it_was(
+        tiny):
+    """[model] body_input = "autocontrast": each frame stretched between its 1st and 99th
+    percentiles before the body, so a frame under a dimmer or brighter lamp (any a x + b
+    that does not saturate) is embedded as it was; as_is, it is not.  Roles that stretch
+    and roles that do not name different layouts, and refuse each other's frames."""
+    from edge_client.body import body_id, open_body
+
+    frames = np.random.default_rng(0).random((6, *TINY), dtype=np.float32)
+    lamps = (0.45 * frames + 0.35, 0.6 * frames, 0.8 * frames + 0.15)
+    stretched = open_body(_model(tiny, body_input="autocontrast"))
+    as_is = open_body(_model(tiny))
+    assert stretched.autocontrast and not as_is.autocontrast
+    before = stretched.embed(frames)
+    for lit in lamps:
+        np.testing.assert_allclose(stretched.embed(lit), before, rtol=1e-4,
+                                   atol=1e-4)
+    assert not np.allclose(as_is.embed(lamps[0]), as_is.embed(frames), atol=1e-3)
+    assert body_id(_model(tiny, body_input="autocontrast")) != body_id(_model(tiny))
+    assert stretched.key != as_is.key  # the lab's cache keeps them apart
+    with pytest.raises(ConfigError, match="body_input"):
+        _model(tiny, body_input="equalise")

@@ -60,6 +60,11 @@ class ModelConfig:
     # The products' names, class 0 first (docs/camera-line.md): a label may name its product
     # instead of its number, and each prediction carries the name; () leaves them numbers.
     class_names: tuple[str, ...] = ()
+    # What a frame goes through before the body (docs/camera-line.md, "Lamps that change"):
+    # "autocontrast", each frame stretched between its 1st and 99th percentiles (a lamp
+    # change then costs 0.4 points in the lab, against 17 as the frames come; what a line
+    # should use), or "as_is" (the default: statistics summed before it existed stay valid).
+    body_input: str = "as_is"
     # The share of known frames a prediction's unknown flag may fall on (docs/camera-line.md,
     # "Unknown parts"): the cloud sets one threshold for the fleet from its devices' scores
     # of labelled frames (edge_client/novelty.py); 0 flags nothing.  Read by the cloud.
@@ -124,6 +129,9 @@ class ModelConfig:
         check_range("num_classes", self.num_classes, 2)
         self._check_class_names()
         check_range("unknown_share", self.unknown_share, 0, 0.5)
+        if self.body_input not in ("autocontrast", "as_is"):
+            raise ConfigError("body_input", f"must be autocontrast or as_is, got "
+                              f"{self.body_input!r}")
         check_range("hidden", self.hidden, 1)
         if self.body != "none" and not self.body_dir:
             raise ConfigError("body_dir", f"body {self.body!r} needs the folder `safl models "
