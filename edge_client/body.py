@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -335,48 +334,14 @@ def _checked_ort_forward(manifest: BodyManifest, threads: int) -> Callable[[np.n
     return ort_forward(path, threads)
 
 
-def _torch_forward(module: Any, where: Any) -> Callable[[np.ndarray], np.ndarray]:
-    import torch
-
-    module = module.to(where)
-
-    def forward(x: np.ndarray) -> np.ndarray:
-        with torch.no_grad():
-            return module(torch.from_numpy(x).to(where)).cpu().numpy()
-    return forward
-
-
-def _cuda_forward(manifest: BodyManifest, device: str
-                  ) -> Callable[[np.ndarray], np.ndarray] | None:
-    """The body on torch where ``device`` resolves to a CUDA device, else None."""
-    from .trainers.bodies import build_body_module
-    from .trainers.torch_backend import resolve_device
-
-    where = resolve_device(device)
-    if where.type != "cuda":
-        return None
-    return _torch_forward(build_body_module(manifest.factory, manifest.input_shape), where)
-
-
 def _prefix(manifest: BodyManifest, tail: BodyTail, device: str, threads: int = 0) -> Body:
-    """The frozen prefix before the blocks that train: on the GPU, in torch; on a CPU, on
-    ONNX Runtime where it is installed (exported from torch at start-up, in memory: 1.25
-    against 8 ms a 64x64 frame on one core).  The probe runs the pretrained tail on its
-    output, so it checks the path the frames take."""
-    from .trainers.bodies import prefix_shape, split_body
-    from .trainers.torch_backend import module_to_onnx, resolve_device
+    """The frozen prefix before the blocks that train (``body_torch.frozen_prefix``)."""
+    from .body_torch import frozen_prefix
 
-    where = resolve_device(device)
-    prefix, pretrained_tail = split_body(*tail.cut)
-    if where.type == "cpu" and importlib.util.find_spec("onnxruntime") is not None:
-        forward = ort_forward(module_to_onnx(prefix, output="activation",
-                                             input_shape=manifest.input_shape), threads)
-        runtime = "onnxruntime"
-    else:
-        forward, runtime = _torch_forward(prefix, where), f"torch ({where})"
-    run_tail = _torch_forward(pretrained_tail, where)
-    return Body(manifest, runtime, forward, out_shape=prefix_shape(*tail.cut), blocks=tail.blocks,
-                whole=lambda x: run_tail(forward(x)))
+    forward, runtime, out_shape, whole = frozen_prefix(tail, manifest.input_shape, device,
+                                                       threads, ort_forward)
+    return Body(manifest, runtime, forward, out_shape=out_shape, blocks=tail.blocks,
+                whole=whole)
 
 
 def open_body(model: Any, *, threads: int = 0) -> Body | None:
@@ -389,10 +354,12 @@ def open_body(model: Any, *, threads: int = 0) -> Body | None:
     manifest = body_manifest(model)
     if manifest is None:
         return None
+    from .body_torch import cuda_forward  # torch itself only where it runs
+
     tail = body_tail(model)
-    on_gpu = _cuda_forward(manifest, model.device) if (tail is None and manifest.factory and
-                                                       model.backend == "torch" and
-                                                       model.device != "cpu") else None
+    on_gpu = cuda_forward(manifest.factory, manifest.input_shape, model.device) if (
+        tail is None and manifest.factory and model.backend == "torch"
+        and model.device != "cpu") else None
     if tail is not None:
         body = _prefix(manifest, tail, model.device, threads)
     elif on_gpu is None:
