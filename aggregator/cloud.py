@@ -32,7 +32,7 @@ from .central_dp import CentralDP
 from .checkpoint import CloudCheckpoint, group, grouped
 from .config import CloudConfig
 from .fusion import Fold, fold_for
-from .heads import HeadLedger, refused
+from .heads import HeadLedger, came_online, refused
 from .server_optimizers import build_server_optimizer
 from .trust import claimed_total
 
@@ -242,8 +242,7 @@ class Cloud(RoleBase[CloudState]):
             return []
         if msg.online:
             self.offline.discard(msg.sender)
-            if self.heads is not None:  # a restarted station holds no detector: it goes again
-                self.heads.resend = self.heads.detector is not None
+            came_online(self.heads)  # a restarted station holds no detector: it goes again
             if self.state == _C.JOINING or msg.sender in self._updates:
                 return []
             # A (re)started station may have missed this round's model: repeat it.

@@ -55,10 +55,15 @@ class HeadLedger:
         # owes the cloud); a station relays both to its devices.  Packed; sent where it
         # changed, and again once a device comes online (``resend``).
         self.detector: np.ndarray | None = None
-        self.detector_of = 0
         self.threshold = 0.0  # the score past which a frame is unknown (0: none yet)
         self.scored = np.zeros(BINS)
         self.resend = False
+
+    @property
+    def detector_of(self) -> int:
+        """The samples the detector in use was solved from, by its packed count (float32), as
+        the devices name it (0: none)."""
+        return int(self.detector[1]) if self.detector is not None else 0
 
     def admit(self, msg: m.HeadStats, seen: np.ndarray | None) -> None:
         """Add ``msg``'s sums, checked (:class:`MessageError`, nothing added, where they
@@ -153,9 +158,7 @@ class HeadLedger:
         time: ten detectors to 650,000 frames at 1,280 features), its threshold kept until
         the new one's scores calibrate it."""
         detector = solve_detector(self.total)
-        # by its packed count (float32), as the devices name it
         self.detector = detector.packed()
-        self.detector_of = int(self.detector[1])
         self.scored[:] = 0
         self.resend = True
         self.counters["novelty.detectors"] += 1
@@ -176,7 +179,7 @@ class HeadLedger:
             return
         if detector.samples != self.detector_of:
             self.scored[:] = 0  # scores of the detector before it go nowhere now
-        self.detector, self.detector_of, self.resend = np.array(msg.novelty), detector.samples, True
+        self.detector, self.resend = np.array(msg.novelty), True
 
     def novelty_out(self) -> dict[str, Any]:
         """The detector (where it is due) and threshold, as a model message's fields."""
@@ -260,7 +263,6 @@ class HeadLedger:
         self.round_head = np.array(arrays["head_round"]) if "head_round" in arrays else None
         if "head_detector" in arrays:  # sent again: a device may have restarted meanwhile
             self.detector, self.resend = np.array(arrays["head_detector"]), True
-            self.detector_of = int(self.detector[1])
         if "head_scored" in arrays:
             self.scored = np.array(arrays["head_scored"], np.float64)
             self.threshold = float(arrays["head_threshold"][0])

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -73,6 +73,15 @@ class Detector:
     precision: np.ndarray
     df: float
     samples: int
+    _pm: np.ndarray = field(init=False, repr=False, compare=False)
+    _at_means: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Per detector, not per frame: P m_c and m_c^T P m_c (a class's C x d x d, ten times
+        # a frame's cost where a camera predicts one frame at a time).
+        pm = self.means @ self.precision
+        object.__setattr__(self, "_pm", pm)
+        object.__setattr__(self, "_at_means", np.einsum("ij,ij->i", pm, self.means))
 
     def scores(self, rows: np.ndarray) -> np.ndarray:
         """Each row's (an embedding centred by the body and clipped, as ``augment`` makes it,
@@ -80,10 +89,8 @@ class Detector:
         ``df``: about one for a known frame where the sums hold many."""
         d = self.mean.size
         x = np.asarray(rows, np.float32)[:, :d] - self.mean
-        px = x @ self.precision
-        own = np.einsum("ij,ij->i", px, x)
-        at_means = np.einsum("ij,ij->i", self.means @ self.precision, self.means)
-        dist = own[:, None] - 2.0 * (px @ self.means.T) + at_means[None, :]
+        own = np.einsum("ij,ij->i", x @ self.precision, x)
+        dist = own[:, None] - 2.0 * (x @ self._pm.T) + self._at_means[None, :]
         return np.maximum(dist.min(axis=1), 0.0) / self.df
 
     def packed(self) -> np.ndarray:

@@ -162,6 +162,18 @@ def as_camera(data: Dataset, shape: tuple[int, ...]) -> Dataset:
                                x_test=camera_frames(data.x_test, shape))
 
 
+def embed_images(body, images: np.ndarray, shape: tuple[int, ...], *steps) -> np.ndarray:
+    """Grey images as the body's embeddings of their camera frames at ``shape``, a thousand
+    at a time, each frame through ``steps`` (a lamp, a stretch) first."""
+    out = []
+    for i in range(0, len(images), 1000):
+        frames = camera_frames(images[i:i + 1000], shape)
+        for step in steps:
+            frames = step(frames)
+        out.append(body.embed(frames))
+    return np.concatenate(out)
+
+
 def embedded(data: Dataset, shape: tuple[int, ...], body, cache: Path) -> Dataset:
     """``data`` as the body's embeddings of its camera frames at ``shape``, computed once per
     dataset, shape and body hash and kept in ``cache`` (numpy's .npz, no pickle): a long run
@@ -172,10 +184,8 @@ def embedded(data: Dataset, shape: tuple[int, ...], body, cache: Path) -> Datase
         with np.load(path, allow_pickle=False) as z:
             x_train, x_test = z["x_train"], z["x_test"]
     else:
-        def embed(images: np.ndarray) -> np.ndarray:
-            return np.concatenate([body.embed(camera_frames(images[i:i + 1000], shape))
-                                   for i in range(0, len(images), 1000)])
-        x_train, x_test = embed(data.x_train), embed(data.x_test)
+        x_train, x_test = embed_images(body, data.x_train, shape), embed_images(
+            body, data.x_test, shape)
         cache.mkdir(parents=True, exist_ok=True)
         part = path.with_suffix(f".{os.getpid()}.part")
         with open(part, "wb") as fh:  # a file object: np.savez adds no suffix to it

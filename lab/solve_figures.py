@@ -42,7 +42,7 @@ from edge_client.head_solves import solve_lda, solve_ridge
 from edge_client.head_stats import HeadSums, augment
 from edge_client.novelty import binned, solve_detector, threshold_of
 
-from .datasets import body_folder, camera_frames, load_dataset, through_body
+from .datasets import body_folder, camera_frames, embed_images, load_dataset, through_body
 
 __all__ = ["SOLVES", "main"]
 
@@ -116,13 +116,7 @@ def lamps(raw, body, centre: np.ndarray, clip: float, seeds: range) -> dict:
     from edge_client.body import autocontrast
 
     def embedded(images: np.ndarray, *steps: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        out = []
-        for i in range(0, len(images), 1000):
-            frames = camera_frames(images[i:i + 1000], SHAPE)
-            for step in steps:
-                frames = step(frames)
-            out.append(body.embed(frames))
-        return np.concatenate(out)
+        return embed_images(body, images, SHAPE, *steps)
 
     yt, ytr = np.asarray(raw.y_test), np.asarray(raw.y_train)
     out: dict = {}
