@@ -501,3 +501,15 @@ def test_a_camera_whose_predictions_fall_behind_says_so_and_when_it_keeps_up_aga
                                            state=DeviceState.READY, predictions_behind=0.7)
     assert "predictions falling behind: cam-1 (70% of frames unpredicted)" in \
         _device_lines(found)
+
+
+def test_a_camera_predicting_exactly_half_its_frames_is_not_behind_and_one_frame_less_is():
+    from edge_client.inference import FallingBehind
+
+    now = [0.0]
+    watch = FallingBehind("cam-1", clock=lambda: now[0])
+    for skipped, behind in ((50, False), (51, True)):
+        watch.note(100, skipped)
+        now[0] += FallingBehind.WINDOW
+        watch.note(0, 0)
+        assert (watch.share > FallingBehind.BEHIND) is behind, (skipped, watch.share)

@@ -221,3 +221,40 @@ def test_the_detector_threshold_and_scores_cross_the_wire_in_the_frames_models_t
     plain = m.StationModel(fleet="t", sender="s", round=1, iteration=3,
                            weights=np.ones(5, np.float32))
     assert b"novelty" not in encode(plain)
+
+
+def test_a_histogram_claiming_exactly_its_frames_passes_and_one_more_is_refused():
+    from aggregator.heads import HeadLedger
+
+    spec = _spec()
+    counters: Counter[str] = Counter()
+    ledger = HeadLedger(spec, counters, "t", upstream=False)
+    x, y = _gaussians(400)
+    tri, cross, counts = _spec_sums(spec, x, y).packed()
+
+    def stats(scored):
+        return m.HeadStats(fleet="t", sender="a", round=0, iteration=0, station="s",
+                           gram=tri, cross=cross, counts=counts, novelty=scored,
+                           novelty_of=ledger.detector_of)
+
+    ledger.admit(stats(np.zeros(0, np.int64)), SEEN)
+    ledger.solve(again=True)
+    at_bound = np.zeros(BINS, np.int64)
+    at_bound[BINS // 2] = 400  # every frame of the increment scored: exactly its claim
+    over = at_bound.copy()
+    over[BINS // 2 + 1] = 1
+    with pytest.raises(MessageError, match="401 frames scored, of 400"):
+        ledger.admit(stats(over), SEEN)
+    ledger.admit(stats(at_bound), SEEN)
+    assert ledger.scored.sum() == 400
+
+
+def test_unknown_share_is_accepted_up_to_a_half_and_refused_past_it():
+    from edge_client.config import ModelConfig
+    from edge_client.errors import ConfigError
+
+    assert ModelConfig(unknown_share=0.5).unknown_share == 0.5
+    assert ModelConfig(unknown_share=0.0).unknown_share == 0.0
+    for bad in (0.5000001, -1e-9):
+        with pytest.raises(ConfigError, match="unknown_share"):
+            ModelConfig(unknown_share=bad)
