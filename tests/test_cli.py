@@ -141,6 +141,7 @@ def test_no_module_of_the_project_imports_itself_round_a_circle():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # three real federations; at the suite's busiest, past 300 s once
 def test_demo_writes_metrics_plot_and_table(tmp_path, capsys):
     assert main(["demo", "--rounds", "3", "--out", str(tmp_path)]) == 0
     table = capsys.readouterr().out
