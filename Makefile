@@ -21,12 +21,12 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(VENV)/.demo-deps: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[data,plot,broker]'
+	$(PY) -m pip install --quiet -e '.[data,plot,broker,station]'
 	touch $@
 
 $(VENV)/.test-deps: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet '$(TORCH)'
-	$(PY) -m pip install --quiet -e '.[data,plot,dev,torch,ort,camera,export,broker,deploy,privacy,ray,body,pretrained]'
+	$(PY) -m pip install --quiet -e '.[data,plot,dev,torch,ort,camera,export,broker,deploy,privacy,ray,body,pretrained,station]'
 	touch $@
 
 demo: $(VENV)/.demo-deps

@@ -85,6 +85,9 @@ class StationCheckpoint(RoleCheckpoint):
     seen_at: dict[str, int]
     windows: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # Roster.window
     trained_updates: dict[str, int] = dataclasses.field(default_factory=dict)
+    # drift.py: each device's prequential counts fed, and the levels flagged devices fell from
+    drift_counts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    drift_levels: dict[str, float] = dataclasses.field(default_factory=dict)
     sitting_out: dict[str, int] = dataclasses.field(default_factory=dict)
     norms: list[float]  # the norm guard's history
     recent: list[list[str]]  # recent super nodes, for the seat cap

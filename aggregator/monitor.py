@@ -163,7 +163,7 @@ class FleetHistory:
         row: dict[str, Any] = {"id": did, "presence": self._online(m.Participant.DEVICE, did)}
         if doc is None:
             return row
-        seen_by = self.status.stations.get(doc.station)
+        seen_by = self.status.stations.get(doc.station)  # its claims, its drift
         return {**row, "station": doc.station, "state": doc.state.value, "round": doc.round,
                 "iteration": doc.iteration, "local_accuracy": doc.local_accuracy,
                 "prequential_accuracy": doc.prequential_accuracy, "epsilon": doc.epsilon,
@@ -172,11 +172,12 @@ class FleetHistory:
                 "unknown": doc.counters.get("predictions.unknown", 0),  # parts: novelty.py
                 "uploads": doc.counters.get("uploads", 0),
                 "skips": counted(doc.counters, "skipped."),
+                "drift_from": seen_by.drifting.get(did) if seen_by else None,  # drift.py
                 "refused": seen_by.device_refused.get(did, 0) if seen_by else None,
                 "clipped": seen_by.device_clipped.get(did, 0) if seen_by else None,
                 "frames_dropped": doc.source.get("frames_dropped", 0),
                 "label_lag": doc.label_lag, "label_lag_estimate": doc.label_lag_estimate,
-                "body_ms_per_frame": doc.body_ms_per_frame,
+                "body_ms_per_frame": doc.body_ms_per_frame, "error": doc.error,
                 # Whether the line gets predictions now, on this host's clock (NTP keeps the
                 # line's in step): a stalled camera's device is online and ready.
                 "prediction_age": prediction_age(doc.last_prediction),
@@ -184,8 +185,7 @@ class FleetHistory:
                 # A live line's labels: joined to a frame, matching none, or too late.
                 **{k: doc.source.get(k) for k in ("label_joined", "label_unmatched",
                                                    "label_expired")},
-                "bytes_out": doc.transport.get("bytes_out", 0),
-                "bytes_in": doc.transport.get("bytes_in", 0), "error": doc.error}
+                **{k: doc.transport.get(k, 0) for k in ("bytes_out", "bytes_in")}}
 
     def forget(self) -> None:
         """Drop the series so far and the devices' summaries (what a broker still retained

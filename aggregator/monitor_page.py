@@ -35,11 +35,13 @@ SHOWN_ERRORS = 20
 def trouble(row: dict[str, Any]) -> tuple[int, str]:
     """Device rows in the order an operator reads them: offline, in error or not predicting
     now (its camera lost, or its last prediction older than ``STALE_PREDICTION_S``), then
-    refused or clipped, then the rest; by id within each."""
+    drifting (its station found its accuracy fell), refused or clipped, then the rest; by
+    id within each."""
     quiet = row.get("camera_outage") or (row.get("prediction_age") or 0) > STALE_PREDICTION_S
     if row["presence"] is False or row.get("error") or quiet:
         return 0, row["id"]
-    return (1 if row.get("refused") or row.get("clipped") else 2), row["id"]
+    flagged = row.get("drift_from") is not None or row.get("refused") or row.get("clipped")
+    return (1 if flagged else 2), row["id"]
 
 
 def requested_page(path: str) -> int | None:
@@ -146,11 +148,14 @@ function table(id, columns, rows) {
       if (key === 'presence') td.appendChild(presence(row.presence));
       else if (Array.isArray(key)) td.textContent = key.map(
         (k, i) => fmt(row[k], Array.isArray(digits) ? digits[i] : undefined)).join(' / ');
+      else if (key === 'prequential_accuracy' && row.drift_from != null) td.textContent =
+        fmt(row[key], digits) + ' \u2193 ' + fmt(row.drift_from, 2);
       else if (key === 'lags') td.textContent = fmt(row.label_lag, 2) + ' (' +
         fmt(row.label_lag_estimate, 2) + ')';
       else td.textContent = fmt(row[key], digits);
       if ((key === 'prediction_age' && row[key] > STALE_PREDICTION_S) ||
           (key === 'camera_outage' && row[key] > 0) ||
+          (key === 'prequential_accuracy' && row.drift_from != null) ||
           (Array.isArray(key) && key[0] === 'predictions_behind' &&
            row.predictions_behind > BEHIND)) td.className = 'stale';
       tr.appendChild(td);
@@ -225,7 +230,7 @@ function render(doc) {
   const first = doc.page * doc.page_rows;
   document.getElementById('page-of').textContent = 'devices ' +
     (doc.devices_total ? first + 1 : 0) + '-' + (first + doc.devices.length) + ' of ' +
-    doc.devices_total + ' (offline, in error or refused first), page ' + (doc.page + 1) +
+    doc.devices_total + ' (offline, in error, drifting or refused first), page ' + (doc.page + 1) +
     ' of ' + doc.pages;
   document.getElementById('prev').disabled = doc.page === 0;
   document.getElementById('next').disabled = doc.page + 1 >= doc.pages;
@@ -238,13 +243,15 @@ function render(doc) {
   table('stations', [['id', 'station'], ['presence', 'presence'], ['state', 'state'],
     ['round', 'round'], ['iteration', 'iter'], ['online', 'online'], ['devices', 'roster'],
     ['uploads', 'uploads'], ['skips', 'skips'], ['refused', 'refused'], ['clipped', 'clipped'],
+    ['devices_drifting', 'drifting'],
     ['local_mean', 'held-out', 3], ['prequential_mean', 'prequential', 3],
     ['bytes_in', 'received', 'bytes'], ['bytes_out', 'sent', 'bytes']], doc.stations);
   table('devices', [['id', 'device'], ['station', 'station'], ['presence', 'presence'],
     ['state', 'state'], [['round', 'iteration'], 'round / iter'],
     ['prediction_age', 'last prediction, s ago', 1], ['camera_outage', 'camera lost, s', 0],
     [['predictions_behind', 'unknown'], 'unpredicted / unknown', ['share']],
-    ['local_accuracy', 'held-out', 3], ['prequential_accuracy', 'test then train', 3],
+    ['local_accuracy', 'held-out', 3],
+    ['prequential_accuracy', 'test then train (\u2193 fell from)', 3],
     ['deployed_round', 'round in use'], ['shadow_accuracy', 'candidate', 3],
     ['promotions_refused', 'models refused'], [['uploads', 'skips'], 'uploads / skips'],
     [['refused', 'clipped'], 'claims refused / clipped'], ['frames_dropped', 'frames dropped'],

@@ -55,6 +55,13 @@ groups:
           severity: warning
         annotations:
           summary: "global accuracy {{ $value }}: 5 points below its best of the last hour"
+      - alert: SaflCamerasDrifting
+        expr: safl_devices_drifting > 0
+        for: 5m
+        labels:
+          severity: warning
+        annotations:
+          summary: "station {{ $labels.station }}: {{ $value }} devices drifting (safl status)"
       - alert: SaflRefusalsRising
         expr: sum by (fleet, station) (increase(safl_rejected_total{role="station"}[10m])) > 10
         for: 5m

@@ -28,6 +28,7 @@ from edge_client import messages as m
 from .accuracy import device_accuracy_summary
 from .checkpoint import group, grouped
 from .config import StationConfig
+from .drift import DriftWatch
 from .trust import SeenTotals, bound_seen_counts, claimed_total, majority_capped
 
 __all__ = ["Roster", "StatsCheck"]
@@ -106,6 +107,7 @@ class Roster:
         self._window: dict[str, tuple[int, int]] = {}  # what its last accepted grew from
         self.trained: dict[str, np.ndarray] = {}  # next batches its admitted updates had
         self.trained_updates: Counter[str] = Counter()
+        self.drift = DriftWatch(counters, clip)
 
     def checked(self, msg: m.DeviceStats, iteration: int) -> m.DeviceStats | None:
         """``msg`` as the station would keep it at ``iteration``, or None: refused."""
@@ -125,7 +127,10 @@ class Roster:
         return claimed_total(self.stats[device].seen_counts), max(1, iteration - last)
 
     def accept(self, msg: m.DeviceStats, iteration: int) -> None:
-        self._window[msg.sender] = self.window(msg.sender, iteration)
+        self._window[msg.sender] = window = self.window(msg.sender, iteration)
+        cfg = self.config
+        self.drift.take(msg.sender, msg.prequential_scored, msg.prequential_hits, window,
+                        cfg.max_seen_rate * cfg.local_steps)
         self.stats[msg.sender] = msg
         self.totals.set(msg.sender, claimed_total(msg.seen_counts))
         self.seen_at[msg.sender] = iteration
@@ -144,12 +149,16 @@ class Roster:
         how many admitted updates its trained shape rests on."""
         return {"seen_at": dict(self.seen_at),
                 "windows": {d: list(w) for d, w in self._window.items()},
-                "trained_updates": dict(self.trained_updates)}
+                "trained_updates": dict(self.trained_updates), **self.drift.state()}
 
     def restore(self, arrays: Mapping[str, np.ndarray], seen_at: Mapping[str, int],
-                windows: Mapping[str, list[int]], trained_updates: Mapping[str, int]) -> None:
+                windows: Mapping[str, list[int]], trained_updates: Mapping[str, int],
+                drift_counts: Mapping[str, list[int]],
+                drift_levels: Mapping[str, float]) -> None:
         """Back to :meth:`arrays` and :meth:`state`, for the roster's devices only."""
         cfg = self.config
+        self.drift.restore({d: c for d, c in drift_counts.items() if d in cfg.devices},
+                           {d: v for d, v in drift_levels.items() if d in cfg.devices})
         seen, nxt = group(arrays, "seen"), group(arrays, "next")
         for d in cfg.devices:
             if d in seen:

@@ -148,12 +148,13 @@ class StationService:
                 update_stages=role.admission.pipeline.id,
                 counters=dict(role.counters), transport=dict(transport.counters),
                 device_refused=dict(role.tally.refused), device_clipped=dict(role.tally.clipped),
-                error=runner.last_error)
+                **role.roster.drift.summary(), error=runner.last_error)
 
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},
             {"round": role.round, "iteration": role.iteration,
              "selected_devices": len(role.members), "devices_online": role.roster.online,
+             "devices_drifting": len(role.roster.drift.drifting),
              **role.roster.accuracy_summary(), **role.privacy_summary(),
              **{k: v for k, v in role.stragglers.reply_figures().items() if v is not None}}),
             labels={"fleet": cfg.fleet, "station": cfg.station_id})

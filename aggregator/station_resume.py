@@ -77,7 +77,8 @@ class StationResume:
             raise ShapeError("the checkpoint's model has another size")
         self.weights = np.array(arrays["weights"]) if "weights" in arrays else None
         self.p_real = np.array(arrays["p_real"]) if "p_real" in arrays else None
-        self.roster.restore(arrays, meta.seen_at, meta.windows, meta.trained_updates)
+        self.roster.restore(arrays, meta.seen_at, meta.windows, meta.trained_updates,
+                            meta.drift_counts, meta.drift_levels)
         self.state = StationState(meta.state)
         self.round, self.iteration = meta.round, meta.iteration
         self.external.restore(meta.consumed, meta.consumed_before)

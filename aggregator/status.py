@@ -183,6 +183,7 @@ def _device_lines(found: FleetStatus) -> list[str]:
             if doc.camera_outage and prediction_age(doc.last_prediction) is None]
     if lost:
         lines.append("cameras lost: " + _some(lost))
+    lines += _drift_lines(found)
     kept = {d: doc for d, doc in sorted(found.devices.items())
             if doc.counters.get("promotions_refused")}
     if kept:
@@ -191,6 +192,23 @@ def _device_lines(found: FleetStatus) -> list[str]:
             f"{doc.deployed_round}, last candidate {_fraction(doc.shadow_accuracy)})"
             for d, doc in kept.items()]))
     return lines
+
+
+def _drift_lines(found: FleetStatus) -> list[str]:
+    """Devices whose prequential accuracy fell, by their stations' detectors (drift.py):
+    the level each fell from and where it is now, by its own summary; and stations that
+    watch none, with why."""
+    fell, unnamed = [], 0
+    for _, doc in sorted(found.stations.items()):
+        unnamed += doc.devices_drifting - len(doc.drifting)
+        for d, level in sorted(doc.drifting.items()):
+            now = found.devices[d].prequential_accuracy if d in found.devices else None
+            fell.append(f"{d} (from {level:.3f} to {_fraction(now)})")
+    lines = [f"drifting, prequential accuracy fell: {_some(fell)}"
+             + (f" and {unnamed} more their stations did not name" if unnamed else "")
+             ] if fell or unnamed else []
+    return lines + [f"{sid} watches no camera for drift: {doc.drift_off}"
+                    for sid, doc in sorted(found.stations.items()) if doc.drift_off]
 
 
 def format_status(found: FleetStatus, fleet: str) -> str:

@@ -392,8 +392,7 @@ class Device(RoleBase[DeviceState]):
                              iteration=iteration, station=self.config.station,
                              seen_counts=self.buffer.seen_counts, next_batch_counts=nxt,
                              local_accuracy=acc, local_samples=samples, epsilon=self.epsilon,
-                             prequential_accuracy=pre.accuracy if pre and pre.samples else 0.0,
-                             prequential_samples=pre.samples if pre else 0,
+                             **(pre.reported() if pre else {}),
                              deployed_round=self.line.deployable_round,
                              shadow_accuracy=verdict.shadow_accuracy or 0.0,
                              shadow_samples=verdict.samples)

@@ -77,6 +77,12 @@ class StationSummary:
     # The station's own view of each roster device: its claims refused and clipped.
     device_refused: Mapping[str, int] = field(default_factory=dict)
     device_clipped: Mapping[str, int] = field(default_factory=dict)
+    # Devices whose prequential accuracy fell (aggregator/drift.py), with the accuracy each
+    # fell from: the SHOWN_DRIFTING that fell furthest, of ``devices_drifting``; and why
+    # none is watched, where that is so ("": watched).
+    drifting: Mapping[str, float] = field(default_factory=dict)
+    devices_drifting: int = 0
+    drift_off: str = ""
     # The last unexpected error of the role's service ("<counter>: <exception>"; "": none):
     # a failure that would otherwise sit in a log nobody reads.
     error: str = ""
@@ -192,10 +198,9 @@ def _check(name: str, value: Any, hint: Any) -> Any:
             raise MessageError("document", f"{name!r} must be a list")
         return tuple(_check(name, v, args[0]) for v in value)
     if origin is Mapping:
-        if not isinstance(value, dict) or not all(
-                isinstance(k, str) and type(v) is int for k, v in value.items()):
-            raise MessageError("document", f"{name!r} must map names to integers")
-        return dict(value)
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise MessageError("document", f"{name!r} must map names to {args[1].__name__}")
+        return {k: _check(name, v, args[1]) for k, v in value.items()}
     if isinstance(hint, type) and issubclass(hint, NamedEnum):
         return hint.parse(value, "document", repr(name))
     if hint is float and type(value) in (int, float) and math.isfinite(value):

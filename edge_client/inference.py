@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -133,17 +134,27 @@ class Prequential:
         self._labels = np.zeros(window, dtype=np.int64)
         self._hits = np.zeros(window, dtype=bool)
         self._written = 0  # scores ever taken; the ring holds the last ``window``
+        self.hits = 0  # of the scores ever taken, those right
 
     def score(self, y: np.ndarray, predicted: np.ndarray) -> int:
         """Score the predictions of labelled samples (slots of ``NOT_PREDICTED`` are left
         out); returns how many were scored."""
         y, predicted = np.asarray(y), np.asarray(predicted)
         keep = predicted != NOT_PREDICTED
-        y, hits = y[keep][-self.window:], (predicted[keep] == y[keep])[-self.window:]
-        pos = (self._written + np.arange(len(y))) % self.window
-        self._labels[pos], self._hits[pos] = y, hits
+        y, hits = y[keep], predicted[keep] == y[keep]
+        self.hits += int(hits.sum())
         self._written += len(y)
+        tail = min(len(y), self.window)  # what the ring keeps of them
+        pos = (self._written - tail + np.arange(tail)) % self.window
+        self._labels[pos], self._hits[pos] = y[len(y) - tail:], hits[len(y) - tail:]
         return len(y)
+
+    def reported(self) -> dict[str, Any]:
+        """What a device's stats carry of it: the window's accuracy and size, and the scores
+        and hits since it started (its station's drift watch, aggregator/drift.py)."""
+        return {"prequential_accuracy": self.accuracy if self.samples else 0.0,
+                "prequential_samples": self.samples, "prequential_scored": self.scored,
+                "prequential_hits": self.hits}
 
     @property
     def samples(self) -> int:

@@ -235,6 +235,10 @@ class DeviceStats(Message):
     deployed_round: int = field(default=0, metadata=OPTIONAL)
     shadow_accuracy: float = field(default=0.0, metadata=OPTIONAL)
     shadow_samples: int = field(default=0, metadata=OPTIONAL)
+    # Predictions scored against their labels since the device started, and how many were
+    # right: the station watches each device's accuracy for drift (aggregator/drift.py).
+    prequential_scored: int = field(default=0, metadata=OPTIONAL)
+    prequential_hits: int = field(default=0, metadata=OPTIONAL)
     _vectors = (("seen_counts", np.int64), ("next_batch_counts", np.int64))
 
 

@@ -66,6 +66,8 @@ HELP = {
     "round": "the current round (external synchronisations so far)",
     "iteration": "the current station iteration",
     "devices_online": "roster devices online at a station",
+    "devices_drifting": "roster devices whose prequential accuracy fell 5 points or more "
+                        "(ADWIN at the station)",
     "last_accuracy": "test accuracy of the last global model",
     "promotions": "candidate models a device put into use (kind unscored: with no evidence)",
     "promotions_refused": "candidate models kept out of use: worse than the deployed one",

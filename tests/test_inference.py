@@ -71,6 +71,8 @@ def test_each_labelled_sample_is_predicted_before_it_is_trained_on(digits):
     stats = dev._stats(0, 0)
     assert stats.prequential_samples == 150 and stats.prequential_accuracy == pytest.approx(
         expected)
+    # Its counts since it started, for its station's drift watch (aggregator/drift.py).
+    assert (stats.prequential_scored, stats.prequential_hits) == (150, int(hits.sum()))
 
 
 def test_every_model_and_the_merged_start_are_candidates_for_the_line(digits):

@@ -52,7 +52,7 @@ def test_provisioning_writes_a_valid_scrape_config_and_tested_alert_rules(tmp_pa
                                 ("device", "devices/cam-01/device.toml"))}
     assert ports == {"cloud": "9101", "station": "9102", "device": "9103"}
     assert "SUCCESS" in _promtool("check", "config", str(written / "prometheus.yml"))
-    assert "6 rules found" in _promtool("check", "rules", str(written / "alerts.yml"))
+    assert "7 rules found" in _promtool("check", "rules", str(written / "alerts.yml"))
     assert "SUCCESS" in _promtool("test", "rules", "alerts.test.yml",
                                   cwd=DEPLOY / "prometheus")
 

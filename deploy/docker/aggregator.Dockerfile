@@ -7,7 +7,7 @@ COPY pyproject.toml README.md ./
 COPY edge_client edge_client
 COPY aggregator aggregator
 COPY models/__init__.py models/__init__.py
-RUN pip install --no-cache-dir '.[deploy]'
+RUN pip install --no-cache-dir '.[deploy,station]'
 USER safl
 WORKDIR /var/lib/safl
 ENTRYPOINT ["safl"]
