@@ -162,13 +162,12 @@ class DriftWatch:
         return {d: level for d, c in self._cameras.items()
                 if (level := c.drifting) is not None}
 
-    def summary(self) -> dict[str, Any]:
-        """The station summary's share: the ``SHOWN_DRIFTING`` devices that fell furthest,
-        with the level each fell from, how many drift, and why none is watched, if so."""
+    def shown(self) -> dict[str, float]:
+        """The station summary's ``drifting``: the ``SHOWN_DRIFTING`` devices that fell
+        furthest, with the level each fell from."""
         drifting = self.drifting
         fell = sorted(drifting, key=lambda d: self._cameras[d].adwin.estimation - drifting[d])
-        return {"drifting": {d: round(drifting[d], 4) for d in sorted(fell[:SHOWN_DRIFTING])},
-                "devices_drifting": len(drifting), "drift_off": self.off}
+        return {d: round(drifting[d], 4) for d in sorted(fell[:SHOWN_DRIFTING])}
 
     def accuracy(self, device: str) -> float | None:
         """``device``'s accuracy over its detector's window (None before one)."""

@@ -138,6 +138,7 @@ class StationService:
                 first_model.append(time.process_time())  # start-up CPU ends here
 
         def summary() -> StationSummary:
+            drift = role.roster.drift
             return StationSummary(
                 station=cfg.station_id, state=role.state, round=role.round,
                 iteration=role.iteration, cpu_s=round(time.process_time(), 3),
@@ -148,7 +149,8 @@ class StationService:
                 update_stages=role.admission.pipeline.id,
                 counters=dict(role.counters), transport=dict(transport.counters),
                 device_refused=dict(role.tally.refused), device_clipped=dict(role.tally.clipped),
-                **role.roster.drift.summary(), error=runner.last_error)
+                drifting=drift.shown(), devices_drifting=len(drift.drifting),
+                drift_off=drift.off, error=runner.last_error)
 
         metrics = with_metrics(self.service, "station", lambda: (
             {**role.counters, **transport.counters},

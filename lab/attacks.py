@@ -13,7 +13,10 @@ sees it train).  Of the lies about a closed-form head's statistics (``HeadStats`
 ``stats_scale`` multiplies every sum by ``STATS_SCALE`` (a consistent claim of that many
 times the samples), ``stats_flip`` shifts every label by one class (sums as consistent as
 honest ones), and ``stats_random`` sends, for as many samples, rows drawn at random at the
-clip's norm with random labels: everything within the station's bounds.  ``nan`` cannot be a
+clip's norm with random labels: everything within the station's bounds.  ``accuracy_fall``
+reports prequential counts (``FALL_SCORES`` a report) 95% right for ``FALL_AT`` reports and
+40% right after: a camera that drifts as its station's drift watch sees it, a lie that
+can only get the liar named.  ``nan`` cannot be a
 message at all (messages refuse non-finite weights), so it becomes a forged frame,
 checksum and all, that the receiver's :class:`~edge_client.admission.Admission`
 must refuse.  The simulator and the hostile device process of the MQTT tests use
@@ -39,12 +42,14 @@ from edge_client.transport import LocalBus
 __all__ = ["ATTACKS", "tamper", "forge_nan", "install"]
 
 ATTACKS = ("none", "scale", "inflate", "nan", "seen", "balanced", "replay", "uniform_seen",
-           "seen_at_bound", "seen_shape_at_bound", "stats_scale", "stats_flip", "stats_random")
+           "seen_at_bound", "seen_shape_at_bound", "stats_scale", "stats_flip", "stats_random",
+           "accuracy_fall")
 SCALE = 1e6  # "an update scaled by 1e6"
 INFLATED = 10**12  # "an update claiming 10^12 samples"
 SEEN = 10**15  # "one report of 10^15 seen samples"
 WIRE_MAX = int(np.iinfo(np.int64).max)  # the largest count a frame carries
 STATS_SCALE = 1000.0  # "statistics of 1,000 times the samples"
+FALL_SCORES, FALL_AT = 25, 15  # accuracy_fall: scores a report, reports before the fall
 
 
 def spread(total: int, width: int) -> np.ndarray:
@@ -98,9 +103,22 @@ def tamper(message: m.Message, attack: str,
             return dataclasses.replace(message, seen_counts=_at_bound(message, memory))
         if attack == "seen_shape_at_bound":
             return dataclasses.replace(message, seen_counts=_shape_at_bound(message, memory))
+        if attack == "accuracy_fall":
+            scored, hits = _falling(memory)
+            return dataclasses.replace(message, prequential_scored=scored,
+                                       prequential_hits=hits)
     if isinstance(message, m.HeadStats) and attack.startswith("stats_"):
         return _head_stats(message, attack, memory)
     return message
+
+
+def _falling(memory: dict[str, Any] | None) -> tuple[int, int]:
+    """``accuracy_fall``'s scores and hits since it started, at its next report."""
+    if memory is None:
+        raise ValueError("the accuracy_fall attack counts its reports in a memory")
+    k = memory["reports"] = memory.get("reports", 0) + 1
+    before, after = min(k, FALL_AT), max(0, k - FALL_AT)
+    return FALL_SCORES * k, before * FALL_SCORES * 95 // 100 + after * FALL_SCORES * 2 // 5
 
 
 def _head_stats(message: m.HeadStats, attack: str, memory: dict[str, Any] | None

@@ -95,7 +95,7 @@ def _hostile_run(tmp_path, digits, spec, attack):
     finally:
         server.stop()
     st0 = status.stations["st0"]
-    return rows, {**st0.counters, **st0.transport}
+    return rows, {**st0.counters, **st0.transport}, status
 
 
 @pytest.mark.parametrize("attack, reason", [("scale", "rejected.update_norm"),
@@ -105,7 +105,7 @@ def _hostile_run(tmp_path, digits, spec, attack):
 def test_a_hostile_device_is_refused_and_does_not_steer_the_model(tmp_path, digits, honest,
                                                                    attack, reason, capsys):
     spec = _spec(digits)
-    rows, counters = _hostile_run(tmp_path, digits, spec, attack)
+    rows, counters, _ = _hostile_run(tmp_path, digits, spec, attack)
     with capsys.disabled():
         print(f"\n{attack}: {counters.get(reason, 0)} refused ({reason}), "
               f"{counters.get('refused_replies', 0)} counted as answers, "
@@ -121,13 +121,34 @@ def test_a_device_lying_about_its_seen_counts_neither_stops_nor_steers_a_station
     # Every class at the int64 maximum once stopped the federation in its first round: the
     # station's sum of the claims wrapped negative, and its own counts with it.
     spec = _spec(digits)
-    rows, counters = _hostile_run(tmp_path, digits, spec, attack)
+    rows, counters, _ = _hostile_run(tmp_path, digits, spec, attack)
     with capsys.disabled():
         print(f"\n{attack}: seen counts clipped {counters.get('clipped.seen_counts', 0)}, "
               f"majority-capped {counters.get('seen_majority_capped', 0)}")
         _finished(rows, spec, honest, f"attack {attack}")
     if attack == "uniform_seen":
         assert counters.get("clipped.seen_counts", 0) >= 1
+
+
+def test_a_device_whose_accuracy_falls_is_named_by_its_station_and_nothing_else(
+        tmp_path, digits, honest, capsys):
+    """The drift watch over the wire: a device's prequential counts in its stats frames,
+    its station's ADWIN, the station's retained summary, safl status (aggregator/drift.py).
+    The device lies (it predicts nothing here): only it is named, and the fleet is as
+    good as an honest one."""
+    from aggregator.status import format_status
+    spec = _spec(digits)
+    rows, counters, status = _hostile_run(tmp_path, digits, spec, "accuracy_fall")
+    victim = plan_fleet(STRATEGY, spec).stations[0]["devices"][0]
+    text = format_status(status, plan_fleet(STRATEGY, spec).fleet)
+    with capsys.disabled():
+        print("\n" + next(line for line in text.splitlines() if "drifting" in line))
+        _finished(rows, spec, honest, "a device whose accuracy falls")
+    st0 = status.stations["st0"]
+    assert set(st0.drifting) == {victim} and st0.devices_drifting == 1
+    assert 0.9 < st0.drifting[victim] <= 1.0 and counters["drift.detected"] == 1
+    assert f"drifting, prequential accuracy fell: {victim} (from" in text
+    assert all(not doc.drifting for sid, doc in status.stations.items() if sid != "st0")
 
 
 @pytest.mark.parametrize("victim", ["cloud", "st0"])
