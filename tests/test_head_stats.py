@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from edge_client.errors import MessageError
-from edge_client.head_solves import head_vector, solve_lda, solve_ncm, solve_ridge
+from edge_client.head_solves import (
+    GCV_FLOOR,
+    head_vector,
+    solve_lda,
+    solve_ncm,
+    solve_ridge,
+)
 from edge_client.head_stats import HeadSpec, HeadSums, augment, check_claim
 
 D, C = 24, 5
@@ -66,6 +72,31 @@ def test_gcv_chooses_lambda_from_the_statistics_alone_and_it_predicts():
     # and lambda tracks the noise: on pure noise labels it regularises far harder
     noise = _sums(x, np.random.default_rng(3).integers(0, C, len(y)), centre, 1e3)
     assert solve_ridge(noise)[2] > 10 * lam
+
+
+def _floor(s: HeadSums) -> float:
+    """GCV_FLOOR x features / samples of the centred Gram's mean eigenvalue."""
+    a = s.gram[:D, :D] - np.outer(s.gram[D, :D], s.gram[D, :D]) / s.n
+    return GCV_FLOOR * D / s.n * float(np.trace(a)) / D
+
+
+@pytest.mark.parametrize("solve", [solve_ridge, solve_lda])
+def test_a_lines_repeated_frames_do_not_take_the_penalty_to_nothing(solve):
+    """A line labels the same few exemplars over and over (an item many frames in view): GCV,
+    which takes rows to be independent, then chooses its grid's bottom, and a live line's
+    LDA head blew up at samples near the features (docs/bodies.md).  The penalty stays at
+    GCV_FLOOR x features / samples there; on independent rows GCV's own is above it."""
+    rng = np.random.default_rng(0)
+    exemplars, _ = _blobs(3 * C, seed=7)
+    ids = np.repeat(rng.integers(0, 3 * C, 4), 10)  # four items, ten frames each: 40 < D x 2
+    x = (exemplars[ids] + rng.normal(0, 1e-4, (len(ids), D))).astype(np.float32)
+    y = np.arange(3 * C)[ids] % C
+    repeated = _sums(x, y, np.zeros(D, np.float32), 1e3)
+    assert solve(repeated)[2] == pytest.approx(_floor(repeated))
+    w, _, _ = solve(repeated)
+    assert np.isfinite(w).all() and np.abs(w).max() < 1e3
+    independent = _sums(*_blobs(40, seed=3), np.zeros(D, np.float32), 1e3)
+    assert solve(independent)[2] > 1.5 * _floor(independent)
 
 
 def test_the_lda_head_from_summed_statistics_is_the_discriminant_written_out():

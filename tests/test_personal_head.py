@@ -53,9 +53,11 @@ def test_a_personal_head_is_dittos_closed_form_and_fits_its_device(digits):
     xt, yt = digits.x_test.reshape(len(digits.x_test), -1), digits.y_test
     keep = np.isin(yt, MINE)
     on_mine = _accuracy(mine, xt[keep], yt[keep]), _accuracy(glob, xt[keep], yt[keep])
-    assert on_mine[0] >= on_mine[1] + 0.05, on_mine  # measured 0.985 against 0.878
-    # and it is the device's own: on every class it is far worse (safe promotion's job)
-    assert _accuracy(mine, xt, yt) < _accuracy(glob, xt, yt) - 0.3
+    assert on_mine[0] >= on_mine[1] + 0.04, on_mine  # measured 0.931 against 0.878
+    # and it is the device's own: on every class it is worse (safe promotion's job); the
+    # penalty's floor (head_solves.GCV_FLOOR) keeps it nearer the global head (measured
+    # 0.856 against 0.925; without the floor 0.361, and 0.985 on its own classes)
+    assert _accuracy(mine, xt, yt) < _accuracy(glob, xt, yt) - 0.04
 
 
 def _device(personal: bool, promote: str = "always", holdout_every: int = 0,
