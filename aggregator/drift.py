@@ -23,10 +23,10 @@ board that predicts in 200 MB, and the station sees every device's counts anyway
 not a hand-written detector: river's is maintained, and its bound is the paper's.
 
 The counts are a claim: counts that went down are a restarted device (re-based, not fed);
-more hits than scores, or more scores than the seen counts' allowance (``max_seen_rate x
-local_steps`` an iteration, and ``MAX_FED`` a report), are clipped and counted, so that a
-device cannot make its station spend a second feeding it.  A compromised device can only
-make its own flag wrong.
+hits below none or above the scores, or more scores than the seen counts' allowance
+(``max_seen_rate x local_steps`` an iteration, and ``MAX_FED`` a report), are clipped and
+counted, so that a device cannot make its station spend a second feeding it.  A
+compromised device can only make its own flag wrong.
 """
 
 from __future__ import annotations
@@ -131,10 +131,10 @@ class DriftWatch:
         in_window, fed = self._fed.get(device, (window, 0))
         fed = fed if in_window == window else 0  # reports of one iteration share a window
         allowance = min(per_iteration * window[1] - fed, MAX_FED)
-        if right > new or new > allowance:
+        if not 0 <= right <= new or new > allowance:
             self._clip("prequential_counts")
             keep = max(0, min(new, allowance))
-            right, new = min(right, new) * keep // max(new, 1), keep
+            right, new = min(max(right, 0), new) * keep // max(new, 1), keep
         self._counts[device] = (scored, hits)
         self._fed[device] = (window, fed + new)
         if new:
@@ -168,11 +168,6 @@ class DriftWatch:
         drifting = self.drifting
         fell = sorted(drifting, key=lambda d: self._cameras[d].adwin.estimation - drifting[d])
         return {d: round(drifting[d], 4) for d in sorted(fell[:SHOWN_DRIFTING])}
-
-    def accuracy(self, device: str) -> float | None:
-        """``device``'s accuracy over its detector's window (None before one)."""
-        camera = self._cameras.get(device)
-        return camera.adwin.estimation if camera and camera.adwin.width else None
 
     def state(self) -> dict[str, Any]:
         """The checkpoint's share: the counts fed and the flags with their levels (a

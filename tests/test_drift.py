@@ -93,28 +93,54 @@ def test_a_reports_hits_are_spread_over_its_scores():
     assert sum(spread(1000, 617)) == 617
 
 
+def _width(watch: DriftWatch, device: str = "cam") -> int:
+    return int(watch._cameras[device].adwin.width)
+
+
 def test_counts_are_claims_clipped_rebased_and_bounded():
     watch, counters = _watch()
     watch.take("cam", 10, 12, *WIDE)  # more hits than scores
     assert counters["clipped.prequential_counts"] == 1
-    assert watch.accuracy("cam") == 1.0  # the ten scores, all right at most
+    assert watch._cameras["cam"].adwin.estimation == 1.0  # the ten scores, all right at most
     # A claim of a billion scores feeds the detector MAX_FED at most, in milliseconds.
     began = time.process_time()
     watch.take("cam", 10**9, 10**9, *WIDE)
     assert time.process_time() - began < 1.0
     assert counters["clipped.prequential_counts"] == 2
-    assert watch._cameras["cam"].adwin.width <= 10 + MAX_FED
+    assert _width(watch) <= 10 + MAX_FED
     # Counts that went down: the device restarted; nothing is fed for that report.
-    width = watch._cameras["cam"].adwin.width
+    width = _width(watch)
     watch.take("cam", 5, 5, *WIDE)
-    assert counters["drift.rebased"] == 1 and watch._cameras["cam"].adwin.width == width + 5
+    assert counters["drift.rebased"] == 1 and _width(watch) == width + 5
     # Reports in one window share its allowance: a hundred reports grow by one allowance.
     watch, counters = _watch()
     for k in range(1, 101):
         watch.take("cam", 50 * k, 40 * k, (0, 1), 100)
-    assert watch._cameras["cam"].adwin.width == 100
+    assert _width(watch) == 100
     watch.take("cam", 5050, 4040, (100, 1), 100)  # the next window grows anew
-    assert watch._cameras["cam"].adwin.width == 150
+    assert _width(watch) == 150
+
+
+def test_each_count_bound_passes_a_claim_on_it_and_clips_one_past_it():
+    """Hits: between none and every score; scores: the window's allowance, and MAX_FED a
+    report.  A device sitting exactly on each is fed whole and not counted; one more is
+    clipped onto it and counted."""
+    watch, counters = _watch()
+    watch.take("cam", 100, 100, (0, 1), 100)  # every score right, the whole allowance
+    assert _width(watch) == 100 and not counters
+    watch.take("cam", 201, 201, (100, 1), 100)  # one score past the next window's allowance
+    assert _width(watch) == 200 and counters["clipped.prequential_counts"] == 1
+    watch.take("cam", 251, 252, (200, 1), 100)  # one hit more than its scores
+    assert _width(watch) == 250 and counters["clipped.prequential_counts"] == 2
+    watch, counters = _watch()
+    watch.take("cam", 50, -1, (0, 1), 100)  # fewer hits than none: fed as 50 misses
+    assert counters["clipped.prequential_counts"] == 1 and _width(watch) == 50
+    assert watch._cameras["cam"].adwin.estimation == 0.0
+    watch, counters = _watch()
+    watch.take("cam", MAX_FED, 0, *WIDE)  # a report of MAX_FED scores, whole
+    assert _width(watch) == MAX_FED and not counters
+    watch.take("cam", 2 * MAX_FED + 1, 0, (1, 1), 10**6)  # one score past MAX_FED
+    assert _width(watch) == 2 * MAX_FED and counters["clipped.prequential_counts"] == 1
 
 
 def test_prequential_counts_what_it_scored_and_got_right():
