@@ -200,7 +200,7 @@ def _drift_lines(found: FleetStatus) -> list[str]:
     watch none, with why."""
     fell, unnamed = [], 0
     for _, doc in sorted(found.stations.items()):
-        unnamed += doc.devices_drifting - len(doc.drifting)
+        unnamed += max(0, doc.devices_drifting - len(doc.drifting))  # a station's claim
         for d, level in sorted(doc.drifting.items()):
             now = found.devices[d].prequential_accuracy if d in found.devices else None
             fell.append(f"{d} (from {level:.3f} to {_fraction(now)})")

@@ -226,6 +226,11 @@ def test_operators_read_the_flag_in_safl_status_on_the_page_and_in_the_documents
     rows = {r["id"]: r for r in history.snapshot(Counter())["devices"]}
     assert rows["d0"]["drift_from"] == 0.85 and rows["d1"]["drift_from"] is None
     assert trouble(rows["d0"]) < trouble(rows["d1"])
+    # A station's count below the devices it names is a claim, not a negative "more".
+    history.status.take(StationSummary(station="s", state=StationState.COLLECTING, round=3,
+                                       iteration=9, devices=3, online=3, quorum=1,
+                                       drifting={"d0": 0.85}, devices_drifting=-4))
+    assert "more their stations did not name" not in format_status(history.status, "f")
     off = StationSummary(station="s2", state=StationState.COLLECTING, round=3, iteration=9,
                          devices=1, online=1, quorum=1, drift_off="river is not installed")
     history.status.take(off)
