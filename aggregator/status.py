@@ -110,10 +110,13 @@ def _from_its_subject(topic: str, fleet: str, doc: Document) -> bool:
     return topic in (summary_topic(fleet, m.Participant.CLOUD, CLOUD_ID), manifest_topic(fleet))
 
 
-def fleet_status(broker: BrokerConfig, fleet: str, wait: float = 1.5) -> FleetStatus:
-    """Collect what is retained under ``safl/<fleet>/`` for ``wait`` seconds."""
+def fleet_status(broker: BrokerConfig, fleet: str, wait: float = 1.5,
+                 until: Callable[[FleetStatus], bool] | None = None) -> FleetStatus:
+    """Collect what is retained under ``safl/<fleet>/`` for ``wait`` seconds, or until
+    ``until(found)`` holds (a caller that knows whom it waits for)."""
     found = FleetStatus()
-    _listen(observer(_quick(broker), fleet, found), wait)
+    _listen(observer(_quick(broker), fleet, found), wait,
+            (lambda: until(found)) if until is not None else lambda: False)
     return found
 
 

@@ -87,10 +87,13 @@ def _over_broker(data, strategy: Strategy, spec: FleetSpec, url: str, out: Path,
     with _watching(BrokerConfig(url=url), fleet, devices) as history:
         rows = launch_fleet(out / strategy.name, data, strategy, spec, url,
                             progress=Progress(strategy.name, rounds))
-    found = fleet_status(BrokerConfig(url=url), fleet, wait=1.0)
     # Retained status of an earlier recipe's stations may linger on the broker (a flat fleet
     # has one station, a hierarchical one a station per factory): count this fleet's only.
+    # Read until every station's and device's summary is in (up to 10 s): a fixed second on a
+    # loaded machine once read none, and the run's table had no reply fates.
     ids = {values["station_id"] for values in plan_fleet(strategy, spec).stations}
+    found = fleet_status(BrokerConfig(url=url), fleet, wait=10.0, until=lambda f: ids <= set(
+        f.stations) and set(devices) <= set(f.devices))
     stations = [doc for sid, doc in found.stations.items() if sid in ids]
     cloud_transport = found.cloud.transport if found.cloud else {}
 
