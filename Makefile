@@ -13,6 +13,11 @@ TEST_JOBS ?= 4
 # core (59 s wall, 7 s of CPU), so they run beside each other, and beside the rest of the
 # suite only with the rest under nice 19: a camera line must read its frames when they come.
 SOLO_JOBS ?= 4
+# A suite that runs 12-14 min on 2 cores and is still going after 40 is wedged, not slow:
+# each tier is interrupted then (SIGINT: pytest names the tests it was in) and the run fails,
+# rather than holding a CI machine until its own limit says nothing.
+SUITE_LIMIT ?= 2400
+LIMITED := timeout --foreground --signal=INT --kill-after=60 $(SUITE_LIMIT)
 
 .PHONY: demo test test-quick lint bench clean wheel readme-figures
 
@@ -42,9 +47,13 @@ readme-figures: $(VENV)/.demo-deps
 test: $(VENV)/.test-deps
 	@deploy/system-packages.sh auto
 	@solo_log=$$(mktemp); \
-	$(PY) -m pytest -n $(SOLO_JOBS) -m solo $(PYTEST_ARGS) > $$solo_log 2>&1 & solo=$$!; \
-	nice -n 19 $(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not solo" $(PYTEST_ARGS); \
-	rc=$$?; wait $$solo || rc=1; \
+	$(LIMITED) $(PY) -m pytest -n $(SOLO_JOBS) -m solo $(PYTEST_ARGS) > $$solo_log 2>&1 & \
+	solo=$$!; \
+	nice -n 19 $(LIMITED) $(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not solo" \
+	$(PYTEST_ARGS); rc=$$?; wait $$solo; solo_rc=$$?; \
+	for tier_rc in $$rc $$solo_rc; do [ $$tier_rc -ne 124 ] || \
+	echo "make test: a tier ran past SUITE_LIMIT=$(SUITE_LIMIT) s and was stopped"; done; \
+	[ $$solo_rc -eq 0 ] || rc=1; \
 	echo "== the solo tests, run beside the rest at a higher priority =="; cat $$solo_log; \
 	rm -f $$solo_log; deploy/system-packages.sh report; exit $$rc
 
