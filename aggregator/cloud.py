@@ -18,11 +18,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from typing import Any
 
 import numpy as np
 
 from edge_client import messages as m
+from edge_client.catalogue import Catalogue
 from edge_client.errors import ShapeError
+from edge_client.messages import ProductNames
 from edge_client.role import RoleBase, RoleEvent
 from edge_client.states import CloudState
 from edge_client.topics import CLOUD_ID, cloud_topics
@@ -86,6 +89,9 @@ class Cloud(RoleBase[CloudState]):
         self._consumed: dict[str, int] = {}  # samples each station claimed over the run
         self.offline: set[str] = set()
         self.heads: HeadLedger | None = None  # where the head is solved in closed form
+        # The fleet's products (its file's, and as it is rewritten: CloudService), told to
+        # every station and device with each model (edge_client/catalogue.py).
+        self.catalogue = Catalogue(num_classes)
 
     @property
     def id(self) -> str:
@@ -221,7 +227,7 @@ class Cloud(RoleBase[CloudState]):
             kept[key] = good
         self._accuracies[msg.sender] = kept
 
-    def accuracy_summary(self) -> dict[str, float]:
+    def accuracy_summary(self) -> dict[str, Any]:
         """Held-out and prequential accuracy over every station's devices."""
         return device_accuracy_summary(
             *([v for acc in self._accuracies.values() for v in acc[key]]
@@ -270,7 +276,7 @@ class Cloud(RoleBase[CloudState]):
             return self.dp.fold(self.weights, len(self.config.stations))
         return fold_for(self.config.fusion, equal_if_unweighted=True)
 
-    def privacy_summary(self) -> dict[str, float]:
+    def privacy_summary(self) -> dict[str, Any]:
         """With central DP, the most any station's data has spent in the cloud's releases."""
         return {"epsilon_cloud": self.dp.privacy.worst()} if self.dp.enabled else {}
 
@@ -312,9 +318,16 @@ class Cloud(RoleBase[CloudState]):
         self.deadline = now + self.config.round_timeout
         return [self._global_model()]
 
+    def catalogue_summary(self) -> dict[str, Any]:
+        """The fleet's products, for the cloud's summary (edge_client/catalogue.py)."""
+        cat = self.catalogue
+        return {"classes": cat.num_classes, "products": cat.names, "retired": cat.retired_names}
+
     def _global_model(self) -> m.GlobalModel:
         return m.GlobalModel(fleet=self.config.fleet, sender=CLOUD_ID, round=self.round,
                              iteration=self.iteration, weights=self.weights,
                              p_real=self.p_real, final=self.state == _C.DONE,
                              head_samples=self.heads.solved if self.heads else 0,
+                             products=ProductNames(self.catalogue.names),
+                             retired=ProductNames(self.catalogue.retired_names),
                              **(self.heads.novelty_out() if self.heads else {}))

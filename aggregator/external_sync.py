@@ -39,6 +39,9 @@ class ExternalSync:
         # the broker's retained history (a restarted station, a cloud not yet started), not
         # a Last Will firing now.
         self.cloud_seen_online = False
+        # The fleet's products as the cloud last told them, relayed with every model to the
+        # devices (edge_client/catalogue.py): nothing until a global model came.
+        self.relayed: dict[str, Any] = {}
 
     def fused(self, samples: int) -> None:
         """An internal sync fused ``samples``."""
@@ -74,9 +77,11 @@ class ExternalSync:
         self.consumed = 0
         return self.pending
 
-    def answered(self) -> None:
-        """A global model came: nothing is owed."""
+    def answered(self, model: m.GlobalModel) -> None:
+        """A global model came: nothing is owed, and its catalogue is the one relayed."""
         self.pending = None
+        if model.products:
+            self.relayed = {"products": model.products, "retired": model.retired}
 
     def cloud_presence(self, presence: m.Presence, station: str, joining: bool = False
                        ) -> list[m.Message]:

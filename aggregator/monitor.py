@@ -106,7 +106,7 @@ class FleetHistory:
     def _plausible(self, doc: DeviceSummary) -> DeviceSummary:
         """A device's claimed accuracies outside [0, 1], lags outside [-MAX_LABEL_LAG,
         MAX_LABEL_LAG], negative times and durations are shown as not measured, counted."""
-        def within(key: str, high: float = 1.0, low: float = 0.0) -> float | None:
+        def within(key: str, high: float = 1.0, low: float = 0.0) -> Any:
             value = getattr(doc, key)
             if value is None or low <= value <= high:
                 return value
@@ -122,6 +122,7 @@ class FleetHistory:
             body_ms_per_frame=within("body_ms_per_frame", math.inf),
             camera_outage=within("camera_outage", math.inf),
             predictions_behind=within("predictions_behind"),
+            labels_held=within("labels_held", math.inf),
             last_prediction=within("last_prediction", math.inf))
         self.status.devices[doc.device] = checked
         return checked
@@ -170,7 +171,7 @@ class FleetHistory:
                 "deployed_round": doc.deployed_round, "shadow_accuracy": doc.shadow_accuracy,
                 "promotions_refused": doc.counters.get("promotions_refused", 0),
                 "unknown": doc.counters.get("predictions.unknown", 0),  # parts: novelty.py
-                "uploads": doc.counters.get("uploads", 0),
+                "uploads": doc.counters.get("uploads", 0), "labels_held": doc.labels_held,
                 "skips": counted(doc.counters, "skipped."),
                 "drift_from": seen_by.drifting.get(did) if seen_by else None,  # drift.py
                 "refused": seen_by.device_refused.get(did, 0) if seen_by else None,
@@ -178,8 +179,7 @@ class FleetHistory:
                 "frames_dropped": doc.source.get("frames_dropped", 0),
                 "label_lag": doc.label_lag, "label_lag_estimate": doc.label_lag_estimate,
                 "body_ms_per_frame": doc.body_ms_per_frame, "error": doc.error,
-                # Whether the line gets predictions now, on this host's clock (NTP keeps the
-                # line's in step): a stalled camera's device is online and ready.
+                # Predicting now, on this host's clock (NTP): a stalled camera's device is online.
                 "prediction_age": prediction_age(doc.last_prediction),
                 "camera_outage": doc.camera_outage, "predictions_behind": doc.predictions_behind,
                 # A live line's labels: joined to a frame, matching none, or too late.

@@ -239,7 +239,10 @@ function render(doc) {
     el('span', {}, 'cloud: '), presence(c.presence),
     el('span', {}, ' state ' + fmt(c.state) + ', round ' + fmt(c.round) +
        ', accuracy ' + fmt(c.accuracy, 4)),
-    el('span', {id: 'devices-online'}, 'devices online: ' + online + ' of ' + doc.devices_total));
+    el('span', {id: 'devices-online'}, 'devices online: ' + online + ' of ' + doc.devices_total),
+    ...(c.products && c.products.length ? [el('span', {id: 'products'}, ' products: ' +
+      c.products.map(p => (c.retired || []).includes(p) ? p + ' (retired)' : p).join(', ') +
+      ' (' + (c.classes - c.products.length) + ' of ' + c.classes + ' classes free)')] : []));
   table('stations', [['id', 'station'], ['presence', 'presence'], ['state', 'state'],
     ['round', 'round'], ['iteration', 'iter'], ['online', 'online'], ['devices', 'roster'],
     ['uploads', 'uploads'], ['skips', 'skips'], ['refused', 'refused'], ['clipped', 'clipped'],
@@ -255,7 +258,8 @@ function render(doc) {
     ['deployed_round', 'round in use'], ['shadow_accuracy', 'candidate', 3],
     ['promotions_refused', 'models refused'], [['uploads', 'skips'], 'uploads / skips'],
     [['refused', 'clipped'], 'claims refused / clipped'], ['frames_dropped', 'frames dropped'],
-    [['label_joined', 'label_unmatched', 'label_expired'], 'labels joined / unmatched / expired'],
+    [['label_joined', 'label_unmatched', 'label_expired', 'labels_held'],
+     'labels joined / unmatched / expired / held'],
     ['lags', 'label lag s (measured)'], ['body_ms_per_frame', 'body ms a frame', 1],
     ['bytes_out', 'sent', 'bytes'], ['bytes_in', 'received', 'bytes']],
     doc.devices);

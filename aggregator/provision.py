@@ -31,7 +31,6 @@ connections (:func:`kick`).  Private keys and ``state.json`` are 0600, every fol
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,9 +58,17 @@ from .fleet_file import (
     load_fleet_file,
     watch_id,
 )
-from .pki import issue, make_ca, serial_of, write_crl, write_private
+from .pki import issue, make_ca, serial_of, write_crl
 from .prometheus import ALERT_RULES, scrape_config
-from .role_files import device_file, line_file, model_table, training_table, watch_file
+from .provision_state import ProvisionState
+from .role_files import (
+    device_file,
+    line_file,
+    model_table,
+    training_table,
+    watch_file,
+    write_role_file,
+)
 
 __all__ = ["FleetFile", "load_fleet_file", "provision", "MAX_PACKET", "ProvisionState",
            "metrics_port"]
@@ -144,21 +151,6 @@ def _watchers(fleet: str) -> dict[str, list[str]]:
     return {user: _monitor_rules(fleet) for user in (MONITOR, STATUS)}
 
 
-class ProvisionState:
-    """What re-runs need: ids issued, and the revoked ids and certificate serials."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        doc = json.loads(path.read_text()) if path.exists() else {}
-        # Fleets provisioned before certificates were identities kept passwords here.
-        issued = set(doc.get("issued", [])) | set(doc.get("passwords", {}))
-        self.doc = {"issued": sorted(issued), "revoked": doc.get("revoked", []),
-                    "revoked_serials": doc.get("revoked_serials", [])}
-
-    def save(self) -> None:
-        write_private(self.path, (json.dumps(self.doc, indent=2, sort_keys=True) + "\n").encode())
-
-
 def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
               revoke: tuple[str, ...] = (), prefix: str | Path | None = None) -> dict[str, list]:
     """Generate (or extend) a fleet's credentials and configs; returns what was created."""
@@ -169,6 +161,7 @@ def provision(fleet_path: str | Path, out: str | Path, *, force: bool = False,
     out.mkdir(parents=True, exist_ok=True)
     run = _Provisioner(fleet, out, Path(prefix) if prefix else out,
                        ProvisionState(out / "state.json"))
+    run.state.products(fleet.model.class_names)
     if not (out / "ca" / "ca.pem").exists():
         make_ca(out / "ca", fleet.name)
         run.created["ca"].append(str(out / "ca"))
@@ -316,7 +309,7 @@ class _Provisioner:
                            *_grant("read", topics.prefix(name, _CLOUD), CLOUD_LEAVES)]
         (folder / "acl").write_text(_acl(rules))
         url = f"mqtts://{fleet.cloud_host}:{fleet.cloud_port}"
-        (self.out / "cloud" / "cloud.toml").write_text(toml_text({
+        write_role_file(self.out / "cloud" / "cloud.toml", toml_text({
             "cloud": {"fleet": name, "stations": [s.id for s in stations], "rounds": fleet.rounds},
             "model": model_table(self.fleet), "broker": self.broker_section("cloud", url),
             **self.service_section(_CLOUD)}))
@@ -364,7 +357,7 @@ class _Provisioner:
         (folder / "acl").write_text(_acl(rules))
         url = f"mqtts://{s.host}:{s.port}"
         stages = {"update_stages": list(fleet.update_stages)} if fleet.update_stages else {}
-        (self.out / "stations" / s.id / "station.toml").write_text(toml_text({
+        write_role_file(self.out / "stations" / s.id / "station.toml", toml_text({
             "station": {"fleet": name, "station_id": s.id, "devices": devices,
                         "super_node_size": max(1, min(4, len(devices))),
                         **training_table(self.fleet), **stages},
@@ -372,7 +365,7 @@ class _Provisioner:
             **self.service_section(_STATION)}))
         cameras = dict(fleet.cameras)
         for did in devices:
-            (self.credential_dirs[did] / "device.toml").write_text(device_file(
+            write_role_file(self.credential_dirs[did] / "device.toml", device_file(
                 fleet, did, s.id, broker=self.broker_section(did, url),
                 service=self.service_section(_DEV).get("service", {}), stages=stages,
                 camera=cameras.get(did, "")))

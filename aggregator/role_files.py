@@ -9,16 +9,18 @@ installs a board reads them.  Every key they set is one the roles' config classe
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from edge_client import topics
 from edge_client.config import toml_text
+from edge_client.files import write_atomic
 from edge_client.topics import label_topic
 
 from .fleet_file import FleetFile
 
 __all__ = ["device_file", "line_file", "watch_file", "camera_preprocess", "model_table",
-           "training_table", "STATE_DIR"]
+           "training_table", "write_role_file", "STATE_DIR"]
 
 # Where the units keep a role's state (their StateDirectory, deploy/systemd): a station's and
 # the cloud's checkpoints, and below it a folder per device for its model in use (a server
@@ -33,6 +35,12 @@ def camera_preprocess(shape: tuple[int, ...], body: str = "none") -> dict[str, A
     grey = len(shape) == 2 or shape[0] == 1
     return {"grayscale": grey, "resize": [w, h], **({"rgb": True} if body != "none" and
                                                     not grey else {})}
+
+
+def write_role_file(path: Path, text: str) -> None:
+    """Whole or not at all: a running cloud follows its file (a product added), and must
+    never read one half written (aggregator/services.py, follow_file)."""
+    write_atomic(path, text.encode())
 
 
 def model_table(fleet: FleetFile) -> dict[str, Any]:

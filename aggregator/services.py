@@ -10,6 +10,7 @@ and resume from it on start.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import logging
 import time
@@ -22,8 +23,9 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.body import head_input_shape, open_body
+from edge_client.catalogue import Catalogue
 from edge_client.codec import encode
-from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig
+from edge_client.config import BrokerConfig, ModelConfig, ServiceConfig, load_config
 from edge_client.documents import (
     ACCURACY_HISTORY,
     CloudSummary,
@@ -31,7 +33,7 @@ from edge_client.documents import (
     StationSummary,
     encode_document,
 )
-from edge_client.errors import ConfigError, SourceError
+from edge_client.errors import ConfigError, MessageError, SourceError
 from edge_client.head_stats import head_spec
 from edge_client.mqtt import MqttTransport
 from edge_client.privacy import keep_privacy_ledger
@@ -189,6 +191,47 @@ def _manifests(transport: MqttTransport, broker: BrokerConfig,
     return manifest
 
 
+RELOAD_EVERY = 2.0  # s between looks at the cloud's file for products added or retired
+
+
+def follow_file(role: Cloud, path: str, model: ModelConfig) -> Callable[[float], None]:
+    """A serve hook: the cloud's catalogue is its file's ``[model] class_names`` and
+    ``retired``, read again whenever the file changes (``safl provision`` rewrote it), and
+    told to the fleet with the next round's model.  A file whose products move or rename a
+    class, change anything else of ``[model]`` or do not parse is refused, at error level
+    and counted (``catalogue.reload_refused``); the fleet keeps the products it has."""
+    role.catalogue = Catalogue(model.num_classes, model.class_names, model.retired)
+    seen = {"mtime": Path(path).stat().st_mtime_ns if path else 0, "next": 0.0}
+
+    def hook(now: float) -> None:
+        if not path or now < seen["next"]:
+            return
+        seen["next"] = now + RELOAD_EVERY
+        try:
+            mtime = Path(path).stat().st_mtime_ns
+            if mtime == seen["mtime"]:
+                return
+            seen["mtime"] = mtime
+            new = load_config(ModelConfig, "model", path)
+            if dataclasses.replace(new, class_names=(), retired=()) != \
+                    dataclasses.replace(model, class_names=(), retired=()):
+                raise ConfigError("model", "changed beyond class_names and retired: restart "
+                                  "the fleet for that")
+            role.catalogue.check_extends(new.class_names)
+        except (OSError, ConfigError, MessageError) as exc:
+            role.counters["catalogue.reload_refused"] += 1
+            log.error("cloud: %s not followed (catalogue.reload_refused): %s", path, exc)
+            return
+        old = role.catalogue
+        role.catalogue = Catalogue(model.num_classes, new.class_names, new.retired)
+        if (old.names, old.retired) != (new.class_names, frozenset(new.retired)):
+            role.counters["catalogue.reloaded"] += 1
+            log.info("cloud: products now %s%s (from round %d)", ", ".join(new.class_names),
+                     f"; retired {', '.join(new.retired)}" if new.retired else "",
+                     role.round + 1)
+    return hook
+
+
 def evaluation_set(path: str, model: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """The cloud's ``--eval`` set, checked at start-up against what the model takes, so that
     a wrong one stops the cloud naming it, instead of failing every round's evaluation.
@@ -249,12 +292,14 @@ class CloudService:
     service: ServiceConfig = ServiceConfig()
     eval_path: str = ""
     out: str = ""
+    config_path: str = ""  # its file, followed for products added and retired
 
     def run(self, stop: StopFlag | None = None) -> tuple[Cloud, list[dict[str, Any]]]:
         trainer = model_trainer(self.model, lr=0.01)
         cfg = self.cloud
         role = Cloud(cfg, initial_weights=trainer.get_flat(), num_classes=self.model.num_classes)
         attach_heads(role, head_spec(self.model))
+        catalogue = follow_file(role, self.config_path, self.model)
         if cfg.central_dp_noise:
             keep_privacy_ledger(role.dp, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.CLOUD,
@@ -287,7 +332,7 @@ class CloudService:
                                 accuracy_rounds=tuple(r["round"] for r in scored),
                                 accuracies=tuple(float(r["accuracy"]) for r in scored),
                                 **role.accuracy_summary(), **role.privacy_summary(),
-                                counters=dict(role.counters),
+                                **role.catalogue_summary(), counters=dict(role.counters),
                                 transport=dict(transport.counters), error=runner.last_error)
 
         metrics = with_metrics(self.service, "cloud", lambda: (
@@ -299,10 +344,11 @@ class CloudService:
         runner = RoleRunner(role, transport)
         runner.observers.extend([*checkpoint, evaluate,
                                  _manifests(transport, self.broker, cfg.fleet)])
-        topic = summary_topic(cfg.fleet, m.Participant.CLOUD, CLOUD_ID)
+        published = summaries(transport, summary_topic(cfg.fleet, m.Participant.CLOUD,
+                                                       CLOUD_ID), summary)
         serve(runner, transport, stop=StopFlag() if stop is None else stop,
               done=lambda: role.state == CloudState.DONE, linger=1.0, metrics=metrics,
-              **summaries(transport, topic, summary))
+              hooks=(catalogue, *published["hooks"]), on_stop=published["on_stop"])
         if self.out:
             out = Path(self.out)
             out.mkdir(parents=True, exist_ok=True)

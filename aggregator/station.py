@@ -84,10 +84,9 @@ class Station(StationResume, RoleBase[StationState]):
         self.config, self.num_params, self.num_classes, self.rng = (config, num_params,
                                                                     num_classes, rng)
         self.seating = Seating(config, num_classes, rng, self.counters)
-        self.state = self.INITIAL
+        self.state, self.round, self.iteration, self.deadline = self.INITIAL, 0, 0, 0.0
         self.weights: np.ndarray | None = None  # w^m
         self.p_real: np.ndarray | None = None
-        self.round, self.iteration, self.deadline = 0, 0, 0.0
         self.sync = InternalSync(config, self.counters)
         self.admission = UpdateAdmission(config, num_params, reject=self._reject,
                                          clip=self._clip)
@@ -297,7 +296,7 @@ class Station(StationResume, RoleBase[StationState]):
         # Refused in ``done``, by the table: the federation has ended.
         ready = self.roster.ready()  # the global model changes who is ready no more than the rest
         new = self.next_state(_E.FINAL_MODEL if msg.final else self._iteration_event(ready))
-        self.external.answered()
+        self.external.answered(msg)
         self.p_real = np.array(msg.p_real)  # and w^m, or where the cloud solved no head, ours
         self.weights = np.array(msg.weights) if self.heads is None else self.heads.round_began(msg)
         self.round, self.iteration = msg.round, msg.iteration
@@ -397,4 +396,5 @@ class Station(StationResume, RoleBase[StationState]):
     def _model_message(self, final: bool = False) -> m.StationModel:
         return m.StationModel(fleet=self.config.fleet, sender=self.id, round=self.round,
                               iteration=self.iteration, weights=self._model(), final=final,
+                              **self.external.relayed,
                               **(self.heads.novelty_out() if self.heads else {}))

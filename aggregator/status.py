@@ -214,6 +214,30 @@ def _drift_lines(found: FleetStatus) -> list[str]:
                     for sid, doc in sorted(found.stations.items()) if doc.drift_off]
 
 
+def _product_lines(found: FleetStatus) -> list[str]:
+    """The fleet's products as the cloud tells them, the frames devices hold for products
+    to come, and a catalogue the cloud or a device would not follow (catalogue.py)."""
+    cloud, lines = found.cloud, []
+    if cloud is not None and cloud.products:
+        lines.append(f"products: {', '.join(cloud.products)}; "
+                     f"{cloud.classes - len(cloud.products)} of {cloud.classes} classes free"
+                     + (f"; retired: {', '.join(cloud.retired)}" if cloud.retired else ""))
+    if cloud is not None and cloud.counters.get("catalogue.reload_refused"):
+        lines.append(f"ERROR cloud: its rewritten file was not followed "
+                     f"({cloud.counters['catalogue.reload_refused']} times, "
+                     "catalogue.reload_refused): its log says why")
+    held = {d: doc.labels_held for d, doc in sorted(found.devices.items()) if doc.labels_held}
+    if held:
+        lines.append("labels held for products to come: "
+                     + _some([f"{d} {n}" for d, n in held.items()]))
+    refusing = [d for d, doc in sorted(found.devices.items())
+                if doc.counters.get("catalogue.refused")]
+    if refusing:
+        lines.append(f"ERROR {_some(refusing)}: refused the cloud's products "
+                     "(catalogue.refused): provisioned from another fleet file")
+    return lines
+
+
 def format_status(found: FleetStatus, fleet: str) -> str:
     """Stations, devices online, round, iteration, last accuracy and upload counts."""
     lines = [f"fleet {fleet}"]
@@ -227,7 +251,7 @@ def format_status(found: FleetStatus, fleet: str) -> str:
                  + (_devices_accuracy(cloud) if cloud else "")
                  + (f", central DP epsilon up to {cloud.epsilon_cloud:.3g} a station"
                     if cloud and cloud.epsilon_cloud is not None else ""))
-    lines += _device_lines(found)
+    lines += _product_lines(found) + _device_lines(found)
     lines.append(f"{'station':<10} {'presence':<9} {'state':<11} {'round':>5} {'iter':>5} "
                  f"{'online':>7} {'uploads':>8} {'skips':>6} {'rejected':>9}  device accuracy")
     stations = sorted({s for (r, s) in found.presence if r == m.Participant.STATION}

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import messages as m
 from .buffer import StreamBuffer
+from .catalogue import Catalogue, DeviceProducts
 from .config import DeviceConfig, InferenceConfig
 from .documents import DeviceSummary
 from .head_stats import HeadStatsPath
@@ -104,6 +105,8 @@ class Device(RoleBase[DeviceState]):
         self.local = LocalModel(config, trainer, self.buffer, rng, self.counters)
         self.upload = UploadPath(config, trainer, self.buffer, rng, self.counters)
         self.head: HeadStatsPath | None = None
+        self.products = DeviceProducts(Catalogue(num_classes), line=self.line,
+                                       ingest=self.ingest, counters=self.counters)
 
     @property
     def id(self) -> str:
@@ -183,7 +186,7 @@ class Device(RoleBase[DeviceState]):
         if isinstance(message, m.StationModel):
             owed = self.head.due(message) if self.head else []
             # statistics after the seen counts that bound them at the station
-            return self._on_model(message) + (
+            return self._on_model(message) + self.products.follow(message, now) + (
                 [self._stats(message.round, message.iteration), *owed] if owed else [])
         if isinstance(message, m.Selection):
             return self._on_selection(message)
@@ -286,8 +289,7 @@ class Device(RoleBase[DeviceState]):
                 *(self.head.first(True) if self.head else [])]
 
     def _train_and_reply(self, model: m.StationModel) -> list[m.Message]:
-        steps = self.begin_steps(model)
-        return self.end_steps(steps, self.take_steps(steps))
+        return self.end_steps(steps := self.begin_steps(model), self.take_steps(steps))
 
     def selected_steps(self, selection: m.Selection) -> LocalSteps | None:
         """The local steps this selection starts now, for a simulator that runs a super

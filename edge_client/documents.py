@@ -119,6 +119,8 @@ class DeviceSummary:
     # Of the frames chosen for a prediction over the last minute, the share that went
     # unpredicted (over its [inference] budget): a camera the line hears too little from.
     predictions_behind: float | None = None
+    # Frames labelled with a product the fleet has not added yet, held for it (catalogue.py).
+    labels_held: int | None = None
     # The last unexpected error of the role's service ("<counter>: <exception>"; "": none):
     # a failure that would otherwise sit in a log nobody reads.
     error: str = ""
@@ -143,6 +145,11 @@ class CloudSummary:
     # ACCURACY_HISTORY), so a monitor started late still draws the curve.
     accuracy_rounds: tuple[int, ...] = ()
     accuracies: tuple[float, ...] = ()
+    # The fleet's products, class 0 first, of its model's classes (the rest free for
+    # products to come), and those retired (edge_client/catalogue.py).
+    classes: int = 0
+    products: tuple[str, ...] = ()
+    retired: tuple[str, ...] = ()
     counters: Mapping[str, int] = field(default_factory=dict)
     transport: Mapping[str, int] = field(default_factory=dict)
     # The last unexpected error of the role's service ("<counter>: <exception>"; "": none):

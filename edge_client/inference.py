@@ -35,10 +35,13 @@ def one_in(every: int, first: int, n: int) -> np.ndarray:
     return np.flatnonzero((first + np.arange(n)) % every == 0)
 
 
-def predict(trainer: Trainer, x: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray,
-                                                                          np.ndarray]:
-    """Predicted classes and their softmax confidences for ``x`` under ``weights``."""
+def predict(trainer: Trainer, x: np.ndarray, weights: np.ndarray,
+            allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted classes and their softmax confidences for ``x`` under ``weights``, among
+    the ``allowed`` classes only (the fleet's products less the retired: catalogue.py)."""
     logits = np.asarray(trainer.logits(x, weights), dtype=np.float64)
+    if allowed is not None:
+        logits[:, ~allowed] = -np.inf
     shifted = logits - logits.max(axis=1, keepdims=True)
     probs = np.exp(shifted)
     probs /= probs.sum(axis=1, keepdims=True)

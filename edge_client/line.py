@@ -52,6 +52,7 @@ class Line:
         self.last_inference_s = 0.0  # per sample, of the last prediction
         self.budget = PredictionBudget(inference.budget if inference is not None else 1.0)
         self.behind = FallingBehind(name)
+        self.allowed: np.ndarray | None = None  # the classes it may name (catalogue.py)
 
     @property
     def last_verdict(self) -> Verdict:
@@ -66,7 +67,7 @@ class Line:
             return None
         self.counters["predictions"] += len(x)
         started = time.perf_counter()
-        out = predict(self.trainer, x, self.deployable)
+        out = predict(self.trainer, x, self.deployable, self.allowed)
         took = time.perf_counter() - started
         self.last_inference_s = took / max(1, len(x))
         self.budget.charge(took, len(x))

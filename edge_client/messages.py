@@ -10,17 +10,27 @@ counter-ready ``reason``.
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import ClassVar
 
 import numpy as np
 
 from .errors import MessageError
+from .fields import (
+    ID_PATTERN,
+    MAX_INT,
+    MAX_MEMBERS,
+    MAX_NAME,
+    MAX_PRODUCTS,
+    NamedEnum,
+    ProductNames,
+    check_scalar,
+    frozen_vector,
+    is_id,
+    is_product_name,
+)
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -44,36 +54,16 @@ __all__ = [
     "MODEL_ENCODING",
     "is_default",
     "is_id",
+    "is_product_name",
+    "ProductNames",
+    "MAX_NAME",
+    "MAX_PRODUCTS",
+    "MAX_MEMBERS",
 ]
 
 PROTOCOL_VERSION = 1
-# Ids become MQTT topic levels: no wildcards, no '/', nothing a shell or a log mangles.
-ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
-# Integers must survive a JSON round trip through any decoder (IEEE doubles are exact below).
-MAX_INT = 2**53
 # A DeviceUpdate whose weights are the trained model itself, not an encoded step.
 MODEL_ENCODING = "model"
-MAX_MEMBERS = 4096  # a super node larger than any roster we support
-
-
-class NamedEnum(str, Enum):
-    """An enum whose members print, format, compare and serialise as their value."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-    @classmethod
-    def parse(cls, value: object, reason: str, what: str) -> NamedEnum:
-        """The member whose value is ``value``, else a :class:`MessageError` with ``reason``
-        naming ``what`` and the values it may take."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise MessageError(reason, f"{what} = {str(value)[:80]!r} is not one of "
-                               f"{[e.value for e in cls]}") from None
 
 
 class Participant(NamedEnum):
@@ -82,48 +72,6 @@ class Participant(NamedEnum):
     DEVICE = "dev"
     STATION = "station"
     CLOUD = "cloud"
-
-
-def is_id(value: object) -> bool:
-    """True for a string that is a valid participant or fleet id."""
-    return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None
-
-
-def _check_scalar(cls: type, name: str, hint: object, value: object) -> object:
-    """Check one header field against its annotation; return the value in its canonical type."""
-    if hint is bool:
-        if isinstance(value, (bool, np.bool_)):
-            return bool(value)
-    elif hint is int:
-        if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
-            if 0 <= int(value) < MAX_INT:
-                return int(value)
-            raise MessageError("out_of_range", f"{cls.__name__}.{name} is outside [0, 2^53)")
-    elif hint is float:
-        if isinstance(value, (int, float, np.integer, np.floating)) \
-                and not isinstance(value, (bool, np.bool_)):
-            try:
-                number = float(value)
-            except OverflowError:
-                number = math.inf
-            if math.isfinite(number):
-                return number
-            raise MessageError("non_finite", f"{cls.__name__}.{name} is not a finite float")
-    elif hint is str:
-        if is_id(value):
-            return value
-        raise MessageError("bad_id", f"{cls.__name__}.{name} = {str(value)[:80]!r} does not "
-                           f"match {ID_PATTERN.pattern}")
-    elif isinstance(hint, type) and issubclass(hint, NamedEnum):
-        return hint.parse(value, "bad_field", f"{cls.__name__}.{name}")
-    elif typing.get_origin(hint) is tuple:
-        if isinstance(value, (tuple, list)) and len(value) <= MAX_MEMBERS \
-                and all(is_id(v) for v in value):
-            return tuple(value)
-        raise MessageError("bad_id", f"{cls.__name__}.{name} must be a list of ids")
-    kind = getattr(hint, "__name__", hint)
-    raise MessageError("bad_field", f"{cls.__name__}.{name} must be {kind}, got "
-                       f"{type(value).__name__}")
 
 
 _SCALARS: dict[type, tuple[tuple[str, object], ...]] = {}
@@ -137,30 +85,6 @@ def _scalar_fields(cls: type[Message]) -> tuple[tuple[str, object], ...]:
         _SCALARS[cls] = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls)
                               if f.name not in arrays)
     return _SCALARS[cls]
-
-
-def _immutable(value: object, dtype: type) -> bool:
-    """An array over bytes nobody can write (a decoded frame's): freezing needs no copy."""
-    if not isinstance(value, np.ndarray) or value.dtype != np.dtype(dtype) \
-            or value.flags.writeable:
-        return False
-    base = value.base
-    return isinstance(base, bytes) or (isinstance(base, memoryview) and base.readonly
-                                       and isinstance(base.obj, bytes))
-
-
-def _frozen_vector(name: str, value: object, dtype: type) -> np.ndarray:
-    arr = value if isinstance(value, np.ndarray) and _immutable(value, dtype) \
-        else np.array(value, dtype=dtype, copy=True)
-    if arr.ndim != 1:
-        raise MessageError("wrong_shape", f"{name} must be 1-D, got shape {arr.shape}")
-    if not np.isfinite(arr).all():
-        raise MessageError("non_finite", f"{name} contains NaN or Inf")
-    if dtype is np.int64 and (arr < 0).any():
-        raise MessageError("negative_count", f"{name} has negative counts")
-    if arr.flags.writeable:
-        arr.flags.writeable = False
-    return arr
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,11 +105,11 @@ class Message:
         # role ever sees a float round, a negative count or an id with a wildcard in it.
         for name, hint in _scalar_fields(type(self)):
             object.__setattr__(self, name,
-                               _check_scalar(type(self), name, hint, getattr(self, name)))
+                               check_scalar(type(self), name, hint, getattr(self, name)))
         if self.version != PROTOCOL_VERSION:
             raise MessageError("version", f"protocol version {self.version} unsupported")
         for name, dtype in self._vectors:
-            object.__setattr__(self, name, _frozen_vector(name, getattr(self, name), dtype))
+            object.__setattr__(self, name, frozen_vector(name, getattr(self, name), dtype))
 
 
 OPTIONAL = {"optional": True}  # a field a frame may omit while it holds its default
@@ -282,6 +206,9 @@ class StationModel(Message):
     final: bool = False
     novelty: np.ndarray = field(default_factory=_no(np.float32), metadata=OPTIONAL)
     novelty_threshold: float = field(default=0.0, metadata=OPTIONAL)
+    # The cloud's catalogue, relayed (edge_client/catalogue.py): () where none came yet.
+    products: ProductNames = field(default=ProductNames(()), metadata=OPTIONAL)
+    retired: ProductNames = field(default=ProductNames(()), metadata=OPTIONAL)
     _vectors = _WEIGHTS + _NOVELTY
 
 
@@ -327,6 +254,10 @@ class GlobalModel(Message):
     head_samples: int = field(default=0, metadata=OPTIONAL)
     novelty: np.ndarray = field(default_factory=_no(np.float32), metadata=OPTIONAL)
     novelty_threshold: float = field(default=0.0, metadata=OPTIONAL)
+    # The fleet's products by class, and those retired (edge_client/catalogue.py): the cloud
+    # reads them from its file, so a product added there reaches every role with the model.
+    products: ProductNames = field(default=ProductNames(()), metadata=OPTIONAL)
+    retired: ProductNames = field(default=ProductNames(()), metadata=OPTIONAL)
     _vectors = _WEIGHTS + (("p_real", np.float64),) + _NOVELTY
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import messages as m
 from .body import Body, body_id, body_tail, head_input_shape, open_body
+from .catalogue import Catalogue, HeldLabels
 from .config import (
     BrokerConfig,
     DeviceConfig,
@@ -141,6 +142,7 @@ class DeviceService:
     labels: LiveLabels | None = field(default=None, init=False, repr=False)
     # Keeps the deployable model in state_dir (None without one).
     keeper: DeployableKeeper | None = field(default=None, init=False, repr=False)
+    held: HeldLabels | None = field(default=None, init=False, repr=False)
     body: Body | None = field(default=None, init=False, repr=False)  # its ms a frame: /metrics
 
     def build(self) -> tuple[RoleRunner[Device], MqttTransport,
@@ -165,6 +167,7 @@ class DeviceService:
         HeadStatsPath.attach(device, head_spec(mc), cfg.head_stats_every, await_station=True,
                              embed=pretrained_embedding(body_tail(mc)))
         attach_personal(device, self.service.state_dir, background=True)
+        catalogue, held = self._products(device)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.DEVICE,
                                    participant=cfg.device_id, trainer=trainer, model=mc)
         runner = RoleRunner(device, transport)
@@ -187,22 +190,34 @@ class DeviceService:
                                   "source")
             pace_replay(runner, source, self.source.per_iteration, body=body)
             return runner, transport, keep
-        pump = SourcePump(source, capacity=self.source.queue_size, drop_when_full=drops,
-                          name=cfg.device_id).start()
-        self.pump = pump
+        self.pump = pump = SourcePump(source, capacity=self.source.queue_size,
+                                      drop_when_full=drops, name=cfg.device_id).start()
         if src.label_topic:
-            self.labels = LiveLabels(mc.num_classes, class_names=mc.class_names,
+            self.labels = LiveLabels(mc.num_classes, catalogue=catalogue, held=held,
                                      window=src.label_window,
                                      delay_max=src.label_delay_max, lag=src.label_lag)
         topic = predictions_topic(cfg.fleet, cfg.device_id)
         self.feed = feed = StreamFeed(device, pump, inference=self.inference, labels=self.labels,
-                                      body=body, class_names=mc.class_names,
-                                      publish=lambda doc: transport.publish_document(
+                                      body=body, publish=lambda doc: transport.publish_document(
                                           topic, doc, retain=False, qos=0))
         if src.label_topic:
             transport.subscribe_raw(src.label_topic, lambda _topic, payload: runner.publish(
                 feed.on_label(payload, runner.clock())))
+        keep = (*keep, held.keep) if held is not None else keep
         return runner, transport, (lambda now: runner.publish(feed(now)), *keep)
+
+    def _products(self, device: Device) -> tuple[Catalogue, HeldLabels | None]:
+        """The products of this device's file, until the cloud's come with a model, and
+        where a live line's labels of products to come are held (edge_client/catalogue.py)."""
+        mc, src = self.model, self.source
+        catalogue = Catalogue(mc.num_classes, mc.class_names, mc.retired,
+                              counters=device.counters)
+        self.held = HeldLabels(catalogue, hold_for=src.hold_labels_for,
+                               hold_max=src.hold_labels_max,
+                               folder=self.service.state_dir or None) \
+            if src.label_topic and mc.class_names else None
+        device.products.use(catalogue, self.held)
+        return catalogue, self.held
 
     def _gauges(self) -> dict[str, float | None]:
         """What the page and ``/metrics`` show beside the device's own figures."""
@@ -213,7 +228,8 @@ class DeviceService:
                 "camera_outage": source.outage_s if isinstance(source, VideoSource)
                 and source.live else None,
                 "predictions_behind": self.feed.device.line.behind.share
-                if self.feed is not None and self.feed.inference.enabled else None}
+                if self.feed is not None and self.feed.inference.enabled else None,
+                "labels_held": len(self.held) if self.held is not None else None}
 
     def _last_prediction(self) -> float | None:
         return self.feed.last_prediction if self.feed is not None else None
@@ -257,6 +273,8 @@ class DeviceService:
         def on_stop() -> None:
             if keeper is not None:
                 keeper.save()
+            if self.held is not None:
+                self.held.keep(time.time(), force=True)
             last_summary()
         try:
             serve(runner, transport, stop=StopFlag() if stop is None else stop, metrics=metrics,

@@ -51,12 +51,10 @@ class StreamFeed:
     def __init__(self, device: Device, pump: SourcePump, *, inference: InferenceConfig,
                  labels: LiveLabels | None = None,
                  publish: Callable[[Prediction], None] | None = None,
-                 max_samples: int = 256, body: Body | None = None,
-                 class_names: tuple[str, ...] = ()) -> None:
+                 max_samples: int = 256, body: Body | None = None) -> None:
         self.device, self.pump, self.inference, self.labels = device, pump, inference, labels
         self.body = body
         self.publish, self.max_samples = publish, max_samples
-        self.class_names = class_names  # the products' names, class 0 first (or none)
         self.counters = device.counters  # one set of metrics per device
         self._next_t = 0.0  # earliest capture time the fps cap lets through
         self.last_prediction: float | None = None  # unix time of the last one made
@@ -99,6 +97,13 @@ class StreamFeed:
         return self._train(self.labels.add_label(payload), now) if self.labels else []
 
     def _train(self, joined: list[tuple[np.ndarray, int, int]], now: float) -> list[m.Message]:
+        held = self.device.products.held
+        if held is not None and any(label < 0 for _, label, _ in joined):
+            # Frames of products to come (catalogue.py): held, unless added meanwhile.
+            to_come = [(x, label) for x, label, _ in joined if label < 0]
+            ready, classes = held.hold([x for x, _ in to_come], [c for _, c in to_come])
+            joined = [j for j in joined if j[1] >= 0] + [
+                (x, c, NOT_PREDICTED) for x, c in zip(ready, classes, strict=True)]
         if not joined:
             return []
         samples, labels, predicted = zip(*joined, strict=True)
@@ -137,14 +142,14 @@ class StreamFeed:
         scores, unknown = self._novelty(batch.x[chosen])
         done = self.last_prediction = time.time()
         lag = self.labels.lag if self.labels is not None else 0.0
-        names = self.class_names
+        catalogue = self.device.products.catalogue
         for j, (i, label, conf) in enumerate(zip(chosen, labels, confidence, strict=True)):
             doc = Prediction(t=float(batch.times[i]), frame=int(batch.frames[i]),
                              label=int(label), confidence=round(float(conf), 6),
                              model_round=self.device.line.deployable_round,
                              latency_ms=round(max(0.0, done - batch.times[i]) * 1000, 3),
                              item_t=float(batch.times[i]) - lag,
-                             product=names[label] if names else None,
+                             product=catalogue.name(int(label)),
                              novelty=None if scores is None else round(float(scores[j]), 4),
                              unknown=None if unknown is None else bool(unknown[j]))
             if self.inference.publish and self.publish is not None:

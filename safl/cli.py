@@ -126,7 +126,7 @@ def _cloud(args: argparse.Namespace) -> int:
 
     return _aggregator_role(args, "cloud", CloudConfig, CloudService,
                             {"cloud": {"rounds": "rounds"}}, eval_path=args.eval or "",
-                            out=str(args.out or ""))
+                            out=str(args.out or ""), config_path=args.config or "")
 
 
 def _status(args: argparse.Namespace) -> int:

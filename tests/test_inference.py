@@ -360,6 +360,7 @@ def test_products_by_name_in_labels_and_predictions(digits):
     may name its product instead of its number and each prediction carries the name; a
     product the fleet does not have is refused and counted, and so is a name where the
     classes have none."""
+    from edge_client.catalogue import Catalogue
     from edge_client.config import ModelConfig
     from edge_client.errors import ConfigError
 
@@ -369,7 +370,8 @@ def test_products_by_name_in_labels_and_predictions(digits):
     assert ModelConfig(num_classes=10, class_names=longest).class_names == longest
     with pytest.raises(ConfigError, match="'class_names'.*1-64 printable"):
         ModelConfig(num_classes=10, class_names=("x" * 65, *names[1:]))
-    for bad, why in ((names[:9], "9 names for num_classes = 10"),
+    assert ModelConfig(num_classes=10, class_names=names[:9]).class_names == names[:9]
+    for bad, why in (((*names, "axle"), "11 names for num_classes = 10"),
                      (("bolt",) * 10, "bolt named twice"), (("7", *names[1:]), "not a number"),
                      ((" bolt", *names[1:]), "no spaces")):
         with pytest.raises(ConfigError, match=f"'class_names'.*{why}"):
@@ -378,9 +380,10 @@ def test_products_by_name_in_labels_and_predictions(digits):
     items = [(digits.x_train[i], None, i, now - 1 + i * 0.1) for i in range(4)]
     published = []
     dev = _ready_device(digits, InferenceConfig())
+    dev.products.use(Catalogue(10, names))
     labels = LiveLabels(10, window=0.5, delay_max=30.0, lag=0.0, class_names=names)
     StreamFeed(dev, _drained_pump(items), inference=dev.inference, labels=labels,
-               publish=published.append, class_names=names)(0.0)
+               publish=published.append)(0.0)
     assert [p.product for p in published] == [names[p.label] for p in published]
     joined = labels.add_label(json.dumps({"t": published[1].t, "label": "washer"}).encode())
     assert [label for _, label, _ in joined] == [2]

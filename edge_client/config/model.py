@@ -6,11 +6,10 @@ import dataclasses
 import re
 
 from ..errors import ConfigError
+from ..messages import MAX_NAME, is_product_name
 from .loading import check_range
 
 __all__ = ["ModelConfig", "MAX_NAME"]
-
-MAX_NAME = 64  # characters of a product's name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,9 +56,16 @@ class ModelConfig:
     # docs/bodies.md); "once": the first solve starts the federation's fine-tuning, which
     # then goes on from it; "auto": every on a frozen body, once where its blocks train.
     head_resolve: str = "auto"
-    # The products' names, class 0 first (docs/camera-line.md): a label may name its product
-    # instead of its number, and each prediction carries the name; () leaves them numbers.
+    # The products' names, class 0 first, the classes past the last free for products to
+    # come (docs/camera-line.md, "A new product"): a label may name its product instead of
+    # its number, each prediction carries the name, and a name added at the end (then `safl
+    # provision`) reaches the running fleet with its next model, the frames labelled with it
+    # held by the devices until then (edge_client/catalogue.py).  () leaves them numbers.
     class_names: tuple[str, ...] = ()
+    # Products no longer made, by name (they stay in class_names): never predicted, their
+    # statistics kept, in production again once taken off this list.  The cloud's is the
+    # fleet's: it tells every role with its next model.
+    retired: tuple[str, ...] = ()
     # What a frame goes through before the body (docs/camera-line.md, "Lamps that change"):
     # "autocontrast", each frame stretched between its 1st and 99th percentiles (a lamp
     # change then costs 0.4 points in the lab, against 17 as the frames come; what a line
@@ -90,11 +96,11 @@ class ModelConfig:
         names = self.class_names
         if not names:
             return
-        if len(names) != self.num_classes:
+        if len(names) > self.num_classes:
             raise ConfigError("class_names", f"{len(names)} names for num_classes = "
-                              f"{self.num_classes}: name every class, class 0 first")
-        bad = [n for n in names if not (0 < len(n) <= MAX_NAME and n.isprintable()
-                                        and n == n.strip() and not n.isdigit())]
+                              f"{self.num_classes}: a product past the model's classes needs "
+                              "a fleet with more (leave spare classes for products to come)")
+        bad = [n for n in names if not is_product_name(n)]
         if bad:
             raise ConfigError("class_names", f"{bad[0][:80]!r} is not a product name: 1-"
                               f"{MAX_NAME} printable characters, not a number, no spaces "
@@ -102,6 +108,14 @@ class ModelConfig:
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
             raise ConfigError("class_names", f"{', '.join(twice)} named twice")
+
+    def _check_retired(self) -> None:
+        unknown = [n for n in self.retired if n not in self.class_names]
+        if unknown:
+            raise ConfigError("retired", f"{unknown[0][:80]!r} is not in class_names: a "
+                              "product is retired by name, and stays in class_names")
+        if self.class_names and set(self.retired) == set(self.class_names):
+            raise ConfigError("retired", "every product retired: a line needs one to predict")
 
     @property
     def _head_solvable(self) -> bool:
@@ -128,6 +142,7 @@ class ModelConfig:
             raise ConfigError("input_shape", f"must be positive sizes, got {self.input_shape}")
         check_range("num_classes", self.num_classes, 2)
         self._check_class_names()
+        self._check_retired()
         check_range("unknown_share", self.unknown_share, 0, 0.5)
         if self.body_input not in ("autocontrast", "as_is"):
             raise ConfigError("body_input", f"must be autocontrast or as_is, got "

@@ -73,6 +73,10 @@ class SourceConfig(PreprocessSettings):
     # where the line stamps a verdict after the item passed the camera): "auto" measures it
     # from the labels and joins by it (docs/sources.md), a number fixes it
     label_lag: float | str = "auto"
+    # s the frames of labels naming a product the fleet has not added yet are held, to be
+    # trained on once the cloud adds it (a week; edge_client/catalogue.py, kept in state_dir)
+    hold_labels_for: float = 604800.0
+    hold_labels_max: int = 2000  # such frames held at most (the oldest go first)
     classes: tuple[str, ...] = ()  # class names, for an image folder's sub-folders
     sample_fps: float = 0.0  # frames a second taken from a camera or video, synthetic pace (0: all)
     loop: bool = False  # start a recording over at its end
@@ -125,6 +129,8 @@ class SourceConfig(PreprocessSettings):
         else:
             check_range("label_lag", self.label_lag, -MAX_LABEL_LAG, MAX_LABEL_LAG)
         check_range("confidence", self.confidence, 0, 1, low_open=True)
+        check_range("hold_labels_for", self.hold_labels_for, 0)
+        check_range("hold_labels_max", self.hold_labels_max, 0)
         check_range("sample_fps", self.sample_fps, 0)
         check_range("queue_size", self.queue_size, 1)
         check_range("per_iteration", self.per_iteration, 0)

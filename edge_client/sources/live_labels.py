@@ -25,7 +25,9 @@ from collections.abc import Callable
 import numpy as np
 
 from ..admission import LogLimiter
+from ..catalogue import Catalogue, HeldLabels
 from ..errors import MessageError
+from ..messages import is_product_name
 from .label_lag import LagEstimator
 
 __all__ = ["LiveLabels", "parse_label", "MAX_LABEL_PAYLOAD"]
@@ -37,11 +39,12 @@ JOIN_SLACK = 1e-3  # s: a frame read this little after a label's time is the one
 EXACT = 1e-6  # s: a label's time this close to a frame's read time names that frame
 
 
-def parse_label(payload: bytes, num_classes: int,
-                names: dict[str, int] | None = None) -> tuple[float, int]:
+def parse_label(payload: bytes, num_classes: int, names: dict[str, int] | None = None,
+                awaited: Callable[[str], int | None] | None = None) -> tuple[float, int]:
     """``(t, label)`` of one label message, its label a class number or, where the fleet
-    names its classes (``names``), a product's name; :class:`MessageError` (with a
-    counter-ready reason) for anything else."""
+    names its classes (``names``), a product's name; a product not named yet gets the
+    (negative) label ``awaited`` holds it by; :class:`MessageError` (with a counter-ready
+    reason) for anything else."""
     if len(payload) > MAX_LABEL_PAYLOAD:
         raise MessageError("oversized", f"{len(payload)} bytes, more than {MAX_LABEL_PAYLOAD}")
     try:
@@ -57,6 +60,10 @@ def parse_label(payload: bytes, num_classes: int,
         if not names:
             raise MessageError("unknown_product", f"label {label[:40]!r} names a product, and "
                                "this fleet's classes have no names ([model] class_names)")
+        code = awaited(label) if awaited is not None and label not in names \
+            and is_product_name(label) else None
+        if code is not None:
+            return float(t), code
         if label not in names:
             raise MessageError("unknown_product", f"no product {label[:40]!r} in this "
                                f"fleet's classes ({', '.join(list(names)[:8])}"
@@ -65,6 +72,9 @@ def parse_label(payload: bytes, num_classes: int,
     if type(label) is not int or not 0 <= label < num_classes:
         raise MessageError("out_of_range", f"label {str(label)[:40]!r} outside "
                            f"[0, {num_classes})")
+    if names and label >= len(names):  # a free class: the line numbers what is not a product
+        raise MessageError("no_product", f"class {label} is no product yet (the fleet's are "
+                           f"classes 0-{len(names) - 1}): name a new one, and add it")
     return float(t), label
 
 
@@ -79,6 +89,10 @@ class LiveLabels:
     num_classes : int
     class_names : tuple of str
         The products' names, class 0 first: a label may name one instead of its number.
+    catalogue, held : Catalogue, HeldLabels
+        The fleet's products as the device last heard them (instead of ``class_names``),
+        and where a label naming a product to come is held (joined to its frame, with a
+        negative label: ``edge_client/catalogue.py``).
     window : float
         A label joins the frame read nearest before ``t + lag`` and at most this many
         seconds before it; a label with no such frame is ``label_unmatched``.
@@ -98,11 +112,13 @@ class LiveLabels:
     def __init__(self, num_classes: int, *, window: float, delay_max: float,
                  lag: float | str = "auto", capacity: int = 4096,
                  clock: Callable[[], float] | None = None,
-                 class_names: tuple[str, ...] = ()) -> None:
+                 class_names: tuple[str, ...] = (), catalogue: Catalogue | None = None,
+                 held: HeldLabels | None = None) -> None:
         import time
 
         self.num_classes, self.window, self.delay_max = num_classes, window, delay_max
-        self.names = {name: k for k, name in enumerate(class_names)}
+        self.catalogue = catalogue or Catalogue(num_classes, class_names)
+        self.held = held
         self.capacity = capacity
         self.clock = clock or time.time
         self.auto = lag == "auto"
@@ -150,7 +166,8 @@ class LiveLabels:
         """One label message: joined at once when its frame has been read, else when it is
         (:meth:`add_frames`); refused messages are counted."""
         try:
-            t, label = parse_label(payload, self.num_classes, self.names)
+            t, label = parse_label(payload, self.num_classes, self.catalogue.index,
+                                   self.held.code if self.held is not None else None)
             if t > self.clock() + self.delay_max:  # it would wait for frames for ever
                 raise MessageError("bad_time", f"t = {t} is more than {self.delay_max} s ahead "
                                    "of this device's clock")
@@ -160,7 +177,8 @@ class LiveLabels:
                 log.warning("refused a label message (%s): %s; such messages are counted as "
                             "label_refused.%s", exc.reason, exc, exc.reason)
             return []
-        self.estimator.label(t, label)
+        if label >= 0:  # a product to come says nothing of the lag until its class exists
+            self.estimator.label(t, label)
         i = bisect.bisect_left(self._times, t - EXACT)
         if i < len(self._times) and self._times[i] <= t + EXACT:
             self.counters["label_joined_exact"] += 1
