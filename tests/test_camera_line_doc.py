@@ -13,7 +13,10 @@ checkout's), the label feed's path, and the second board's metrics port (both bo
 this one machine).  It asserts what the line gets: predictions from both cameras reach the
 line application, each device's prequential accuracy rises well above chance, and the
 cameras' predictions, as the line scores them, come within 5 points of the cloud's accuracy
-on its evaluation photos (or above it): a camera as good as its fleet.
+on its evaluation photos (or above it): a camera as good as its fleet.  Then the line starts
+making a fifth product, which the inspection station names before the fleet has it: the
+cameras hold its labels, the product is added as section 8 says, and the cameras come to
+name it on the items in front of them.
 """
 
 from __future__ import annotations
@@ -40,6 +43,13 @@ from stream_servers import Line, StreamServer, have_ffmpeg
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 CLASSES = (0, 1, 2, 3)
+# What the inspection station calls them: the fleet file's class_names, and the fifth product
+# the line starts making once the four are learnt (section 8).
+NAMES = ("bolt", "nut", "washer", "bracket", "gear")
+GEAR = 4
+HELD = 20  # gears' labels the cameras hold, between them, before the product is added
+NEW_PRODUCT_S = 240.0  # the longest the cameras are given to learn it once added
+GEAR_TARGET = 0.8  # of the gears in front of the cameras over the last 30 s, named "gear"
 SECONDS = 420.0  # the longest the line is given to learn
 TARGET = 0.6  # each device's prequential accuracy (chance: 0.25)
 # The cameras' predictions, as the line scores them over the last minute, against the
@@ -120,24 +130,70 @@ def _learnt(curve: list[tuple[float, dict[str, tuple[float, float]]]], device: s
     return bool(values) and values[-1] >= TARGET and values[-1] >= values[0] + 0.2
 
 
+def _product_accuracy(predictions: Path, conveyor: Line, product: int, since: float,
+                      seconds: float = 30.0) -> tuple[float, int, float]:
+    """Of the cameras' predictions over the last ``seconds`` (and after ``since``) made
+    with an item of ``product`` in front of them, the share that named it (its class and its
+    name) and how many there were; and the share right of the rest (the other products)."""
+    lines = predictions.read_text().splitlines() if predictions.exists() else []
+    start = max(since, time.time() - seconds)
+    recent = [(p, conveyor.item_at(p["t"] - 0.15)) for p in map(json.loads, lines[:-1])
+              if p["t"] > start]
+    right = [p["label"] == product and p.get("product") == NAMES[product]
+             for p, item in recent if item == product]
+    rest = [p["label"] == item for p, item in recent if item not in (product, None)]
+    return (float(np.mean(right)) if right else 0.0), len(right), \
+        (float(np.mean(rest)) if rest else 0.0)
+
+
+def _add_a_product(block: str, root: Path, work: Path, conveyor: Line, predictions: Path,
+                   device_ports: dict[str, int]) -> dict[str, float]:
+    """Section 8: the line starts making gears, whose labels the cameras hold; the product is
+    added as the page says, and the cameras come to name the gears in front of them."""
+    conveyor.classes = (*CLASSES, GEAR)
+    began = time.monotonic()
+    held = 0.0
+    while time.monotonic() - began < 120.0 and held < HELD:
+        time.sleep(3.0)
+        held = sum(_metrics(p).get("safl_labels_held", 0.0) for p in device_ports.values())
+    assert held >= HELD, f"the cameras hold {held} labels of the product to come"
+    out = run_block(localise(block, root), work)
+    assert out.returncode == 0, (block, out.stdout, out.stderr)
+    localise_files(root)
+    added, since = time.monotonic(), time.time()
+    gear, seen, others = 0.0, 0, 0.0
+    while time.monotonic() - added < NEW_PRODUCT_S:
+        time.sleep(5.0)
+        gear, seen, others = _product_accuracy(predictions, conveyor, GEAR, since)
+        if seen >= 10 and gear >= GEAR_TARGET:
+            break
+    joined = sum(_metrics(p).get("safl_label_held_joined_total", 0.0)
+                 for p in device_ports.values())
+    return {"held": held, "joined": joined, "gear": gear, "seen": seen, "others": others,
+            "held_s": added - began, "learnt_s": time.monotonic() - added}
+
+
 def _feed(path: Path, devices: tuple[str, ...]):
-    """The line's label feed: each verdict of the inspection station, for both cameras."""
+    """The line's label feed: each verdict of the inspection station, for both cameras, the
+    product by its name."""
     fifo = open(path, "w", buffering=1)  # noqa: SIM115 - open while the line runs
     lock = threading.Lock()
 
     def publish(_topic: str, payload: bytes) -> None:
         label = json.loads(payload)
+        label["label"] = NAMES[label["label"]]
         with lock:
             for device in devices:
                 fifo.write(json.dumps({"device": device, **label}) + "\n")
     return fifo, publish
 
 
-@pytest.mark.timeout(int(SECONDS) + 180)  # the line's own budget, and the set-up beside it
+# the line's own budget, a new product's, and the set-up beside them
+@pytest.mark.timeout(int(SECONDS + NEW_PRODUCT_S) + 300)
 def test_camera_line_md_runs_as_written(digits):
     began = time.monotonic()
     text, deploy = (DOCS / "camera-line.md").read_text(), (DOCS / "deploy.md").read_text()
-    export, body, evaluation, start, line_app, watch = blocks_of(text)
+    export, body, evaluation, start, line_app, watch, add_product = blocks_of(text)
     _, cloud_host, factory, board, _, _ = blocks_of(deploy)
     root = Path(tempfile.mkdtemp(prefix="safl-line-"))
     root.chmod(0o755)
@@ -209,6 +265,8 @@ def test_camera_line_md_runs_as_written(digits):
             if len(curve) > 6 and all(_learnt(curve, d) for d in device_ports) \
                     and cloud is not None and line is not None and line >= cloud - FLEET_GAP:
                 break
+        new_product = _add_a_product(add_product, root, work, conveyor, predictions,
+                                     device_ports)
         out = run_block(localise(watch, root).replace(
             "127.0.0.1:9103/", f"127.0.0.1:{device_ports['cam-01']}/"), work)
         status = out.stdout + out.stderr
@@ -229,7 +287,6 @@ def test_camera_line_md_runs_as_written(digits):
         subprocess.run(["pkill", "-f", str(root)], capture_output=True)
         time.sleep(0.5)
     seen = [json.loads(line) for line in predictions.read_text().splitlines()]
-    line = _line_accuracy(predictions, conveyor)
     print(f"\ncamera-line.md: {time.monotonic() - began:.0f} s in all; the first prediction "
           f"reached the line {first_prediction} s after the roles started; "
           f"{len(seen)} predictions ({Counter(p['device'] for p in seen)}); the line's "
@@ -237,6 +294,11 @@ def test_camera_line_md_runs_as_written(digits):
           f"{cloud or float('nan'):.3f}")
     print("  prequential accuracy: " + ", ".join(
         f"{t:.0f}s " + "/".join(f"{v:.2f}" for v, _ in acc.values()) for t, acc in curve))
+    print("  a new product (section 8): {held:.0f} labels of gears held in {held_s:.0f} s; "
+          "added, {joined:.0f} held frames trained on, and {gear:.3f} of the last {seen} "
+          "predictions with a gear in view named it, {learnt_s:.0f} s after, and {others:.3f} "
+          "of the rest their product".format(
+              **new_product))
     shutil.rmtree(root, ignore_errors=True)
     assert {p["device"] for p in seen} == set(device_ports), "predictions from both cameras"
     for device in device_ports:
@@ -245,6 +307,11 @@ def test_camera_line_md_runs_as_written(digits):
         f"the cameras' predictions {line} against the cloud's accuracy {cloud}"
     assert out.returncode == 0, status
     assert "devices online: 2 of 2" in status and "ERROR" not in status, status
+    assert "products: bolt, nut, washer, bracket, gear; 1 of 6 classes free" in status, status
+    assert new_product["joined"] >= HELD and new_product["seen"] >= 10 \
+        and new_product["gear"] >= GEAR_TARGET, (new_product, diagnosis)
+    # The products the line had are predicted as well as before (the new class takes none).
+    assert new_product["others"] >= line - FLEET_GAP, (new_product, line)
     assert "safl_prequential_accuracy" in status and "safl_body_ms_per_frame" in status, status
     # The head is solved from the devices' statistics (docs/bodies.md), not learnt by SGD
     # alone: the statistics cross the provisioned brokers' ACLs.
