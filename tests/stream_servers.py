@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +125,8 @@ class Line:
                  variants: int = 3, seed: int = 0, smooth: bool = False,
                  stamping: str = "middle", late_s: float = 2.0) -> None:
         self.smooth, self.stamping, self.late_s = smooth, stamping, late_s
+        # The line's lighting: what a lamp makes of each item's picture (None: as it was).
+        self.lamp: Callable[[np.ndarray], np.ndarray] | None = None
         self.answered: list[tuple[float, int, int]] = []  # (t, predicted, the item's class)
         self.sent_t: list[float] = []  # the time each label sent names, in sending order
         self.images, self.targets, self.classes = images, targets, classes
@@ -205,6 +208,8 @@ class Line:
             while now >= self.items[-1][0] + self.item_s:
                 self._next_item(self.items[-1][0] + self.item_s)
             picture = self.items[-1][2]
+            if self.lamp is not None:
+                picture = self.lamp(picture)
             noisy = self._noisy(picture)
             for server in servers:
                 server.write(noisy.tobytes())
