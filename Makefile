@@ -46,7 +46,7 @@ readme-figures: $(VENV)/.demo-deps
 # password); elsewhere it ends naming what was skipped and how to install it.
 test: $(VENV)/.test-deps
 	@deploy/system-packages.sh auto
-	@solo_log=$$(mktemp); \
+	@rm -f $(VENV)/.test-result; touch $(VENV)/.test-started; solo_log=$$(mktemp); \
 	$(LIMITED) $(PY) -m pytest -n $(SOLO_JOBS) -m solo $(PYTEST_ARGS) > $$solo_log 2>&1 & \
 	solo=$$!; \
 	nice -n 19 $(LIMITED) $(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup -m "not solo" \
@@ -55,7 +55,8 @@ test: $(VENV)/.test-deps
 	echo "make test: a tier ran past SUITE_LIMIT=$(SUITE_LIMIT) s and was stopped"; done; \
 	[ $$solo_rc -eq 0 ] || rc=1; \
 	echo "== the solo tests, run beside the rest at a higher priority =="; cat $$solo_log; \
-	rm -f $$solo_log; deploy/system-packages.sh report; exit $$rc
+	rm -f $$solo_log; deploy/system-packages.sh report; echo $$rc > $(VENV)/.test-result; \
+	exit $$rc
 
 # The quick tier, for the edit-and-rerun loop: no fleet, broker, camera or doc run.
 test-quick: $(VENV)/.test-deps
