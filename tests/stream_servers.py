@@ -127,6 +127,8 @@ class Line:
         self.smooth, self.stamping, self.late_s = smooth, stamping, late_s
         # The line's lighting: what a lamp makes of each item's picture (None: as it was).
         self.lamp: Callable[[np.ndarray], np.ndarray] | None = None
+        # Classes whose items are foreign parts: they pass the camera, and get no verdict.
+        self.foreign: tuple[int, ...] = ()
         self.answered: list[tuple[float, int, int]] = []  # (t, predicted, the item's class)
         self.sent_t: list[float] = []  # the time each label sent names, in sending order
         self.images, self.targets, self.classes = images, targets, classes
@@ -177,7 +179,7 @@ class Line:
                              / self.labels_per_item for k in range(self.labels_per_item)],
                   "start": [start], "late": [start + self.item_s / 2 + self.late_s],
                   "prediction": []}[self.stamping]
-        for t in stamps:
+        for t in stamps if label not in self.foreign else ():
             self._later(t, label)
 
     def _later(self, t: float, label: int) -> None:
@@ -188,7 +190,7 @@ class Line:
     def answer(self, t: float, predicted: int) -> None:
         """The line's verdict on a prediction it received (``stamping = "prediction"``)."""
         label = self.item_at(t)
-        if label is not None:
+        if label is not None and label not in self.foreign:
             self.answered.append((t, predicted, label))
             self._later(t, label)
 
