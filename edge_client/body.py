@@ -302,11 +302,9 @@ def ort_forward(path: str | Path | bytes, threads: int = 0
                 ) -> Callable[[np.ndarray], np.ndarray]:
     """An ONNX Runtime session on the graph at ``path`` (or the graph itself), as a function
     of a batch of frames."""
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:
-        raise ArtifactError("a body on ONNX Runtime needs onnxruntime: pip install "
-                            "'safl-edge[body]'") from exc
+    from .trainers.ort_backend import import_onnxruntime
+
+    ort = import_onnxruntime(training=False)  # never torch, even where it is installed
     options = ort.SessionOptions()
     # A board's memory is the bound, not the speed: without the arena and the memory
     # patterns the session keeps 10-18 MB less (one frame, then batches of 16), measured

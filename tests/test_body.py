@@ -203,6 +203,31 @@ def test_each_frame_is_embedded_once_for_its_prediction_and_its_training(tiny, d
     assert dev.buffer.samples_seen == 9 and body.calls == [12]
 
 
+def test_a_body_device_never_loads_torch_where_torch_is_installed(tiny):
+    """The training build of onnxruntime (what the body extra installs on x86 under Python
+    3.12) imports torch from its own ``import onnxruntime`` wherever torch is installed, as it
+    is here (microsoft/onnxruntime#22070): a camera device then held libtorch in memory.  The
+    device's body is opened and run as the service does, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    code = f"""
+import sys, numpy as np
+from edge_client.body import open_body, load_body_manifest
+from edge_client.config import ModelConfig
+manifest = load_body_manifest({str(tiny)!r})
+body = open_body(ModelConfig(name="linear", body=manifest.factory, body_dir={str(tiny)!r},
+                             input_shape=manifest.input_shape))
+x = body.embed(np.random.default_rng(0).random((3, *manifest.input_shape), dtype=np.float32))
+print(x.shape[0], sorted(m for m in ("torch", "onnxruntime") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(maxsplit=1) == ["3", "['onnxruntime']\n"], out.stdout
+
+
 def test_the_export_is_one_graph_from_frames_through_the_body_and_head(tiny, tmp_path):
     from edge_client.service import model_trainer
 

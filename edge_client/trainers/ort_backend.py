@@ -4,7 +4,8 @@
 torch (through ``optim`` and ``ortmodule``).  :func:`load_training_api` registers a
 bare ``onnxruntime.training`` package whose ``__path__`` is the installed folder
 and hides ``ortmodule``, so ``api`` and ``artifacts`` load without torch
-(measured: 0.06 s instead of 1.9 s, SPEC §6).
+(measured: 0.06 s instead of 1.9 s, SPEC §6).  A body's inference imports ONNX Runtime
+the same way (``body.py``), whichever build is installed.
 """
 
 from __future__ import annotations
@@ -28,23 +29,29 @@ __all__ = ["OrtTrainer", "import_onnxruntime", "load_training_api", "build"]
 EVAL_CHUNK = 512  # samples per eval run: bounds memory on large test sets
 
 
-def import_onnxruntime() -> types.ModuleType:
-    """Import ``onnxruntime`` (training build) without letting it import torch."""
+def import_onnxruntime(training: bool = True) -> types.ModuleType:
+    """Import ``onnxruntime`` without letting it import torch, whichever build is installed:
+    the training build's own ``import onnxruntime`` imports torch wherever torch is
+    (microsoft/onnxruntime#22070), plain onnxruntime never does.  ``training``: the caller
+    needs the training build (its ``api``); a body's inference takes either."""
     if "onnxruntime.training" not in sys.modules:
         spec = importlib.util.find_spec("onnxruntime")
         if spec is None or spec.origin is None:
             raise ArtifactError("onnxruntime-training is not installed: "
-                                "pip install 'safl-edge[ort]'")
+                                "pip install 'safl-edge[ort]'" if training else
+                                "a body on ONNX Runtime needs onnxruntime: pip install "
+                                "'safl-edge[body]'")
         folder = Path(spec.origin).parent / "training"
-        if not folder.is_dir():
+        if folder.is_dir():
+            package = types.ModuleType("onnxruntime.training")
+            package.__path__ = [str(folder)]
+            sys.modules["onnxruntime.training"] = package
+            # Its import needs torch: a None entry makes importing it fail fast instead.
+            sys.modules.setdefault("onnxruntime.training.ortmodule",
+                                   None)  # type: ignore[arg-type]
+        elif training:
             raise ArtifactError(f"{spec.origin} is plain onnxruntime, not onnxruntime-training; "
                                 "installing both overwrites the training build (SPEC §6)")
-        package = types.ModuleType("onnxruntime.training")
-        package.__path__ = [str(folder)]
-        sys.modules["onnxruntime.training"] = package
-        # Its import needs torch: a None entry makes importing it fail fast instead.
-        sys.modules.setdefault("onnxruntime.training.ortmodule",
-                               None)  # type: ignore[arg-type]
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(3)
