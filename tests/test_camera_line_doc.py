@@ -134,6 +134,28 @@ def _largest_fall(curve: list[tuple[float, float]]) -> float:
     return float(np.max(np.maximum.accumulate(values) - values)) if len(values) else 0.0
 
 
+def _device_memory(root: Path) -> dict[str, tuple[float, bool]]:
+    """Each camera device's process (its command names its ``device.toml`` under ``root``):
+    its peak resident memory in MB, and whether it has libtorch mapped."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            command = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"device" not in command or not any(str(root).encode() in a and
+                                                   a.endswith(b"device.toml") for a in command):
+                continue
+            camera = next(a for a in command if a.endswith(b"device.toml")).decode().split("/")[-2]
+            peak = next(line for line in (proc / "status").read_text().splitlines()
+                        if line.startswith("VmHWM"))
+            mb, torch = int(peak.split()[1]) / 1024, "libtorch" in (proc / "maps").read_text()
+        except (OSError, StopIteration):
+            continue
+        # runuser's command names the file too: the device is the larger of the two
+        before = found.get(camera, (0.0, False))
+        found[camera] = (max(mb, before[0]), torch or before[1])
+    return found
+
+
 def _diagnosis(device_ports: dict[str, int], var: Path) -> str:
     """What a device that did not learn says of its joins and promotions: its metrics on
     label lag, promotions and the deployed model, and its log's warnings and lag changes."""
@@ -368,6 +390,7 @@ def test_camera_line_md_runs_as_written(digits):
         foreign = _foreign_part(unknowns, root, work, conveyor, predictions,
                                 device_ports["cam-01"])
         cloud_watch.set()  # its photos show the old lamp: the curve ends here
+        memory = _device_memory(root)
         lamp = _change_the_lamp(conveyor, predictions)
         out = run_block(localise(watch, root).replace(
             "127.0.0.1:9103/", f"127.0.0.1:{device_ports['cam-01']}/"), work)
@@ -410,6 +433,9 @@ def test_camera_line_md_runs_as_written(digits):
     print(f"  the cloud's accuracy on its photos, a round a point: "
           f"{' '.join(f'{a:.3f}' for _, a in cloud_curve)}; at most "
           f"{_largest_fall(cloud_curve):.3f} below its best so far")
+    print("  each camera device's peak resident memory: " + ", ".join(
+        f"{camera} {mb:.0f} MB{' with libtorch' if torch else ''}"
+        for camera, (mb, torch) in sorted(memory.items())))
     print(f"  a new lamp: the line's accuracy {lamp[0]:.3f} over the 30 s before it, "
           f"{lamp[1]:.3f} over the 30 s after its first 5")
     shutil.rmtree(root, ignore_errors=True)
@@ -428,6 +454,8 @@ def test_camera_line_md_runs_as_written(digits):
     assert foreign["foreign_n"] >= 20 and foreign["foreign"] >= FOREIGN_FLAGGED \
         and foreign["known"] <= KNOWN_FLAGGED and foreign["counted"] > 0, (foreign, diagnosis)
     assert lamp[1] >= lamp[0] - LAMP_COST, lamp
+    # A camera device never loads torch, though it is installed beside it (install-edge.md).
+    assert set(memory) == set(device_ports) and not any(t for _, t in memory.values()), memory
     assert len(cloud_curve) >= 10 and _largest_fall(cloud_curve) <= CLOUD_FALL, cloud_curve
     assert "safl_prequential_accuracy" in status and "safl_body_ms_per_frame" in status, status
     # The head is solved from the devices' statistics (docs/bodies.md), not learnt by SGD
