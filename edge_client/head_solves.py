@@ -29,7 +29,7 @@ GCV_FLOOR = 0.1
 
 
 class HeadSums(Protocol):
-    """What a solve reads of ``head_stats.HeadSums`` (which imports the solves)."""
+    """What a solve reads of ``head_sums.HeadSums``."""
 
     gram: np.ndarray
     cross: np.ndarray

@@ -1,5 +1,6 @@
-"""Closed-form heads from what the fleet has seen: the statistics a device accumulates on its
-body's embeddings, how they travel and are checked; the solves are ``head_solves.py``.
+"""Closed-form heads from what the fleet has seen: the head a federation solves, and the
+statistics a device accumulates on its body's embeddings and when it sends them; the sums,
+their wire forms and checks are ``head_sums.py``, the solves ``head_solves.py``.
 
 A linear head on a frozen body is a ridge regression away from its data: with ``z`` an
 embedding centred by the body's constant, clipped to norm ``clip`` and given a bias column,
@@ -31,145 +32,24 @@ from . import messages as m
 from .body import BODY_MANIFEST, body_manifest
 from .errors import ConfigError, MessageError
 from .head_solves import NCM_SCALE, head_vector, solve_lda, solve_ncm, solve_ridge
+from .head_sums import (
+    GRAM_KINDS,
+    HeadSums,
+    augment,
+    check_claim,
+    factor_rows,
+    factored,
+    triangle_size,
+)
 from .novelty import DeviceNovelty
 
 __all__ = ["HEAD_KINDS", "GRAM_KINDS", "HeadSpec", "HeadStatsPath", "head_spec", "HeadSums",
-           "augment", "check_claim", "triangle_size"]
+           "augment", "check_claim", "factored", "factor_rows", "triangle_size"]
 
 log = logging.getLogger(__name__)
 
 HEAD_KINDS = ("lda", "ridge", "ncm")
-GRAM_KINDS = ("lda", "ridge")  # the solves whose statistics carry the Gram
 Embed = Callable[[np.ndarray], np.ndarray]  # buffered samples to the body's embeddings
-
-
-def triangle_size(n: int) -> int:
-    """Entries of an ``n x n`` symmetric matrix's upper triangle, the diagonal included."""
-    return n * (n + 1) // 2
-
-
-def augment(x: np.ndarray, centre: np.ndarray, clip: float) -> np.ndarray:
-    """Embeddings centred by the body's constant, rows clipped to norm ``clip``, and a bias
-    column of ones: the rows the statistics are sums over."""
-    z = np.asarray(x, np.float32).reshape(len(x), -1) - centre
-    norms = np.sqrt(np.einsum("ij,ij->i", z, z))
-    over = norms > clip
-    if over.any():
-        z[over] *= (clip / norms[over])[:, None]
-    return np.hstack([z, np.ones((len(z), 1), np.float32)])
-
-
-@dataclass
-class HeadSums:
-    """Summed statistics of a linear head on ``d`` features and ``classes`` classes:
-    ``gram`` (``(d+1, d+1)``, empty for ``ncm``), ``cross`` (``(d+1, classes)``) and
-    ``counts``; the last row and column of ``gram`` and the last row of ``cross`` are the
-    bias column's."""
-
-    gram: np.ndarray
-    cross: np.ndarray
-    counts: np.ndarray
-
-    @classmethod
-    def zeros(cls, d: int, classes: int, *, kind: str = "ridge",
-              dtype: type = np.float64) -> HeadSums:
-        gram: np.ndarray = np.zeros((d + 1, d + 1) if kind in GRAM_KINDS else (0, 0), dtype)
-        return cls(gram, np.zeros((d + 1, classes), dtype), np.zeros(classes, dtype))
-
-    @property
-    def n(self) -> int:
-        return int(round(float(self.counts.sum())))
-
-    @property
-    def has_gram(self) -> bool:
-        return self.gram.size > 0
-
-    def add_rows(self, a: np.ndarray, y: np.ndarray) -> None:
-        """Add augmented rows ``a`` (:func:`augment`) with labels ``y``: one pass each."""
-        y = np.asarray(y, np.int64)
-        a = a.astype(self.cross.dtype, copy=False)  # products in the sums' precision
-        if self.has_gram:
-            self.gram += a.T @ a  # BLAS: one rank-k update for the batch
-        onehot = np.zeros((len(y), self.counts.size), a.dtype)
-        onehot[np.arange(len(y)), y] = 1
-        self.cross += a.T @ onehot
-        self.counts += np.bincount(y, minlength=self.counts.size).astype(self.counts.dtype)
-
-    def add(self, other: HeadSums, weight: float = 1.0) -> None:
-        """Add another participant's sums (``weight`` < 1: its share capped)."""
-        if self.has_gram and other.has_gram:
-            self.gram += weight * other.gram
-        self.cross += weight * other.cross
-        self.counts += weight * other.counts  # fractional where weighted: bias row and counts agree
-
-    def taken(self) -> HeadSums:
-        """These sums, and zero in their place: the increment since the last send.  The
-        arrays themselves go (fresh zeros take their place, untouched pages until the next
-        rows come): a copy would hold a second Gram (6.6 MB) at a board's peak."""
-        out = HeadSums(self.gram, self.cross, self.counts)
-        # np.zeros, not zeros_like: it maps zero pages, where zeros_like writes them all.
-        self.gram, self.cross, self.counts = (np.zeros(a.shape, a.dtype) for a in (
-            out.gram, out.cross, out.counts))
-        return out
-
-    def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """float32 for the wire: the Gram's upper triangle row by row, the cross term
-        flat, the counts."""
-        g = self.gram
-        tri = np.concatenate([g[i, i:] for i in range(len(g))]).astype(
-            np.float32, copy=False) if self.has_gram else np.zeros(0, np.float32)
-        return (tri, self.cross.astype(np.float32, copy=False).ravel(),
-                np.rint(self.counts).astype(np.int64))
-
-    @classmethod
-    def unpacked(cls, d: int, classes: int, tri: np.ndarray, cross: np.ndarray,
-                 counts: np.ndarray, dtype: type = np.float64) -> HeadSums:
-        """From the wire's arrays (float64 from here on, or ``dtype``); :class:`MessageError`
-        where their sizes do not fit a head on ``d`` features and ``classes`` classes."""
-        n = d + 1
-        if cross.size != n * classes or counts.size != classes \
-                or tri.size not in (0, triangle_size(n)):
-            raise MessageError("wrong_length", f"head statistics of {tri.size}, {cross.size} "
-                               f"and {counts.size} values; a head on {d} features and "
-                               f"{classes} classes has {triangle_size(n)}, {n * classes} and "
-                               f"{classes}")
-        gram: np.ndarray = np.zeros((n, n) if tri.size else (0, 0), dtype)
-        start = 0
-        for i in range(n if tri.size else 0):
-            row = tri[start:start + n - i]
-            gram[i, i:] = row
-            gram[i:, i] = row
-            start += n - i
-        return cls(gram, cross.astype(dtype).reshape(n, classes),
-                   np.asarray(counts, dtype).copy())
-
-
-def check_claim(s: HeadSums, clip: float, *, tolerance: float = 1e-3) -> None:
-    """A participant's statistics checked against what their counts imply: the bias
-    entries equal the counts, every row's norm within ``clip`` (the trace, the bias row and
-    each class's sum), nothing negative on the diagonal.  :class:`MessageError` otherwise."""
-    n, d = s.n, s.cross.shape[0] - 1
-    slack = tolerance * max(n, 1)
-    if np.abs(s.cross[d] - s.counts).max(initial=0.0) > slack:
-        raise MessageError("stats_inconsistent", "the bias row of the cross term is not the "
-                           "class counts")
-    per_class = np.sqrt((s.cross[:d] ** 2).sum(axis=0))
-    if (per_class > s.counts * clip * (1 + tolerance) + slack).any():
-        raise MessageError("stats_out_of_bounds", "a class's summed embeddings exceed its "
-                           "count times the clip")
-    if not s.has_gram:
-        return
-    g = s.gram
-    diag = np.diagonal(g)
-    if abs(g[d, d] - n) > slack or (diag < -slack).any():
-        raise MessageError("stats_inconsistent", f"the Gram's corner is {g[d, d]:.0f}, the "
-                           f"counts sum to {n}")
-    if np.abs(g[d, :d] - s.cross[:d].sum(axis=1)).max(initial=0.0) > slack * clip + 1e-3:
-        raise MessageError("stats_inconsistent", "the Gram's bias row is not the sum of the "
-                           "classes' embeddings")
-    if diag[:d].sum() > n * clip * clip * (1 + tolerance) + slack:
-        raise MessageError("stats_out_of_bounds", f"the Gram's trace {diag[:d].sum():.1f} "
-                           f"exceeds {n} rows of norm {clip}")
 
 
 @dataclass(frozen=True)
@@ -203,11 +83,17 @@ class HeadSpec:
 
     def unpack(self, msg: m.HeadStats) -> HeadSums:
         """A message's sums, checked against its counts (:func:`check_claim`)."""
-        if (msg.gram.size > 0) != (self.kind in GRAM_KINDS):
-            has = "with" if msg.gram.size else "without"
+        if msg.factor.size and (msg.gram.size or msg.cross.size):
+            raise MessageError("wrong_kind", "head statistics with a Gram both whole and as "
+                               "a factor")
+        gram = msg.gram.size > 0 or msg.factor.size > 0
+        if gram != (self.kind in GRAM_KINDS):
+            has = "with" if gram else "without"
             raise MessageError("wrong_kind", f"head statistics {has} a Gram, the federation's "
                                f"head is {self.kind}")
-        s = HeadSums.unpacked(self.features, self.classes, msg.gram, msg.cross, msg.counts)
+        s = factored(self.features, self.classes, msg.factor, msg.factor_labels, msg.counts) \
+            if msg.factor.size else \
+            HeadSums.unpacked(self.features, self.classes, msg.gram, msg.cross, msg.counts)
         check_claim(s, self.clip)
         return s
 
@@ -244,6 +130,9 @@ class HeadStatsPath:
     frames is at 0.80: docs/bodies.md) and the sends early on are a handful, doubling."""
 
     STAGE = 64  # rows staged before they are added: 330 KB at 1,281 float32 columns
+    # The fewest labelled samples a send holds after the first: one send never stands for a
+    # handful of frames (they wait for more), and a send's bytes pay for themselves.
+    MIN_SEND = 16
 
     def __init__(self, spec: HeadSpec, every: int, *, fleet: str, device: str,
                  station: str, await_station: bool = False, embed: Embed | None = None,
@@ -287,8 +176,19 @@ class HeadStatsPath:
                 self.novelty.calibrate(rows)
             self._rows.append(rows)
             self._labels.append(np.asarray(y))
-            if sum(len(r) for r in self._rows) >= self.STAGE:
+            if sum(len(r) for r in self._rows) >= self._stage():
                 self._flush()
+
+    def _may_factor(self) -> bool:
+        """Whether the increment may still go as a factor (:meth:`_factored`): a Gram is
+        sent, no personal head keeps the device's own sums, nothing is in the sums yet."""
+        return self.spec.kind in GRAM_KINDS and self.personal is None and not self.sums.n
+
+    def _stage(self) -> int:
+        """The staged rows at which they are added to the sums: one past what a factor
+        takes while they may go as one (``factor_rows``: 128, 656 KB at 1,281 float32
+        columns), else :data:`STAGE`."""
+        return factor_rows(self.spec.features) + 1 if self._may_factor() else self.STAGE
 
     def rows(self, x: np.ndarray) -> np.ndarray:
         """Samples as the rows the statistics sum (through the pretrained blocks, where the
@@ -308,12 +208,15 @@ class HeadStatsPath:
 
     def due(self, model: m.StationModel) -> list[m.Message]:
         """The increment, where there is one and this model is the ``every``-th since the
-        last send, or the increment is at least everything sent before it."""
+        last send, or the increment is at least everything sent before it or as many rows
+        as a factor carries; after the first, never fewer than :data:`MIN_SEND` samples."""
         self.models += 1
         if self.novelty is not None:
             self.novelty.receive(model)
         held = self._held()
-        if held == 0 or (self.models < self.every and held < self.sent):
+        full = self._may_factor() and held >= factor_rows(self.spec.features)
+        if held == 0 or (self.models < self.every and held < self.sent and not full) or (
+                self.sent and held < self.MIN_SEND):
             return []
         return self._send(model.round, model.iteration)
 
@@ -331,13 +234,38 @@ class HeadStatsPath:
         return self.sums.n + sum(len(r) for r in self._rows)
 
     def _send(self, round_: int, iteration: int) -> list[m.Message]:
-        self._flush()
-        if self.personal is not None:  # what goes up stays in the device's own sums
-            self.personal.add(self.sums)
-        self.models, self.sent = 0, self.sent + self.sums.n
-        gram, cross, counts = self.sums.taken().packed()
+        empty = np.zeros(0, np.float32)
+        factor = self._factored()
+        if factor is not None:
+            gram, cross, counts, whole = empty, empty, factor[2], factor[:2]
+        else:
+            self._flush()
+            if self.personal is not None:  # what goes up stays in the device's own sums
+                self.personal.add(self.sums)
+            gram, cross, counts = self.sums.taken().packed()
+            whole = (empty, empty)
+        self.models, self.sent = 0, self.sent + int(counts.sum())
         scored, scored_by = self.novelty.taken() if self.novelty is not None \
             else (np.zeros(0, np.int64), 0)
         return [m.HeadStats(fleet=self.fleet, sender=self.device, round=round_,
                             iteration=iteration, station=self.station, gram=gram,
-                            cross=cross, counts=counts, novelty=scored, novelty_of=scored_by)]
+                            cross=cross, counts=counts, novelty=scored, novelty_of=scored_by,
+                            factor=whole[0], factor_labels=whole[1])]
+
+    def _factored(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The staged rows ``A`` as a factor of their Gram, where they are all the increment
+        holds and at most half the Gram's side (fewer bytes than its triangle): ``R`` and
+        ``Q^T Y`` of ``A = QR`` (``Y`` the labels one-hot), so that ``R^T R = A^T A`` and
+        ``R^T Q^T Y = A^T Y``.  ``R`` is a rotation of the rows, not the rows: the Gram's own
+        triangular factor, up to signs, so it tells what the Gram tells.  None where the
+        increment goes whole."""
+        k = sum(len(r) for r in self._rows)
+        if not k or not self._may_factor() or k > factor_rows(self.spec.features):
+            return None
+        a, y = np.concatenate(self._rows).astype(np.float64), np.concatenate(self._labels)
+        self._rows, self._labels = [], []
+        onehot = np.zeros((k, self.spec.classes))
+        onehot[np.arange(k), y] = 1.0
+        q, r = np.linalg.qr(a)  # reduced: q (k x k), r (k x d+1)
+        return (r.astype(np.float32).ravel(), (q.T @ onehot).astype(np.float32).ravel(),
+                np.bincount(y, minlength=self.spec.classes).astype(np.int64))

@@ -265,18 +265,24 @@ class GlobalModel(Message):
 class HeadStats(Message):
     """Device -> station, station -> cloud: the statistics of a closed-form head on the
     body's embeddings added since the sender's last send (``edge_client/head_stats.py``):
-    the Gram's upper triangle (empty for class means only), the cross term, the counts."""
+    the Gram's upper triangle (empty for class means only), the cross term, the counts; or,
+    for fewer rows than half the Gram's side, the Gram as a factor."""
 
     station: str
     gram: np.ndarray
     cross: np.ndarray
     counts: np.ndarray
+    # In place of ``gram`` and ``cross`` (both empty): ``F`` (``k x (d+1)``, row by row),
+    # the Gram being ``F^T F``, and ``L`` (``k x classes``), the cross term ``F^T L``: the
+    # R and Q^T onehot(y) of the rows' QR, bytes in proportion to the rows.
+    factor: np.ndarray = field(default_factory=_no(np.float32), metadata=OPTIONAL)
+    factor_labels: np.ndarray = field(default_factory=_no(np.float32), metadata=OPTIONAL)
     # The labelled frames' unknown-part scores, binned (novelty.binned), by the detector
     # solved from ``novelty_of`` samples, each scored before it joined these sums.
     novelty: np.ndarray = field(default_factory=_no(np.int64), metadata=OPTIONAL)
     novelty_of: int = field(default=0, metadata=OPTIONAL)
     _vectors = (("gram", np.float32), ("cross", np.float32), ("counts", np.int64),
-                ("novelty", np.int64))
+                ("novelty", np.int64), ("factor", np.float32), ("factor_labels", np.float32))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -175,6 +175,112 @@ def test_packing_for_the_wire_keeps_the_sums_and_refuses_wrong_sizes():
     assert taken.n == 300 and s.n == 0 and not s.gram.any()
 
 
+def _path(spec, every=1):
+    from edge_client.head_stats import HeadStatsPath
+
+    return HeadStatsPath(spec, every, fleet="t", device="d0", station="s")
+
+
+def _model_message(k):
+    from edge_client import messages as m
+
+    return m.StationModel(fleet="t", sender="s", round=0, iteration=k,
+                          weights=np.zeros(1, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["ridge", "lda"])
+def test_a_send_of_few_rows_goes_as_a_factor_that_carries_the_same_sums(kind):
+    """Fewer rows than half the Gram's side go as ``R`` and ``Q^T Y`` of their QR: bytes in
+    proportion to the rows, and the sums (so the solve) the triangle's, to float32; from
+    half the side on, the triangle; an increment already in the sums goes whole."""
+    from edge_client.codec import encode
+
+    spec = HeadSpec(kind, D, C, np.zeros(D, np.float32), 50.0)
+    x, y = _blobs(400, seed=3)
+    for k, factor in ((3, True), (12, True), (13, False), (40, False)):
+        msg = _factor_message(spec, x[:k], y[:k])
+        assert (msg.factor.size > 0) == factor and (msg.gram.size > 0) != factor, k
+        got = spec.unpack(msg)
+        want = _spec_sums(spec, x[:k], y[:k])
+        np.testing.assert_allclose(got.gram, want.gram, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(got.cross, want.cross, rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(got.counts, want.counts)
+        if factor:
+            assert msg.factor.size == k * (D + 1) and msg.factor_labels.size == k * C
+            whole = dataclasses.replace(msg, gram=want.packed()[0], cross=want.packed()[1],
+                                        factor=msg.factor[:0], factor_labels=msg.factor[:0])
+            assert len(encode(msg)) < len(encode(whole))
+    # On a body's width, 19 frames (2 a second, ten station models of 0.94 s) go as 3% of
+    # the triangle's 3.3 MB: their factor and labels, and a header.
+    wide = HeadSpec(kind, 1280, 10, np.zeros(1280, np.float32), 10.0)
+    rows = np.random.default_rng(0).normal(0, 0.2, (19, 1280)).astype(np.float32)
+    msg = _factor_message(wide, rows, np.arange(19) % 10)
+    assert len(encode(msg)) < 4 * 19 * (1281 + 10) + 2048, len(encode(msg))
+    np.testing.assert_allclose(wide.unpack(msg).gram,
+                               _spec_sums(wide, rows, np.arange(19) % 10).gram, atol=1e-5)
+
+
+def test_after_its_first_send_a_device_sends_no_fewer_samples_than_the_minimum():
+    """The first frames go at once; after them a send waits for MIN_SEND labelled samples,
+    however many station models pass, and goes with the next one once it has them."""
+    from edge_client.head_stats import HeadStatsPath
+
+    spec = HeadSpec("ridge", D, C, np.zeros(D, np.float32), 50.0)
+    x, y = _blobs(200, seed=4)
+    path = _path(spec, every=1)
+    path.take(x[:5], y[:5])
+    assert path.first(True)[0].counts.sum() == 5
+    fewer = HeadStatsPath.MIN_SEND - 1
+    path.take(x[5:5 + fewer], y[5:5 + fewer])
+    assert all(path.due(_model_message(k)) == [] for k in range(5))
+    path.take(x[100:101], y[100:101])
+    sent = path.due(_model_message(6))
+    assert len(sent) == 1 and sent[0].counts.sum() == HeadStatsPath.MIN_SEND
+    # Every tenth model, or at once where it holds what a factor carries (32 rows of 65).
+    wide = HeadSpec("ridge", 64, C, np.zeros(64, np.float32), 50.0)
+    x = np.random.default_rng(5).normal(0, 1.0, (200, 64)).astype(np.float32)
+    path = _path(wide, every=10)
+    path.take(x[:100], y[:100])
+    path.first(True)
+    path.take(x[100:131], y[100:131])
+    assert path.due(_model_message(1)) == []
+    path.take(x[131:132], y[131:132])
+    sent = path.due(_model_message(2))
+    assert len(sent) == 1 and sent[0].factor.size == 32 * 65
+
+
+def _factor_message(spec, x, y):
+    path = _path(spec)
+    path.take(x, y)
+    return path.first(True)[0]
+
+
+def test_a_factor_is_checked_as_a_claim_and_refused_where_it_does_not_fit():
+    """A factor's sums pass the triangle's checks (counts against the bias entries, rows
+    within the clip); a factor of the wrong size, more rows than pay, or beside a whole
+    Gram is refused with its reason."""
+    spec = HeadSpec("ridge", D, C, np.zeros(D, np.float32), 50.0)
+    x, y = _blobs(50, seed=5)
+    msg = _factor_message(spec, x[:6], y[:6])
+    spec.unpack(msg)
+    forged = {
+        "stats_inconsistent": dict(counts=msg.counts * 2),
+        "wrong_length": dict(factor=msg.factor[:-1]),
+        "wrong_kind": dict(gram=np.ones(3, np.float32)),
+    }
+    for reason, change in forged.items():
+        with pytest.raises(MessageError) as err:
+            spec.unpack(dataclasses.replace(msg, **change))
+        assert err.value.reason == reason, (reason, err.value)
+    with pytest.raises(MessageError) as err:  # rows past a tighter clip
+        dataclasses.replace(spec, clip=0.5).unpack(msg)
+    assert err.value.reason == "stats_out_of_bounds"
+    too_many = np.tile(msg.factor, 3)  # 18 rows of a Gram on 25 columns: past 12
+    with pytest.raises(MessageError, match="for k from 1 to 12"):
+        spec.unpack(dataclasses.replace(msg, factor=too_many,
+                                        factor_labels=np.tile(msg.factor_labels, 3)))
+
+
 def _double_counts(s):
     s.counts *= 2
 

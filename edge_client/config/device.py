@@ -75,8 +75,9 @@ class DeviceConfig(TrainingSettings):
     # of the silence); 0: never.
     unanswered_warning: float = 30.0
     # Station models between two sends of the closed-form head's statistics (where [model]
-    # head_init comes to ridge or ncm), each the increment since the last; sooner while the
-    # increment is at least everything sent before it, and once at the device's start.
+    # head_init comes to a solve), each the increment since the last; sooner while the
+    # increment is at least everything sent before it, once at the device's start, and
+    # after that never with fewer than 16 labelled samples (they wait for more).
     head_stats_every: int = 10
 
     def __post_init__(self) -> None:
