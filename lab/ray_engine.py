@@ -160,7 +160,9 @@ class RayFactories:
                 return cause or SaflError(f"factory {self.stations[k]} failed in {method}: "
                                           f"{err}")
             except ray.exceptions.RayError as err:
-                node = self.nodes[k] if k < len(self.nodes) else "?"
+                # An actor lost before it said where it runs (its node killed while the fleet
+                # started) is named by the nodes the cluster has lost.
+                node = self.nodes[k] if k < len(self.nodes) else _lost_nodes()
                 return SaflError(f"factory {self.stations[k]} was lost in {method} (its actor "
                                  f"on node {node} died: {type(err).__name__}); the run stops "
                                  "and nothing of it is kept")
@@ -169,6 +171,12 @@ class RayFactories:
     def close(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+
+
+def _lost_nodes() -> str:
+    """The nodes the cluster holds as dead, by id ("?" where it knows of none yet)."""
+    dead = [n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)]
+    return ", ".join(dead) if dead else "?"
 
 
 def _cpus_per_factory(sim: SimulationConfig, factories: int) -> float:

@@ -191,12 +191,15 @@ def _line_accuracy(predictions: Path, conveyor: Line, seconds: float = 60.0) -> 
 
 
 def _learnt(curve: list[tuple[float, dict[str, tuple[float, float]]]], device: str) -> bool:
-    """From its first 50 labelled frames to now, the device rose 0.2 and is at the target.
+    """From its first 50 labelled frames to now, the device rose 0.2 (or to 0.95, where it
+    started higher than 0.75) and is at the target.
 
     The wait stops on this same rule: stopping on the target alone left a device that started
-    at 0.41 short of its rise, with most of the line's time unused."""
+    at 0.41 short of its rise, with most of the line's time unused.  A device whose first
+    prediction came late (27 s into a loaded make test) was at 0.86 by its first 50 labelled
+    frames, the head solved from the fleet's first frames, and rose to 1.00."""
     values = [acc[device][0] for _, acc in curve if acc[device][1] >= 50]
-    return bool(values) and values[-1] >= TARGET and values[-1] >= values[0] + 0.2
+    return bool(values) and values[-1] >= TARGET and values[-1] >= min(values[0] + 0.2, 0.95)
 
 
 def _product_accuracy(predictions: Path, conveyor: Line, product: int, since: float,
