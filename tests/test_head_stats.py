@@ -275,10 +275,16 @@ def test_a_factor_is_checked_as_a_claim_and_refused_where_it_does_not_fit():
     with pytest.raises(MessageError) as err:  # rows past a tighter clip
         dataclasses.replace(spec, clip=0.5).unpack(msg)
     assert err.value.reason == "stats_out_of_bounds"
-    too_many = np.tile(msg.factor, 3)  # 18 rows of a Gram on 25 columns: past 12
-    with pytest.raises(MessageError, match="for k from 1 to 12"):
-        spec.unpack(dataclasses.replace(msg, factor=too_many,
-                                        factor_labels=np.tile(msg.factor_labels, 3)))
+    # Exactly on the bound: the six rows twice over, 12 rows claiming twice the counts,
+    # pass; one row more (of zeros: the same sums) is refused for its size alone.
+    twice = dataclasses.replace(msg, factor=np.tile(msg.factor, 2),
+                                factor_labels=np.tile(msg.factor_labels, 2), counts=2 * msg.counts)
+    assert spec.unpack(twice).n == 2 * msg.counts.sum()
+    with pytest.raises(MessageError, match="for k from 1 to 12") as err:
+        spec.unpack(dataclasses.replace(
+            twice, factor=np.concatenate([twice.factor, np.zeros(D + 1, np.float32)]),
+            factor_labels=np.concatenate([twice.factor_labels, np.zeros(C, np.float32)])))
+    assert err.value.reason == "wrong_length"
 
 
 def _double_counts(s):
