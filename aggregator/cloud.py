@@ -87,7 +87,9 @@ class Cloud(RoleBase[CloudState]):
         self.dp = CentralDP(config, seed=0)  # the cloud has no seed of its own
         self._fold = self._new_fold()
         self._consumed: dict[str, int] = {}  # samples each station claimed over the run
-        self.offline: set[str] = set()
+        # Stations whose Last Will fired, and when: a round waits ``station_grace`` seconds
+        # for one to come back (a finished station: none).
+        self.offline: dict[str, float] = {}
         self.heads: HeadLedger | None = None  # where the head is solved in closed form
         # The fleet's products (its file's, and as it is rewritten: CloudService), told to
         # every station and device with each model (edge_client/catalogue.py).
@@ -147,16 +149,33 @@ class Cloud(RoleBase[CloudState]):
         out at the end of its wait for the head's statistics."""
         if self.state == _C.JOINING and now >= self.deadline:
             return self._joined(now)
+        if self._quorate() and self._all_in(now):
+            return self._close_round(now)  # a vanished station's grace ran out
         if self.state == _C.COLLECTING and now >= self.deadline:
             if len(self._updates) >= self.config.min_stations:
-                self.counters["stations_missed"] += len(self.config.stations) - len(self._updates)
                 return self._close_round(now)
             self.deadline = now + self.config.round_timeout
             self.counters["rounds_below_quorum"] += 1
         return []
 
     def wakeup(self) -> float | None:
-        return self.deadline if self.state != _C.DONE and self.deadline < math.inf else None
+        if self.state == _C.DONE:
+            return None
+        graces = [t + self.config.station_grace for s, t in self.offline.items()
+                  if self._quorate() and s not in self._updates]
+        soonest = min([self.deadline, *graces])
+        return soonest if soonest < math.inf else None
+
+    def _quorate(self) -> bool:
+        return self.state == _C.COLLECTING and len(self._updates) >= self.config.min_stations
+
+    def _all_in(self, now: float) -> bool:
+        """Every station has sent this round's update or is gone: finished, or vanished
+        ``station_grace`` seconds ago.  A restarted station (systemd's RestartSec, then its
+        checkpoint) is back within it and its devices' round counts; closing at its Last
+        Will lost every round it would have rejoined where rounds are short."""
+        return all(s in self._updates or self.offline.get(s, math.inf)
+                   + self.config.station_grace <= now for s in self.config.stations)
 
     def _joined(self, now: float) -> list[m.Message]:
         """Every station has reported its counts: round 0 goes out, its head solved from
@@ -205,10 +224,8 @@ class Cloud(RoleBase[CloudState]):
         self._fold.add(accepted.weights, 1.0 if equal else accepted.num_samples,
                        key=accepted.sender)
         self._updates[message.sender] = accepted.iteration
-        self.offline.discard(message.sender)
-        if all(s in self._updates or s in self.offline for s in self.config.stations):
-            return self._close_round(now)
-        return []
+        self.offline.pop(message.sender, None)
+        return self._close_round(now) if self._all_in(now) else []
 
     def _on_head(self, msg: m.HeadStats) -> list[m.Message]:
         """A station's head statistics, checked against its counts and its devices' seen."""
@@ -247,24 +264,22 @@ class Cloud(RoleBase[CloudState]):
         if msg.role != m.Participant.STATION or msg.sender not in self.config.stations:
             return []
         if msg.online:
-            self.offline.discard(msg.sender)
+            self.offline.pop(msg.sender, None)
             came_online(self.heads)  # a restarted station holds no detector: it goes again
             if self.state == _C.JOINING or msg.sender in self._updates:
                 return []
             # A (re)started station may have missed this round's model: repeat it.
             self.counters["rebroadcasts"] += 1
             return [self._global_model()]
-        self.offline.add(msg.sender)
+        self.offline[msg.sender] = -math.inf if msg.final else now
         self.counters["stations_offline"] += 1
         if msg.final:
             log.info("cloud: station %s finished", msg.sender)
         else:
             log.warning("cloud: station %s went offline (its Last Will); rounds close without "
-                        "it", msg.sender)
-        waiting = [s for s in self.config.stations
-                   if s not in self._updates and s not in self.offline]
-        if self.state == _C.COLLECTING and not waiting \
-                and len(self._updates) >= self.config.min_stations:
+                        "it after %g s ([cloud] station_grace) unless it comes back",
+                        msg.sender, self.config.station_grace)
+        if self._quorate() and self._all_in(now):
             return self._close_round(now)
         return []
 
@@ -284,6 +299,9 @@ class Cloud(RoleBase[CloudState]):
         # rounds = 0: a field fleet learns for as long as it runs (no round is the last).
         last = 0 < self.config.rounds <= self.round + 1
         new = self.next_state(_E.LAST_ROUND_CLOSED if last else _E.ROUND_CLOSED)
+        # Each station a round closed without: at its deadline, or gone (its Last Will).
+        if missed := len(self.config.stations) - len(self._updates):
+            self.counters["stations_missed"] += missed
         if self._updates:
             self.weights = self.optimizer.step(self.weights,
                                                self.dp.release(self._fold, self.counters))

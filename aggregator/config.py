@@ -166,6 +166,9 @@ class CloudConfig(ServerOptimizerSettings, CentralPrivacy):
     fleet: str = "default"  # the fleet's name, the first level of every topic
     round_timeout: float = 600.0  # seconds the cloud waits for a round's station updates
     min_stations: int = 1  # station updates a round needs to close at its timeout
+    # Seconds a round waits for a station whose Last Will fired to come back before it
+    # closes without it: a station restarted by systemd (RestartSec=5) resumes within it.
+    station_grace: float = 30.0
     station_weighting: str = "samples"  # "samples" or "equal" (as the FedGS reference code does)
     fusion: str = "fedavg"  # external sync rule; a robust one bounds a compromised station
     # Seconds round 0 waits, once every station has reported, for the head statistics of
@@ -180,6 +183,7 @@ class CloudConfig(ServerOptimizerSettings, CentralPrivacy):
         check_range("head_join_wait", self.head_join_wait, 0)
         check_range("rounds", self.rounds, 0)
         check_range("round_timeout", self.round_timeout, 0, low_open=True)
+        check_range("station_grace", self.station_grace, 0)
         check_range("min_stations", self.min_stations, 1, len(self.stations))
         if self.fusion not in FUSION_RULES:
             raise ConfigError("fusion", f"must be one of {sorted(FUSION_RULES)}")

@@ -489,8 +489,9 @@ def test_offline_device_is_not_waited_for_nor_selected():
     assert "d2" not in st.offline
 
 
-def test_cloud_stops_waiting_for_a_station_whose_last_will_fired():
-    cloud = Cloud(CloudConfig(stations=("a", "b"), rounds=3, fleet="t"),
+def _cloud_with_a_vanished_station(grace: float) -> tuple[Cloud, list[m.Message]]:
+    """Stations a and b; a sends round 0's update at 1 s, b's Last Will fires at 2 s."""
+    cloud = Cloud(CloudConfig(stations=("a", "b"), rounds=3, fleet="t", station_grace=grace),
                   initial_weights=np.zeros(2), num_classes=2)
     for sid in "ab":
         cloud.handle(m.StationStats(fleet="t", sender=sid, round=0, iteration=0,
@@ -499,8 +500,42 @@ def test_cloud_stops_waiting_for_a_station_whose_last_will_fired():
                                  weights=np.ones(2), num_samples=4, seen_counts=[1, 1]), 1.0)
     out = cloud.handle(m.Presence(fleet="t", sender="b", round=0, iteration=0, role="station",
                                   online=False), 2.0)
+    return cloud, out
+
+
+def test_cloud_stops_waiting_for_a_station_whose_last_will_fired():
+    cloud, out = _cloud_with_a_vanished_station(grace=0.0)
     assert out[0].round == 1 and cloud.counters["stations_offline"] == 1
+    assert cloud.counters["stations_missed"] == 1
     np.testing.assert_allclose(out[0].weights, 1.0)
+    # The next round does not wait for it either.
+    out = cloud.handle(m.StationUpdate(fleet="t", sender="a", round=1, iteration=8,
+                                       weights=np.ones(2), num_samples=4,
+                                       seen_counts=[2, 2]), 3.0)
+    assert out[0].round == 2
+
+
+def test_cloud_waits_its_grace_for_a_vanished_station_to_come_back():
+    """A station killed and restarted (systemd, RestartSec=5) resumes within the grace: the
+    round takes its update.  One that stays away costs one round the grace, no more."""
+    cloud, out = _cloud_with_a_vanished_station(grace=30.0)
+    assert out == [] and cloud.wakeup() == 32.0 and cloud.tick(31.9) == []
+    back = cloud.handle(m.Presence(fleet="t", sender="b", round=0, iteration=0,
+                                   role="station", online=True), 9.0)
+    assert back[0].round == 0  # the round's model again, for the restarted station
+    assert cloud.tick(40.0) == [] and cloud.wakeup() == cloud.deadline
+    out = cloud.handle(m.StationUpdate(fleet="t", sender="b", round=0, iteration=5,
+                                       weights=np.full(2, 3.0), num_samples=4,
+                                       seen_counts=[1, 1]), 41.0)
+    assert out[0].round == 1 and not cloud.counters["stations_missed"]
+    np.testing.assert_allclose(out[0].weights, 2.0)  # both stations' updates
+    # Gone for good: round 1 closes at its grace, round 2 at a's update.
+    cloud, _ = _cloud_with_a_vanished_station(grace=30.0)
+    assert cloud.tick(32.0)[0].round == 1
+    out = cloud.handle(m.StationUpdate(fleet="t", sender="a", round=1, iteration=8,
+                                       weights=np.ones(2), num_samples=4,
+                                       seen_counts=[2, 2]), 33.0)
+    assert out[0].round == 2
 
 
 def test_a_device_whose_training_diverges_skips_instead_of_going_silent(digits):
