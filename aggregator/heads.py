@@ -21,11 +21,12 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import MessageError
-from edge_client.head_stats import GRAM_KINDS, HeadSpec, HeadSums
+from edge_client.head_stats import GRAM_KINDS, HeadSpec
 from edge_client.novelty import BINS, Detector, solve_detector, threshold_of
 from edge_client.topics import CLOUD_ID
 
 from .checkpoint import group, grouped
+from .kept_sums import KeptSums
 
 __all__ = ["HeadLedger", "attach_heads", "came_online", "fused_head", "refused"]
 
@@ -33,15 +34,15 @@ log = logging.getLogger(__name__)
 
 
 class HeadLedger:
-    """One aggregator's sums: ``total`` (everything admitted), ``pending`` (admitted since
-    the last send upstream; a station's only, the cloud has no level above), what each
-    participant has claimed, and the last solve's size."""
+    """One aggregator's sums: ``total`` (everything admitted; at a station, what it has
+    not yet sent upstream is its fresh part, :mod:`kept_sums`; the cloud has no level above
+    and folds each at once), what each participant has claimed, and the last solve's size."""
 
     def __init__(self, spec: HeadSpec, counters: Counter[str], fleet: str, *,
                  upstream: bool) -> None:
         self.spec, self.counters, self.fleet = spec, counters, fleet
-        self.total = spec.zeros()
-        self.pending = spec.zeros() if upstream else None
+        self.total = KeptSums(spec.features, spec.classes, gram=spec.kind in GRAM_KINDS)
+        self.sends_up = upstream
         self.claimed: dict[str, float] = {}  # samples each participant's sums count, weighted
         self.solved = 0  # samples the last solve was made from
         self.head: np.ndarray | None = None  # the last solve
@@ -70,7 +71,7 @@ class HeadLedger:
         contradict their counts).  ``seen``: the sender's label counts as the trust layer
         keeps them; statistics of more samples in all than that are weighted down to it
         (``clipped.head_stats``), as a claim at its bound is."""
-        sums = self.spec.unpack(msg)
+        sums = self.spec.claim(msg)
         scored = self._scored(msg, sums.n)
         so_far = self.claimed.get(msg.sender, 0.0)
         room = float(seen.sum()) - so_far if seen is not None else 0.0
@@ -78,14 +79,14 @@ class HeadLedger:
         if weight < 1.0:
             self.counters["clipped.head_stats"] += 1
         self.total.add(sums, weight)
-        if self.pending is not None:
-            self.pending.add(sums, weight)
+        if not self.sends_up:
+            self.total.fold()  # float64 at once: the cloud's sums grow for as long as it runs
         self.newcomer = msg.sender not in self.claimed
         self.claimed[msg.sender] = so_far + weight * sums.n
         self.counters["head_stats"] += 1
         if scored is not None:
             self.scored += weight * scored
-            if self.pending is None and self.spec.unknown_share > 0:
+            if not self.sends_up and self.spec.unknown_share > 0:
                 threshold = threshold_of(self.scored, self.spec.unknown_share)
                 self.threshold = threshold if np.isfinite(threshold) else self.threshold
 
@@ -120,10 +121,11 @@ class HeadLedger:
         last of a ``roster`` of participants sent its first statistics, so that the solve
         before round 0 has every device's (under label skew one left out can hold a class)."""
         whole = self.newcomer and len(self.claimed) == roster
-        if self.pending is None or self.pending.n == 0 or (
-                early and not whole and self.pending.n < self.total.n - self.pending.n):
+        pending = self.total.fresh_n
+        if not self.sends_up or pending == 0 or (
+                early and not whole and pending < self.total.n - pending):
             return []
-        gram, cross, counts = self.pending.taken().packed()
+        gram, cross, counts = self.total.take_fresh()
         self.counters["head_stats_forwarded"] += 1
         counts_first = seen()
         scored = np.floor(self.scored).astype(np.int64)  # a weighted-down claim, rounded down
@@ -142,10 +144,10 @@ class HeadLedger:
             return None
         self.solved = self.total.n
         self.counters["head_solves"] += 1
-        self.head = self.spec.solve(self.total)
+        self.head = self.spec.solve(self.total.whole())
         log.info("fleet %s: its %s head solved from the statistics of %d samples", self.fleet,
                  self.spec.kind, self.solved)
-        if self.pending is None and self.spec.kind in GRAM_KINDS \
+        if not self.sends_up and self.spec.kind in GRAM_KINDS \
                 and self.total.n >= max(2 * self.detector_of, self.spec.features):
             self._detect()
         return self.head
@@ -157,7 +159,7 @@ class HeadLedger:
         farther than a known one), then again as they double (3.3 MB to every device each
         time: ten detectors to 650,000 frames at 1,280 features), its threshold kept until
         the new one's scores calibrate it."""
-        detector = solve_detector(self.total)
+        detector = solve_detector(self.total.whole())
         self.detector = detector.packed()
         self.scored[:] = 0
         self.resend = True
@@ -233,10 +235,7 @@ class HeadLedger:
 
     def arrays(self) -> dict[str, np.ndarray]:
         out = {}
-        for name, sums in (("head_total", self.total), ("head_pending", self.pending)):
-            if sums is not None:
-                out.update(grouped(name, {"gram": sums.gram, "cross": sums.cross,
-                                          "counts": sums.counts}))
+        out.update(grouped("head_kept", self.total.arrays()))
         out.update(grouped("head_claimed", {k: np.array([v]) for k, v in self.claimed.items()}))
         out["head_solved"] = np.array([self.solved], np.int64)
         if self.round_head is not None:
@@ -252,12 +251,9 @@ class HeadLedger:
         solved) leaves the sums empty."""
         if "head_solved" not in arrays:
             return
-        for name in ("head_total", "head_pending") if self.pending is not None \
-                else ("head_total",):
-            part = group(arrays, name)
-            setattr(self, name.removeprefix("head_"),
-                    HeadSums(np.array(part["gram"]), np.array(part["cross"]),
-                             np.array(part["counts"])))
+        kept = group(arrays, "head_kept") or {f"{part}_{k}": v for part in ("total", "pending")
+                                               for k, v in group(arrays, f"head_{part}").items()}
+        self.total.restore(kept)
         self.claimed = {k: float(v[0]) for k, v in group(arrays, "head_claimed").items()}
         self.solved = int(arrays["head_solved"][0])
         self.round_head = np.array(arrays["head_round"]) if "head_round" in arrays else None

@@ -34,17 +34,18 @@ from .errors import ConfigError, MessageError
 from .head_solves import NCM_SCALE, head_vector, solve_lda, solve_ncm, solve_ridge
 from .head_sums import (
     GRAM_KINDS,
+    Claim,
     HeadSums,
     augment,
     check_claim,
+    claim_of,
     factor_rows,
-    factored,
     triangle_size,
 )
 from .novelty import DeviceNovelty
 
 __all__ = ["HEAD_KINDS", "GRAM_KINDS", "HeadSpec", "HeadStatsPath", "head_spec", "HeadSums",
-           "augment", "check_claim", "factored", "factor_rows", "triangle_size"]
+           "augment", "check_claim", "factor_rows", "triangle_size"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,12 @@ class HeadSpec:
         return head_vector(w, b, self.centre) * np.float32(self.scale)
 
     def unpack(self, msg: m.HeadStats) -> HeadSums:
-        """A message's sums, checked against its counts (:func:`check_claim`)."""
+        """A message's sums, checked against its counts, the Gram whole (:meth:`claim`)."""
+        return self.claim(msg).sums()
+
+    def claim(self, msg: m.HeadStats) -> Claim:
+        """A message's statistics in the form they came, checked against their counts
+        (:func:`claim_of`)."""
         if msg.factor.size and (msg.gram.size or msg.cross.size):
             raise MessageError("wrong_kind", "head statistics with a Gram both whole and as "
                                "a factor")
@@ -91,11 +97,8 @@ class HeadSpec:
             has = "with" if gram else "without"
             raise MessageError("wrong_kind", f"head statistics {has} a Gram, the federation's "
                                f"head is {self.kind}")
-        s = factored(self.features, self.classes, msg.factor, msg.factor_labels, msg.counts) \
-            if msg.factor.size else \
-            HeadSums.unpacked(self.features, self.classes, msg.gram, msg.cross, msg.counts)
-        check_claim(s, self.clip)
-        return s
+        return claim_of(self.features, self.classes, self.clip, tri=msg.gram, cross=msg.cross,
+                        counts=msg.counts, factor=msg.factor, labels=msg.factor_labels)
 
 
 def head_spec(model: Any) -> HeadSpec | None:
@@ -186,9 +189,10 @@ class HeadStatsPath:
 
     def _stage(self) -> int:
         """The staged rows at which they are added to the sums: one past what a factor
-        takes while they may go as one (``factor_rows``: 128, 656 KB at 1,281 float32
+        takes while they may go as one (``factor_rows``: 64, 328 KB at 1,281 float32
         columns), else :data:`STAGE`."""
-        return factor_rows(self.spec.features) + 1 if self._may_factor() else self.STAGE
+        return factor_rows(self.spec.features, sending=True) + 1 if self._may_factor() \
+            else self.STAGE
 
     def rows(self, x: np.ndarray) -> np.ndarray:
         """Samples as the rows the statistics sum (through the pretrained blocks, where the
@@ -214,7 +218,7 @@ class HeadStatsPath:
         if self.novelty is not None:
             self.novelty.receive(model)
         held = self._held()
-        full = self._may_factor() and held >= factor_rows(self.spec.features)
+        full = self._may_factor() and held >= factor_rows(self.spec.features, sending=True)
         if held == 0 or (self.models < self.every and held < self.sent and not full) or (
                 self.sent and held < self.MIN_SEND):
             return []
@@ -260,7 +264,7 @@ class HeadStatsPath:
         triangular factor, up to signs, so it tells what the Gram tells.  None where the
         increment goes whole."""
         k = sum(len(r) for r in self._rows)
-        if not k or not self._may_factor() or k > factor_rows(self.spec.features):
+        if not k or not self._may_factor() or k > factor_rows(self.spec.features, sending=True):
             return None
         a, y = np.concatenate(self._rows).astype(np.float64), np.concatenate(self._labels)
         self._rows, self._labels = [], []
