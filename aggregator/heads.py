@@ -147,7 +147,7 @@ class HeadLedger:
         self.head = self.spec.solve(self.total.whole())
         log.info("fleet %s: its %s head solved from the statistics of %d samples", self.fleet,
                  self.spec.kind, self.solved)
-        if not self.sends_up and self.spec.kind in GRAM_KINDS \
+        if not self.sends_up and self.spec.kind in GRAM_KINDS and self.spec.unknown_share > 0 \
                 and self.total.n >= max(2 * self.detector_of, self.spec.features):
             self._detect()
         return self.head

@@ -19,8 +19,17 @@ refused: the station's refusal and late-reply counters, the devices', reconnects
 ``--faults broker,station,drop`` then restarts the first station's broker, kills and restarts
 the station, and kills a tenth of its devices at once, and says how long each took to heal.
 
+``--heads`` runs each size as a camera fleet on a body (``lab/load_body.py``), as the docs
+recommend: each camera labels 2 frames a station iteration, its body's embeddings feed a head
+solved from the statistics the fleet sums.  Each size runs twice, the baseline first: the same
+fleet with ``head_init = "random"`` (no statistics), then ``"auto"`` (lda: the devices' head
+statistics into the station, its sums over the bridge, the cloud's solve each round).  Printed
+for the second: the statistics' bytes a second into the factory broker and over the bridge,
+statistics messages an iteration, and the station's CPU a message (its main thread's CPU an
+iteration less the baseline's, over the messages an iteration).
+
 Run: ``python bench/fleet_load.py [--sizes 50:1,200:1,1000:1,200:4,1000:16] [--seconds 30]
-[--faults broker,station,drop]``.
+[--faults broker,station,drop] [--heads]``.
 """
 
 from __future__ import annotations
@@ -49,6 +58,26 @@ def _through(dev_a: dict[str, Any], dev_b: dict[str, Any], st_a: Any, st_b: Any,
     return {"broker_messages_in": both("messages_out"), "broker_messages_out": both("messages_in"),
             "broker_mb_in": both("bytes_out") / 1e6, "broker_mb_out": both("bytes_in") / 1e6,
             "devices_seen": dev_b["seen"]}
+
+
+def _statistics(first: dict[str, Any], last: dict[str, Any], wall: float,
+                iters: int) -> dict[str, float]:
+    """Head statistics over the window, the fleet's: bytes a second the devices published
+    (into the factory brokers) and the stations (over the bridges), messages an iteration."""
+    sids = list(first["threads"])
+
+    def delta(key: str, of: str) -> float:
+        return sum(float(last["status"][of + s].get(key, 0)) - float(
+            first["status"][of + s].get(key, 0)) for s in sids)
+
+    up = sum(_delta(last["status"][s].transport, first["status"][s].transport,
+                    "head_stats_bytes_out") for s in sids)
+    messages = sum(_delta(last["status"][s].counters, first["status"][s].counters,
+                          "head_stats") for s in sids)
+    return {"stats_mb_s_into_brokers": round(delta("head_stats_bytes_out", "devices.")
+                                             / wall / 1e6, 3),
+            "stats_mb_s_over_bridges": round(up / wall / 1e6, 3),
+            "stats_messages_per_iteration": round(messages / max(iters, 1), 2)}
 
 
 def figures(run: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +116,8 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
                for k in r["device"] if k.startswith(("rejected", "refused"))}
     transport = {k: sum(r["transport"].get(k, 0) for r in reports) for r in reports
                  for k in r["transport"] if not k.endswith(("_in", "_out"))}
-    return {"devices": run["devices"], "stations": run["stations"],
+    stats = _statistics(first, last, wall, iters)
+    return {"devices": run["devices"], "stations": run["stations"], **stats,
             "provision_s": run["provision_s"], "start_s": run["start_s"],
             **{k: round(v, 4) for k, v in mean.items()},
             "bridge_mb": (_delta(cb.transport, ca.transport, "bytes_in")
@@ -118,23 +148,36 @@ def main() -> None:
                         help="run the first station under cProfile and split its main "
                         "thread's time into parts (the profiler slows it: CPU figures of "
                         "such a run are upper bounds)")
+    parser.add_argument("--heads", action="store_true",
+                        help="camera fleets on a body, without then with head statistics")
     parser.add_argument("--out", type=Path, default=None, help="JSON lines of the figures")
     args = parser.parse_args()
     for size in args.sizes.split(","):
         n, s = (int(v) for v in size.split(":"))
-        folder = Path(tempfile.mkdtemp(prefix=f"fleet-load-{n}-{s}-"))
-        try:
-            row = figures(run_load(folder, n, s, seconds=args.seconds,
-                                   broker_nofile=args.broker_nofile,
-                                   faults=tuple(f for f in args.faults.split(",") if f),
-                                   profile=args.profile))
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        line = json.dumps(row, default=str)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        baseline = None
+        for head in ("random", "auto") if args.heads else ("",):
+            row = _run(args, n, s, head)
+            if baseline is not None and row["stats_messages_per_iteration"]:
+                row["station_ms_per_stats_message"] = round(1e3 * (
+                    row["main_cpu_s"] - baseline["main_cpu_s"])
+                    / row["stats_messages_per_iteration"], 2)
+            baseline = row
+            line = json.dumps(row, default=str)
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+
+
+def _run(args: argparse.Namespace, n: int, s: int, head: str) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix=f"fleet-load-{n}-{s}-"))
+    try:
+        return {"head_init": head or None, **figures(run_load(
+            folder, n, s, seconds=args.seconds, broker_nofile=args.broker_nofile,
+            faults=tuple(f for f in args.faults.split(",") if f), profile=args.profile,
+            head=head))}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

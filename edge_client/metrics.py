@@ -16,13 +16,14 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from . import messages as m
 from .errors import SaflError
 
-__all__ = ["MetricsServer", "render", "HELP", "counted"]
+__all__ = ["MetricsServer", "render", "HELP", "counted", "count_published"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,15 @@ def _name(key: str, labelled: bool) -> tuple[str, str]:
     return base, ""
 
 
+def count_published(counters: MutableMapping[str, int], message: m.Message, size: int) -> None:
+    """A published message in its transport's counters: it, its bytes, and a head's
+    statistics' bytes apart too (most of what a body fleet's devices send)."""
+    counters["bytes_out"] += size
+    counters["messages_out"] += 1
+    if isinstance(message, m.HeadStats):
+        counters["head_stats_bytes_out"] += size
+
+
 def counted(counters: Mapping[str, float], prefix: str) -> int:
     """All counts of one kind, whatever their reason: ``counted(c, "rejected.")`` sums
     ``rejected.bad_checksum``, ``rejected.stale_iteration``, ..."""
@@ -55,6 +65,7 @@ HELP = {
     "skipped": "device iterations without an upload, by reason",
     "bytes_in": "bytes received from the broker",
     "bytes_out": "bytes published to the broker",
+    "head_stats_bytes_out": "bytes of closed-form head statistics published (in bytes_out)",
     "messages_in": "messages admitted",
     "messages_out": "messages published",
     "received_updates": "device updates a station accepted",

@@ -1,14 +1,13 @@
 """The MQTT transport (paho-mqtt 2.x): the same interface as the in-process bus.
 
-QoS 1 with persistent sessions, MQTT 5 where the broker speaks it (else 3.1.1),
-reconnects with jittered exponential backoff inside the transport, a retained
-presence per participant with a Last Will saying offline, and the wire codec
-with chunking.  Inbound frames are queued by the network thread and admitted
-(:class:`~edge_client.admission.Admission`) in :meth:`deliver` on the caller's
-thread, so roles stay single-threaded.  No frame and no handler error stops the
-service: each is counted by reason.  The socket belongs to one thread at a time
-(:class:`~edge_client.socket_owner.SocketOwner`): the caller's while it connects, the
-network thread's after.
+QoS 1 with persistent sessions, MQTT 5 where the broker speaks it (else 3.1.1), reconnects
+with jittered exponential backoff inside the transport, a retained presence per participant
+with a Last Will saying offline, and the wire codec with chunking.  Inbound frames are queued
+by the network thread and admitted (:class:`~edge_client.admission.Admission`) in
+:meth:`deliver` on the caller's thread, so roles stay single-threaded.  No frame and no
+handler error stops the service: each is counted by reason.  The socket belongs to one thread
+at a time (:class:`~edge_client.socket_owner.SocketOwner`): the caller's while it connects,
+the network thread's after.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from .codec import encode, stream
 from .config import BrokerConfig
 from .documents import Document, decode_document, encode_document
 from .errors import BrokerRefused, ConfigError, ConnectError, MessageError
+from .metrics import count_published
 from .reconnect import REFUSED_FOR_GOOD, backoff, retry
 from .socket_owner import SocketOwner
 from .tls import broker_identity, check_pair
@@ -284,8 +284,7 @@ class MqttTransport:
         retain = isinstance(message, m.Presence)
         parts = list(stream(message, chunk_size=self.config.chunk_size, fp16=self.config.fp16,
                             layout_hash=self.layout_hash, wire_version=self.config.wire_version))
-        self.counters["bytes_out"] += sum(len(part) for part in parts)
-        self.counters["messages_out"] += 1
+        count_published(self.counters, message, sum(len(part) for part in parts))
         self._socket.submit(lambda: self._send(topic, parts, qos=1, retain=retain))
 
     def publish_raw(self, topic: str, payload: bytes, *, qos: int = 1,

@@ -151,7 +151,7 @@ class DeviceService:
         deployable model on disk (no feed where the federation paces a replay)."""
         cfg, mc, src = self.device, self.model, self.source
         trainer = model_trainer(mc, cfg.lr)
-        self.body = body = open_body(mc)
+        self.body = body = open_body(mc, threads=self.service.body_threads)
         if body and src.decoded and not src.rgb and body.manifest.input_shape[0] == 3:
             raise ConfigError("rgb", f"body {mc.body} takes RGB frames and OpenCV delivers BGR: "
                               "set [source] rgb = true")

@@ -20,6 +20,7 @@ workers' own counters.  ``bench/fleet_load.py`` prints the figures ``docs/scale.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -36,6 +37,7 @@ import numpy as np
 
 from edge_client.errors import SaflError
 
+from .load_body import BODY_NAME, LABELLED_PER_ITERATION, write_load_body
 from .ports import free_port, wait_for_port
 from .process_figures import process_figures, profile_parts, thread_cpu
 
@@ -51,24 +53,35 @@ def device_ids(devices: int, stations: int) -> dict[str, list[str]]:
     return {f"st{s}": ids[s::stations] for s in range(stations)}
 
 
-def write_load_fleet(folder: Path, devices: int, stations: int) -> Path:
+def write_load_fleet(folder: Path, devices: int, stations: int, *, head: str = "") -> Path:
     """The fleet file, and ``data/part<k>.npz``: part k holds classes k and k+1 (mod
-    CLASSES), so that super nodes have label skew to balance."""
+    CLASSES), so that super nodes have label skew to balance.  With ``head`` (a ``[model]
+    head_init``), the samples are "frames" of the load body (``lab/load_body.py``): with
+    "auto" the head is solved from their statistics, with "random" none are sent."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     # Classes overlap (about 0.9 of a pair told apart): as on a real line, no device's
     # loss vanishes, and honest steps stay within the station's norm guard of each other.
     means = rng.normal(0.0, 0.05, (CLASSES, FEATURES)).astype(np.float32)
     (folder / "data").mkdir(exist_ok=True)
+    shape = (1, 1, FEATURES) if head else (FEATURES,)
     for k in range(CLASSES):
         y = np.where(np.arange(SAMPLES_PER_PART) % 2 == 0, k, (k + 1) % CLASSES)
         x = means[y] + rng.normal(0.0, 1.0, (len(y), FEATURES)).astype(np.float32)
-        np.savez(folder / "data" / f"part{k}.npz", x=x.astype(np.float32), y=y)
+        np.savez(folder / "data" / f"part{k}.npz", x=x.astype(np.float32).reshape(-1, *shape),
+                 y=y)
+    model = [f"input_shape = [{', '.join(map(str, shape))}]"]
+    if head:
+        public = rng.normal(0.0, 1.0, (256, FEATURES))  # a draw of its own, not the fleet's
+        where = write_load_body(folder / "body", FEATURES, public)
+        # No unknown-part detector: each device would hold one (18 MB a device measured,
+        # 18 GB for a thousand in this one host); docs/scale.md prices its traffic apart.
+        model += [f'body = "{BODY_NAME}"', f'body_dir = "{where}"', f'head_init = "{head}"',
+                  "unknown_share = 0.0"]
     ports = {"cloud": free_port(), **{sid: free_port() for sid in device_ids(1, stations)}}
     lines = ["[fleet]", 'name = "load"', 'cloud_host = "127.0.0.1"',
              f"cloud_port = {ports['cloud']}", 'cloud_bind = "127.0.0.1"', "metrics_port = 0",
-             "", "[model]", 'name = "linear"', f"input_shape = [{FEATURES}]",
-             f"num_classes = {CLASSES}", ""]
+             "", "[model]", 'name = "linear"', *model, f"num_classes = {CLASSES}", ""]
     for sid, ids in device_ids(devices, stations).items():
         lines += ["[[stations]]", f'id = "{sid}"', 'host = "127.0.0.1"',
                   f"port = {ports[sid]}", 'bind = "127.0.0.1"',
@@ -99,10 +112,19 @@ def run_worker(fleet: Path, data: Path, ids: list[str], report: Path) -> None:
     for did in ids:
         k = int(did[1:])
         cfg = load_role_file(fleet / "devices" / did / "device.toml", DEVICE_TABLES, {
-            "source": {"path": str(data / f"part{k % CLASSES}.npz"), "loop": True,
-                       "per_iteration": 32.0, "initial": 32, "seed": k},
+            # (a body fleet's files are provisioned for cameras: their keys go)
+            "source": {"kind": "replay", "path": str(data / f"part{k % CLASSES}.npz"),
+                       "loop": True, "per_iteration": 32.0, "initial": 32, "seed": k,
+                       "label_topic": "", "grayscale": False, "resize": []},
             "inference": {"enabled": False, "publish": False},
-            "service": {"state_dir": ""}})
+            "service": {"state_dir": "", "body_threads": 1}})
+        if cfg["model"].body != "none":  # cameras, labelling a few frames an iteration,
+            # each ready every iteration (as the fleet without a body is, the station's
+            # heaviest load): a camera's full batches (min_batch 32) at 2 frames would ready
+            # one in sixteen, and the station would gather for them between iterations
+            cfg["source"] = dataclasses.replace(cfg["source"],
+                                                per_iteration=LABELLED_PER_ITERATION)
+            cfg["device"] = dataclasses.replace(cfg["device"], min_batch=1)
         service = DeviceService(**cfg)
         runner, transport, hooks = service.build()
         entries.append((runner, transport, (*hooks, *service.summaries(runner,
@@ -203,14 +225,14 @@ def worker_groups(ids: list[str], workers: int, first: list[str]) -> list[list[s
 
 def start_fleet(folder: Path, devices: int, stations: int, *, workers: int,
                 broker_nofile: int | None = None, first_worker: int = 0,
-                station: dict[str, Any] | None = None,
-                profile: bool = False) -> tuple[LoadFleet, dict[str, Any]]:
+                station: dict[str, Any] | None = None, profile: bool = False,
+                head: str = "") -> tuple[LoadFleet, dict[str, Any]]:
     """Provision, then start the brokers, the cloud, the stations and the device workers;
     returns the fleet and the provisioning figures."""
     from aggregator.fleet_file import load_fleet_file
     from aggregator.provision import provision
 
-    fleet_path = write_load_fleet(folder, devices, stations)
+    fleet_path = write_load_fleet(folder, devices, stations, head=head)
     out = folder / "fleet"
     began = time.monotonic()
     provision(fleet_path, out)
@@ -352,7 +374,8 @@ def inject(fleet: LoadFleet, folder: Path, sids: list[str], fault: str, roster: 
 def run_load(folder: Path, devices: int, stations: int = 1, *, workers: int = 0,
              seconds: float = 60.0, warmup: int = 3, broker_nofile: int | None = None,
              station: dict[str, Any] | None = None, start_timeout: float = 300.0,
-             faults: tuple[str, ...] = (), profile: bool = False) -> dict[str, Any]:
+             faults: tuple[str, ...] = (), profile: bool = False,
+             head: str = "") -> dict[str, Any]:
     """Run the load fleet: past ``warmup`` iterations on every station, measure for
     ``seconds``, then inject ``faults`` one after the other; returns the figures
     (``bench/fleet_load.py`` prints them)."""
@@ -362,7 +385,7 @@ def run_load(folder: Path, devices: int, stations: int = 1, *, workers: int = 0,
         workers += 1
     fleet, figures = start_fleet(folder, devices, stations, workers=workers,
                                  broker_nofile=broker_nofile, station=station,
-                                 first_worker=drop, profile=profile)
+                                 first_worker=drop, profile=profile, head=head)
     sids = list(device_ids(1, stations))
     began = time.monotonic()
     try:

@@ -691,3 +691,39 @@ def test_a_lamp_that_dims_or_brightens_the_picture_leaves_the_stretched_embeddin
     assert stretched.key != as_is.key  # the lab's cache keeps them apart
     with pytest.raises(ConfigError, match="body_input"):
         _model(tiny, body_input="equalise")
+
+
+def test_a_device_service_runs_its_body_on_the_threads_its_service_table_gives(tiny_centred,
+                                                                               tmp_path):
+    """[service] body_threads = 1: no pool threads beside the caller's.  ONNX Runtime's own
+    choice (a thread a core) spins waiting for work: 250 body sessions in the load bench's
+    one process idled at a whole core.  Counted in a fresh process each (the suite's own
+    threads come and go)."""
+    import os
+    import subprocess
+    import sys
+
+    from lab.demo import write_demo_fleet
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: ONNX Runtime's own choice is one thread too")
+    body = load_body_manifest(tiny_centred).factory
+    paths = write_demo_fleet(tmp_path / "fleet", broker="mqtt://127.0.0.1:9", rounds=2,
+                             body=body, body_dir=str(tiny_centred))
+    script = (
+        "import dataclasses, os, sys\n"
+        "from edge_client.service import DEVICE_TABLES, DeviceService, load_role_file\n"
+        "cfg = load_role_file(sys.argv[1], DEVICE_TABLES, {})\n"
+        "cfg['service'] = dataclasses.replace(cfg['service'], body_threads=int(sys.argv[2]))\n"
+        "before = len(os.listdir('/proc/self/task'))\n"
+        "kept = [DeviceService(**cfg).build() for _ in range(4)]\n"
+        "print(len(os.listdir('/proc/self/task')) - before)\n")
+
+    def grown(threads: int) -> int:
+        done = subprocess.run([sys.executable, "-c", script, str(paths["dev000"]), str(threads)],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split()[-1])
+
+    assert grown(1) == 0 and grown(0) >= 4  # a pool thread or more a session, against none

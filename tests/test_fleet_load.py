@@ -53,3 +53,26 @@ def test_a_tls_fleet_under_load_loses_nothing_and_comes_back_from_each_fault(tmp
     for fault in faults.values():
         assert fault["iteration_after"] >= fault["iteration_before"] + 3, fault
         assert fault["recovered_s"] < 120, fault
+
+
+@pytest.mark.timeout(300)
+def test_a_camera_fleet_under_load_sums_its_head_statistics_without_a_refusal(tmp_path):
+    """The configuration the docs recommend for cameras (a body, head_init = "auto": lda)
+    under load (lab/load_body.py): every camera's statistics reach its station and are
+    admitted, the station's sums reach the cloud, which solves the head, and the bytes are
+    counted apart from the models'; nothing refused or clipped anywhere."""
+    run = run_load(tmp_path, 20, 1, seconds=8, station={"straggler_factor": 0}, head="auto")
+    first, last = run["window"]["first"], run["window"]["last"]
+    before, after = first["status"]["st0"], last["status"]["st0"]
+    assert after.counters["head_stats"] > before.counters.get("head_stats", 0)
+    assert after.counters["head_stats_forwarded"] >= 1
+    assert after.transport["head_stats_bytes_out"] > 0
+    cloud = last["status"]["cloud"]
+    assert cloud.counters["head_solves"] >= 1 and cloud.counters["head_stats"] >= 1
+    devices = last["status"]["devices.st0"]
+    assert devices["head_stats_bytes_out"] > first["status"]["devices.st0"].get(
+        "head_stats_bytes_out", 0)
+    assert 0 < devices["head_stats_bytes_out"] < devices["bytes_out"]
+    for counters in (after.counters, cloud.counters):
+        assert not {k: v for k, v in counters.items()
+                    if k.startswith(("rejected", "clipped"))}, counters

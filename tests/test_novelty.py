@@ -258,3 +258,22 @@ def test_unknown_share_is_accepted_up_to_a_half_and_refused_past_it():
     for bad in (0.5000001, -1e-9):
         with pytest.raises(ConfigError, match="unknown_share"):
             ModelConfig(unknown_share=bad)
+
+
+def test_a_fleet_that_flags_nothing_sends_no_detector():
+    """[model] unknown_share = 0: no threshold, so no detector either (3.3 MB to every
+    device at each doubling, at 1,280 features, for nothing)."""
+    import dataclasses
+
+    from aggregator.heads import HeadLedger
+
+    spec = dataclasses.replace(_spec(), unknown_share=0.0)
+    counters: Counter[str] = Counter()
+    ledger = HeadLedger(spec, counters, "t", upstream=False)
+    x, y = _gaussians(400)
+    tri, cross, counts = _spec_sums(spec, x, y).packed()
+    ledger.admit(m.HeadStats(fleet="t", sender="a", round=0, iteration=0, station="s",
+                             gram=tri, cross=cross, counts=counts), SEEN)
+    assert ledger.solve(again=True) is not None  # the head is solved
+    assert ledger.detector is None and not counters["novelty.detectors"]
+    assert "novelty" not in ledger.novelty_out()
