@@ -110,7 +110,7 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
     iters = sum(p["iterations"] for p in per)
     refusals = {k: v for sid in first["threads"]
                 for k, v in last["status"][sid].counters.items()
-                if k.startswith(("rejected", "refused", "late", "iterations_below"))}
+                if k.startswith(("rejected", "refused", "late", "iterations_below", "clipped"))}
     reports = run["workers_report"]
     devices = {k: sum(r["device"].get(k, 0) for r in reports) for r in reports
                for k in r["device"] if k.startswith(("rejected", "refused"))}
@@ -131,7 +131,9 @@ def figures(run: dict[str, Any]) -> dict[str, Any]:
             "connect_all_s": max(r["connect_all_s"] for r in reports),
             "station_refusals": refusals, "device_refusals": devices,
             "device_transport": transport, "station_parts": run.get("station_parts"),
-            "faults": [{k: v for k, v in f.items() if k != "station"}
+            "faults": [{**{k: v for k, v in f.items() if k != "station"},
+                        "refused_or_clipped": {k: v for k, v in f["station"].items()
+                                               if k.startswith(("rejected", "clipped"))}}
                        for f in run.get("faults", [])]}
 
 
