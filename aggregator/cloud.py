@@ -162,7 +162,7 @@ class Cloud(RoleBase[CloudState]):
         if self.state == _C.DONE:
             return None
         graces = [t + self.config.station_grace for s, t in self.offline.items()
-                  if self._quorate() and s not in self._updates]
+                  if s not in self._updates] if self._quorate() else []
         soonest = min([self.deadline, *graces])
         return soonest if soonest < math.inf else None
 

@@ -8,8 +8,8 @@ than its thread (issue 71).  Here:
 - ``folded``: everything folded so far, float64, the Gram as its packed upper triangle (the
   wire's layout: a triangle adds to it element for element, and it is half a matrix);
 - ``fresh``: admitted since the last fold, float32 and in place: a triangle added as it
-  arrives; a factor's rows (``G = F^T F``) gathered, and multiplied into a matrix's upper
-  half a batch at a time (one BLAS product for many sends, no packing per send).
+  arrives; a factor's rows (``G = F^T F``) gathered, and their product added a batch at a
+  time (one BLAS product and one packing for many sends).
 
 A station's fresh sums are what it owes the cloud: they go upstream as one float32 triangle
 (what the wire carries anyway) and fold as they go, so float32 sums one round's sends only;
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_client.head_sums import Claim, HeadSums, triangle_index, triangle_size, unpack_triangle
+from edge_client.head_sums import Claim, HeadSums, pack_triangle, triangle_size, unpack_triangle
 
 __all__ = ["KeptSums"]
 
@@ -42,7 +42,6 @@ class KeptSums:
         self.fresh_tri = np.zeros(size, np.float32)
         self.fresh_cross = np.zeros((n, classes))
         self.fresh_counts = np.zeros(classes)
-        self._upper: np.ndarray | None = None  # fresh factors' products, upper half
         self._rows = np.zeros((BATCH_ROWS if gram else 0, n), np.float32)
         self._held = 0  # rows of ``_rows`` not yet multiplied in
 
@@ -72,56 +71,43 @@ class KeptSums:
         self._held += len(rows)
 
     def _multiply(self) -> None:
-        """The gathered rows' product into the fresh matrix (the whole of it: numpy has no
-        rank-k update of one half, and the lower half is never read)."""
-        if not self._held:
-            return
-        rows = self._rows[:self._held]
-        if self._upper is None:
-            self._upper = rows.T @ rows
-        else:
-            self._upper += rows.T @ rows
-        self._held = 0
-
-    def _fresh_triangle(self) -> np.ndarray:
-        self._multiply()
-        if self._upper is None:
-            return self.fresh_tri
-        flat, _, _ = triangle_index(self.side)
-        return self.fresh_tri + self._upper.ravel()[flat]
+        """The gathered rows' product into the fresh triangle."""
+        if self._held:
+            rows = self._rows[:self._held]
+            self.fresh_tri += pack_triangle(rows.T @ rows)
+            self._held = 0
 
     def take_fresh(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What was admitted since the last fold, for the wire (the Gram's float32 triangle,
         the cross term flat, the counts), folded in as it goes."""
-        tri = self._fresh_triangle()
-        out = (tri, self.fresh_cross.astype(np.float32).ravel(),
+        self._multiply()
+        out = (self.fresh_tri, self.fresh_cross.astype(np.float32).ravel(),
                np.rint(self.fresh_counts).astype(np.int64))
-        self._fold(tri)
+        self.fold()
         return out
 
     def fold(self) -> None:
         """Fold what is fresh into the float64 sums."""
-        self._fold(self._fresh_triangle())
-
-    def _fold(self, fresh_tri: np.ndarray) -> None:
-        self.tri += fresh_tri
+        self._multiply()
+        self.tri += self.fresh_tri
         self.cross += self.fresh_cross
         self.counts += self.fresh_counts
         self.fresh_tri = np.zeros(self.fresh_tri.size, np.float32)  # zero pages, unwritten
-        self.fresh_cross[:] = 0
-        self.fresh_counts[:] = 0
-        self._upper = None
+        self.fresh_cross = np.zeros_like(self.fresh_cross)
+        self.fresh_counts = np.zeros_like(self.fresh_counts)
 
     def whole(self) -> HeadSums:
         """Everything admitted, float64, the Gram whole: what a solve takes."""
-        tri = self.tri + self._fresh_triangle() if self.tri.size else self.tri
-        gram = unpack_triangle(tri, self.side) if tri.size else np.zeros((0, 0))
+        self._multiply()
+        gram = unpack_triangle(self.tri + self.fresh_tri, self.side) if self.tri.size \
+            else np.zeros((0, 0))
         return HeadSums(gram, self.cross + self.fresh_cross, self.counts + self.fresh_counts)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """For a checkpoint: the folded sums and the fresh ones, each packed."""
+        self._multiply()
         return {"tri": self.tri, "cross": self.cross, "counts": self.counts,
-                "fresh_tri": self._fresh_triangle(), "fresh_cross": self.fresh_cross,
+                "fresh_tri": self.fresh_tri, "fresh_cross": self.fresh_cross,
                 "fresh_counts": self.fresh_counts}
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
@@ -134,21 +120,19 @@ class KeptSums:
         self.fresh_tri = np.array(arrays["fresh_tri"], np.float32)
         self.fresh_cross = np.array(arrays["fresh_cross"], np.float64)
         self.fresh_counts = np.array(arrays["fresh_counts"], np.float64)
-        self._upper, self._held = None, 0
+        self._held = 0
 
     def restore_whole(self, arrays: dict[str, np.ndarray]) -> None:
         """``total_*`` and (a station's) ``pending_*``, each whole and float64: the pending
         part is what is fresh."""
-        flat, _, _ = triangle_index(self.side)
-
         def packed(part: str) -> dict[str, np.ndarray]:
-            if f"{part}_counts" not in arrays:  # the cloud's: nothing pending
-                return {k: np.zeros_like(v) for k, v in packed("total").items()}
             gram = np.asarray(arrays[f"{part}_gram"], np.float64)
-            return {"tri": gram.ravel()[flat] if gram.size else np.zeros(0),
+            return {"tri": pack_triangle(gram) if gram.size else np.zeros(0),
                     "cross": np.asarray(arrays[f"{part}_cross"], np.float64),
                     "counts": np.asarray(arrays[f"{part}_counts"], np.float64)}
 
-        total, pending = packed("total"), packed("pending")
+        total = packed("total")
+        pending = packed("pending") if "pending_counts" in arrays \
+            else {k: np.zeros_like(v) for k, v in total.items()}  # the cloud's: none
         self.restore({**{k: total[k] - pending[k] for k in total},
                       **{f"fresh_{k}": v for k, v in pending.items()}})

@@ -66,16 +66,13 @@ def _statistics(first: dict[str, Any], last: dict[str, Any], wall: float,
     (into the factory brokers) and the stations (over the bridges), messages an iteration."""
     sids = list(first["threads"])
 
-    def delta(key: str, of: str) -> float:
-        return sum(float(last["status"][of + s].get(key, 0)) - float(
-            first["status"][of + s].get(key, 0)) for s in sids)
+    def delta(key: str, pick: Any) -> float:
+        return sum(_delta(pick(last["status"], s), pick(first["status"], s), key) for s in sids)
 
-    up = sum(_delta(last["status"][s].transport, first["status"][s].transport,
-                    "head_stats_bytes_out") for s in sids)
-    messages = sum(_delta(last["status"][s].counters, first["status"][s].counters,
-                          "head_stats") for s in sids)
-    return {"stats_mb_s_into_brokers": round(delta("head_stats_bytes_out", "devices.")
-                                             / wall / 1e6, 3),
+    into = delta("head_stats_bytes_out", lambda status, s: status["devices." + s])
+    up = delta("head_stats_bytes_out", lambda status, s: status[s].transport)
+    messages = delta("head_stats", lambda status, s: status[s].counters)
+    return {"stats_mb_s_into_brokers": round(into / wall / 1e6, 3),
             "stats_mb_s_over_bridges": round(up / wall / 1e6, 3),
             "stats_messages_per_iteration": round(messages / max(iters, 1), 2)}
 

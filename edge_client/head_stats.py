@@ -40,6 +40,7 @@ from .head_sums import (
     check_claim,
     claim_of,
     factor_rows,
+    one_hot,
     triangle_size,
 )
 from .novelty import DeviceNovelty
@@ -268,8 +269,7 @@ class HeadStatsPath:
             return None
         a, y = np.concatenate(self._rows).astype(np.float64), np.concatenate(self._labels)
         self._rows, self._labels = [], []
-        onehot = np.zeros((k, self.spec.classes))
-        onehot[np.arange(k), y] = 1.0
         q, r = np.linalg.qr(a)  # reduced: q (k x k), r (k x d+1)
-        return (r.astype(np.float32).ravel(), (q.T @ onehot).astype(np.float32).ravel(),
+        return (r.astype(np.float32).ravel(),
+                (q.T @ one_hot(y, self.spec.classes)).astype(np.float32).ravel(),
                 np.bincount(y, minlength=self.spec.classes).astype(np.int64))

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
 from .errors import MessageError
 
 __all__ = ["GRAM_KINDS", "Claim", "HeadSums", "augment", "check_claim", "check_parts", "claim_of",
-           "factor_rows", "triangle_index", "triangle_size", "unpack_triangle"]
+           "factor_rows", "one_hot", "pack_triangle", "triangle_index", "triangle_size",
+           "unpack_triangle"]
 
 GRAM_KINDS = ("lda", "ridge")  # the solves whose statistics carry the Gram
 
@@ -46,6 +48,20 @@ def unpack_triangle(tri: np.ndarray, n: int, dtype: type = np.float64) -> np.nda
         g[i:, i] = row
         start += n - i
     return g
+
+
+def pack_triangle(g: np.ndarray) -> np.ndarray:
+    """The square ``g``'s upper triangle, row by row, the diagonal included: the wire's
+    layout (:func:`unpack_triangle` undoes it)."""
+    flat, _, _ = triangle_index(len(g))
+    return np.ascontiguousarray(g).ravel()[flat]
+
+
+def one_hot(y: np.ndarray, classes: int, dtype: Any = np.float64) -> np.ndarray:
+    """Labels ``y`` as rows of ``classes`` columns, a one in each."""
+    out: np.ndarray = np.zeros((len(y), classes), dtype)
+    out[np.arange(len(y)), y] = 1
+    return out
 
 
 def augment(x: np.ndarray, centre: np.ndarray, clip: float) -> np.ndarray:
@@ -90,9 +106,7 @@ class HeadSums:
         a = a.astype(self.cross.dtype, copy=False)  # products in the sums' precision
         if self.has_gram:
             self.gram += a.T @ a  # BLAS: one rank-k update for the batch
-        onehot = np.zeros((len(y), self.counts.size), a.dtype)
-        onehot[np.arange(len(y)), y] = 1
-        self.cross += a.T @ onehot
+        self.cross += a.T @ one_hot(y, self.counts.size, a.dtype)
         self.counts += np.bincount(y, minlength=self.counts.size).astype(self.counts.dtype)
 
     def add(self, other: HeadSums, weight: float = 1.0) -> None:
@@ -115,9 +129,8 @@ class HeadSums:
     def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """float32 for the wire: the Gram's upper triangle row by row, the cross term
         flat, the counts."""
-        g = self.gram
-        tri = np.concatenate([g[i, i:] for i in range(len(g))]).astype(
-            np.float32, copy=False) if self.has_gram else np.zeros(0, np.float32)
+        tri = pack_triangle(self.gram).astype(np.float32, copy=False) if self.has_gram \
+            else np.zeros(0, np.float32)
         return (tri, self.cross.astype(np.float32, copy=False).ravel(),
                 np.rint(self.counts).astype(np.int64))
 
