@@ -197,8 +197,11 @@ def _learnt(curve: list[tuple[float, dict[str, tuple[float, float]]]], device: s
     The wait stops on this same rule: stopping on the target alone left a device that started
     at 0.41 short of its rise, with most of the line's time unused.  A device whose first
     prediction came late (27 s into a loaded make test) was at 0.86 by its first 50 labelled
-    frames, the head solved from the fleet's first frames, and rose to 1.00."""
-    values = [acc[device][0] for _, acc in curve if acc[device][1] >= 50]
+    frames, the head solved from the fleet's first frames, and rose to 1.00.  A reading before
+    the device's first prediction has no accuracy (NaN: 55 frames labelled, none predicted
+    yet, in a loaded make test) and counts for neither end."""
+    values = [acc[device][0] for _, acc in curve
+              if acc[device][1] >= 50 and not np.isnan(acc[device][0])]
     return bool(values) and values[-1] >= TARGET and values[-1] >= min(values[0] + 0.2, 0.95)
 
 
