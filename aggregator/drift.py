@@ -31,6 +31,7 @@ compromised device can only make its own flag wrong.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 from collections import Counter
@@ -102,6 +103,10 @@ def _adwin() -> Any:
     return ADWIN
 
 
+_NO_RIVER = ("river is not installed: no camera is watched for drift "
+             "(pip install 'safl-edge[station]')")
+
+
 class DriftWatch:
     """A station's detectors, one a device that scores its predictions."""
 
@@ -110,10 +115,12 @@ class DriftWatch:
         self._cameras: dict[str, _Camera] = {}
         self._counts: dict[str, tuple[int, int]] = {}  # scores and hits last reported
         self._fed: dict[str, tuple[tuple[int, int], int]] = {}  # scores fed in a window
-        self.off, self._adwin = "", _adwin()
-        if self._adwin is None:
-            self.off = ("river is not installed: no camera is watched for drift "
-                        "(pip install 'safl-edge[station]')")
+        # river is imported at the first scores a device reports, not at start-up: with
+        # scipy and scikit-learn it takes 0.8 s, which every simulated station paid whether
+        # or not its devices score their predictions (a short lab run's tenth).
+        self._adwin: Any = None
+        self.off = "" if importlib.util.find_spec("river") else _NO_RIVER
+        if self.off:
             log.warning("station: %s", self.off)
 
     def take(self, device: str, scored: int, hits: int, window: tuple[int, int],
@@ -121,7 +128,7 @@ class DriftWatch:
         """A report's counts since ``device`` started; ``window``: the roster's window its
         seen counts grow in (:meth:`Roster.window`), over which they may grow
         ``per_iteration`` a window's iteration: scores, which are of labelled samples, may too."""
-        if self._adwin is None or scored <= 0:
+        if self.off or scored <= 0 or not self._detectors():
             return
         last_scored, last_hits = self._counts.get(device, (0, 0))
         if scored < last_scored or hits < last_hits:
@@ -143,6 +150,15 @@ class DriftWatch:
             was = camera.drifting
             camera.feed(spread(new, right))
             self._said(device, was, camera)
+
+    def _detectors(self) -> bool:
+        """Whether river's ADWIN is here, imported on the first call."""
+        if self._adwin is None:
+            self._adwin = _adwin()
+            if self._adwin is None:  # installed, yet it would not import
+                self.off = _NO_RIVER
+                log.warning("station: %s", self.off)
+        return self._adwin is not None
 
     def _said(self, device: str, was: float | None, camera: _Camera) -> None:
         now = camera.drifting
@@ -178,7 +194,7 @@ class DriftWatch:
 
     def restore(self, counts: Mapping[str, list[int]], levels: Mapping[str, float]) -> None:
         self._counts = {d: (int(c[0]), int(c[1])) for d, c in counts.items()}
-        if self._adwin is None:
+        if not levels or self.off or not self._detectors():
             return
         for d, level in levels.items():
             camera = self._cameras.setdefault(d, _Camera(self._adwin()))

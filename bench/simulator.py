@@ -29,8 +29,19 @@ the reference workload and on the quick digits one (an MLP: the simulator's own 
 most of its time there, so the clock's overhead shows most), and checks that two clocked
 runs give the same bytes.
 
+``--hot-path`` times the simulator's own work instead: FedAvg against FedGS with an MLP on
+pixels (numpy), where a training step is cheap and what FedGS adds per iteration (a model
+to every device, a reply checked, a super node picked) is much of its time, on two fleets
+(``HOT_FLEETS``): ``experiments/attacks_small.toml`` without its attacker (2 x 3 devices,
+the whole test set evaluated every round) and the reference fleet (4 x 10).  Each recipe
+runs alone and in pairs (two runs at once on the two cores, as ``safl experiment --jobs 2``
+runs them), interleaved, against the same runs on the simulator of ``HOT_PATH_BASELINE``.
+Two measures per sample: the whole run (the experiment table's ``wall_s``, start-up
+included) and the steady state.  Then one FedGS run under cProfile, its functions by own
+time.
+
 Run: ``python bench/simulator.py [--rounds 16] [--repeats 2] [--gpu] [--baseline]
-[--clock]`` from a git checkout.
+[--clock] [--hot-path]`` from a git checkout.
 """
 
 from __future__ import annotations
@@ -39,11 +50,13 @@ import argparse
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from baseline import ROOT, checkout, probe
 
 BASELINE = "4d81892"  # main before the simulator work of issue 10
+HOT_PATH_BASELINE = "ee747af"  # main before the hot path's work of issue 71
 SAMPLES_PER_ROUND = 4 * 5 * 10 * 32
 RECIPES = ("fedavg", "fedgs", "safl_fedgs")
 
@@ -85,6 +98,22 @@ print(1000 * (r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
       / (r.rows[-1]["samples"] - r.rows[0]["samples"]),
       hashlib.sha256(json.dumps([rows, r.counters], sort_keys=True).encode()).hexdigest()[:12])
 """
+# The hot path: FedAvg or FedGS with an MLP on pixels (numpy) on one of HOT_FLEETS; s per
+# 1,000 samples over the whole run (as the experiment table's wall_s, start-up included)
+# and from the first evaluation to the last (the steady state).
+_HOT = """
+import dataclasses, sys
+from lab.experiment import RunTask, load_experiment, run_task
+cfg = dataclasses.replace(load_experiment("{toml}"), strategies=("{recipe}",), **{changes})
+r = run_task(RunTask(cfg, "{recipe}", int(sys.argv[1]), threads=1))
+print(1000 * r.wall_s / r.rows[-1]["samples"], 1000 * (r.rows[-1]["wall_s"] - r.rows[0]["wall_s"])
+      / (r.rows[-1]["samples"] - r.rows[0]["samples"]))
+"""
+HOT_FLEETS = {  # name: (experiment file, what changes)
+    "small": ("experiments/attacks_small.toml", {"attackers": 0, "attacks": ("none",)}),
+    "reference": ("experiments/reference.toml", {"samples": 0, "rounds": 16, "model": "mlp",
+                                                 "backend": "numpy", "lr": 0.05}),
+}
 MIXED_FLEET = {"profiles": ("pi4-numpy=0.4", "pi4-torch=0.5", "jetson-orin-cuda=0.1"),
                "device_latency_ms": 20.0, "device_jitter_ms": 5.0, "device_loss": 0.01,
                "cloud_latency_ms": 50.0, "cloud_loss": 0.01}
@@ -119,6 +148,57 @@ def _timed(code: str, cwd: Path) -> float:
     return float(probe(cwd, code))
 
 
+def _paired(code: str, cwd: Path) -> list[list[float]]:
+    """Two runs of ``code`` at once (seeds 0 and 1), each on its own core's share."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda seed: [float(v) for v in probe(cwd, code, str(seed)).split()],
+                             (0, 1)))
+
+
+def _hot_path(repeats: int) -> dict[str, float]:
+    """FedAvg and FedGS on each of ``HOT_FLEETS``, alone and paired, here and at
+    ``HOT_PATH_BASELINE``: FedGS's ratio to FedAvg per sample (medians) in each."""
+    times: dict[tuple[str, ...], list[list[float]]] = {}
+    with checkout(HOT_PATH_BASELINE) as old:
+        for _ in range(repeats):  # interleaved: drift on the machine hits every figure
+            for fleet, (toml, changes) in HOT_FLEETS.items():
+                for tree, where in ((old, "baseline"), (ROOT, "now")):
+                    for recipe in ("fedavg", "fedgs"):
+                        code = _HOT.format(toml=toml, recipe=recipe, changes=changes)
+                        times.setdefault((fleet, where, "alone", recipe), []).append(
+                            [float(v) for v in probe(tree, code, "0").split()])
+                        times.setdefault((fleet, where, "paired", recipe), []).extend(
+                            _paired(code, tree))
+    out = {}
+    print(f"{repeats} time(s) each, an MLP on Fashion-MNIST pixels; s per 1,000 samples, "
+          "median over runs: the whole run (the experiment table's wall_s) | the steady state")
+    for fleet, where, mode in dict.fromkeys(k[:3] for k in times):
+        avg, gs = (times[(fleet, where, mode, r)] for r in ("fedavg", "fedgs"))
+        cells = []
+        for i, measure in enumerate(("run", "steady")):
+            a, g = (statistics.median(t[i] for t in runs) for runs in (avg, gs))
+            out[f"{fleet}/{where}/{mode}/{measure}"] = round(g / a, 3)
+            cells.append(f"fedavg {a:.4f} fedgs {g:.4f} {g / a:.2f}x")
+        print(f"{fleet:<9} {where:<8} {mode:<6} " + " | ".join(cells))
+    _profile()
+    return out
+
+
+def _profile() -> None:
+    """One FedGS run on the reference fleet here under cProfile: its 25 heaviest functions
+    by own time."""
+    toml, changes = HOT_FLEETS["reference"]
+    code = _HOT.format(toml=toml, recipe="fedgs", changes=changes).split("print(1000")[0].replace(
+        "r = run_task(", "import cProfile, io, json, pstats\nprof = cProfile.Profile()\n"
+        "r = prof.runcall(run_task, ") + (
+        "text = io.StringIO()\n"
+        "pstats.Stats(prof, stream=text).sort_stats('tottime').print_stats(25)\n"
+        "print(json.dumps(text.getvalue()))\n")
+    print("FedGS under cProfile (own time; the profiler's cost inflates the small calls):")
+    print("\n".join(line for line in json.loads(probe(ROOT, code, "0")).splitlines()
+                    if line.strip()))
+
+
 def _gpu_runs(rounds: int) -> dict[tuple[str, bool], float]:
     """FedGS and SAFL+FedGS on CUDA, one by one and batched (s per 1,000 samples)."""
     has_cuda = probe(ROOT, "import torch; print(int(torch.cuda.is_available()))")
@@ -141,6 +221,9 @@ def main() -> None:
                     help=f"also time FedGS on the simulator of {BASELINE}")
     ap.add_argument("--clock", action="store_true",
                     help="time the virtual clock against the clockless simulator instead")
+    ap.add_argument("--hot-path", action="store_true",
+                    help="time FedGS's own work against FedAvg's on an MLP instead, alone and "
+                    f"paired, against {HOT_PATH_BASELINE}, with FedGS's profile")
     args = ap.parse_args()
     if args.rounds % 8:
         ap.error("--rounds must be a multiple of 8 (the evaluation cadence)")
@@ -148,6 +231,11 @@ def main() -> None:
     if args.clock:
         ratios = _clock_bench(args.rounds, args.repeats)
         print(json.dumps({"rounds": args.rounds, "clocked_over_clockless": ratios,
+                          "bench_s": round(time.perf_counter() - started, 1)}))
+        return
+    if args.hot_path:
+        ratios = _hot_path(args.repeats)
+        print(json.dumps({"fedgs_over_fedavg": ratios,
                           "bench_s": round(time.perf_counter() - started, 1)}))
         return
     runs: dict[tuple[str, int], list[float]] = {}

@@ -35,15 +35,30 @@ class _Ring:
 
     def push(self, x: np.ndarray, y: np.ndarray) -> None:
         n = len(y)
-        keep = slice(max(0, n - self.capacity), n)
-        pos = (self.written + np.arange(n)[keep]) % self.capacity
-        self.x[pos] = x[keep]
-        self.y[pos] = y[keep]
+        drop = max(0, n - self.capacity)  # more than it holds: only the last ones stay
+        for at, part in self._runs(self.written + drop, self.written + n):
+            self.x[at] = x[part.start - self.written:part.stop - self.written]
+            self.y[at] = y[part.start - self.written:part.stop - self.written]
         self.written += n
 
     def take(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        pos = np.arange(start, stop) % self.capacity
-        return self.x[pos], self.y[pos]
+        runs = self._runs(start, stop)
+        if len(runs) == 1:
+            (at, _), = runs
+            return self.x[at].copy(), self.y[at].copy()
+        return (np.concatenate([self.x[at] for at, _ in runs]),
+                np.concatenate([self.y[at] for at, _ in runs]))
+
+    def _runs(self, start: int, stop: int) -> list[tuple[slice, range]]:
+        """Arrivals ``start..stop`` (at most ``capacity`` of them) as at most two runs of
+        the ring's rows: slices, not an index per sample (a device streams every iteration)."""
+        runs = []
+        while start < stop:
+            at = start % self.capacity
+            n = min(stop - start, self.capacity - at)
+            runs.append((slice(at, at + n), range(start, start + n)))
+            start += n
+        return runs or [(slice(0, 0), range(start, start))]
 
 
 class StreamBuffer:

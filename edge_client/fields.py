@@ -64,6 +64,12 @@ def is_product_name(value: object) -> bool:
 
 def check_scalar(cls: type, name: str, hint: object, value: object) -> object:
     """Check one header field against its annotation; return the value in its canonical type."""
+    # The usual cases first, by exact type: every message's dozen fields pass here (a
+    # simulated FedGS iteration builds a message per member and per model).
+    if type(value) is hint and (hint is int and 0 <= typing.cast(int, value) < MAX_INT
+                                or hint is str and ID_PATTERN.fullmatch(typing.cast(str, value))
+                                or hint is float and math.isfinite(typing.cast(float, value))):
+        return value
     if hint is bool:
         if isinstance(value, (bool, np.bool_)):
             return bool(value)
@@ -99,8 +105,8 @@ def check_scalar(cls: type, name: str, hint: object, value: object) -> object:
                 and all(is_id(v) for v in value):
             return tuple(value)
         raise MessageError("bad_id", f"{cls.__name__}.{name} must be a list of ids")
-    kind = getattr(hint, "__name__", hint)
-    raise MessageError("bad_field", f"{cls.__name__}.{name} must be {kind}, got "
+    wanted = getattr(hint, "__name__", hint)
+    raise MessageError("bad_field", f"{cls.__name__}.{name} must be {wanted}, got "
                        f"{type(value).__name__}")
 
 

@@ -4,9 +4,11 @@ through a restart, and where operators read it (safl status, the page, the docum
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -236,3 +238,15 @@ def test_operators_read_the_flag_in_safl_status_on_the_page_and_in_the_documents
     history.status.take(off)
     assert "s2 watches no camera for drift: river is not installed" in \
         format_status(history.status, "f")
+
+
+def test_a_station_imports_river_only_once_a_device_scores():
+    # river brings scipy and scikit-learn (0.8 s): a station whose devices score nothing,
+    # as most simulated ones, never pays for it; the first scores import it.
+    code = ("import sys\nfrom collections import Counter\nfrom aggregator.drift import DriftWatch\n"
+            "watch = DriftWatch(Counter(), lambda key: None)\n"
+            "watch.take('cam', 0, 0, (0, 1), 64)\n"
+            "assert 'river' not in sys.modules, 'imported at start-up'\n"
+            "watch.take('cam', 10, 5, (0, 1), 64)\n"
+            "assert 'river' in sys.modules and watch.off == ''\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
