@@ -83,11 +83,8 @@ class Device(RoleBase[DeviceState]):
                  sample_shape: tuple[int, ...], rng: np.random.Generator,
                  inference: InferenceConfig | None = None) -> None:
         super().__init__()
-        self.config = config
-        self.inference = inference
-        self.trainer = trainer
+        self.config, self.inference, self.trainer, self.rng = config, inference, trainer, rng
         self.trainer.lr = config.lr
-        self.rng = rng
         self.buffer = StreamBuffer(config.buffer_capacity, num_classes, sample_shape,
                                    holdout_every=config.holdout_every,
                                    holdout_capacity=config.holdout_capacity)
@@ -120,8 +117,7 @@ class Device(RoleBase[DeviceState]):
     def metrics(self) -> dict[str, float]:
         """Gauges beside ``counters``: model position, training step time, buffer state."""
         model = self._model
-        return {"round": model.round if model else 0,
-                "iteration": model.iteration if model else 0,
+        return {"round": model.round if model else 0, "iteration": model.iteration if model else 0,
                 "train_step_seconds": self.last_train_s / self.config.local_steps,
                 "buffer.overwritten_unread": self.buffer.overwritten_unread,
                 "buffer.unread": self.buffer.unread, "buffer.seen": self.buffer.samples_seen,
@@ -295,10 +291,12 @@ class Device(RoleBase[DeviceState]):
         """The local steps this selection starts now, for a simulator that runs a super
         node's members in one batched call (then :meth:`end_steps` with the result); None
         where :meth:`handle` must take the selection instead (not a member, its model not
-        here yet, a proximal term that needs each step's weights)."""
+        here yet, a proximal term that needs each step's weights, a head solved in closed
+        form)."""
         model = self._model
         if selection.fleet != self.config.fleet or selection.sender != self.config.station \
                 or self.id not in selection.members or self.config.prox_mu \
+                or self.local.spares_sgd \
                 or model is None or model.iteration != selection.iteration:
             return None
         self.state = self.next_state(_E.SELECTED)
@@ -335,8 +333,9 @@ class Device(RoleBase[DeviceState]):
             return m.SkipNotice(fleet=cfg.fleet, sender=self.id, round=model.round,
                                 iteration=t, station=cfg.station, gap=gap)
 
-        if consumed == 0:
-            self.counters["skipped.no_data"] += 1
+        if consumed == 0 or self.local.spares_sgd:  # nothing to train, or no use for it
+            self.counters["skipped.head_solved" if consumed else "skipped.no_data"] += 1
+            self.counters["samples_solved"] += consumed  # its batch drawn, its SGD spared
             return [self._stats(model.round, t), skip(0.0)]
         self.last_train_s = time.perf_counter() - steps.started
         if not np.isfinite(z).all():
@@ -345,14 +344,15 @@ class Device(RoleBase[DeviceState]):
             self.counters["skipped.non_finite"] += 1
             return [self._stats(model.round, t), skip(0.0)]
         self.local.keep(z, t)
-        gap, upload = self.upload.decide(z, zbar)
+        solved = self.local.head_solved  # kept for its merge; sent, it would count for nothing
+        gap, upload = (0.0, False) if solved else self.upload.decide(z, zbar)
         self.counters["steps"] += 1
         self.counters["samples_trained"] += consumed
         if upload:
             self.counters["uploads"] += 1
             reply: m.Message = self.upload.update(model, z, consumed)
         else:
-            self.counters["skipped.gate"] += 1
+            self.counters["skipped.head_solved" if solved else "skipped.gate"] += 1
             reply = skip(gap)
         # Stats go first so the station selects the next super node on fresh histograms.
         return [self._stats(model.round, t), reply]

@@ -172,6 +172,7 @@ class HeadStatsPath:
             device.head = cls(spec, every, fleet=cfg.fleet, device=cfg.device_id,
                               station=cfg.station, await_station=await_station, embed=embed,
                               counters=device.counters)
+            device.local.head_solved = spec.resolve == "every"
 
     def take(self, x: np.ndarray, y: np.ndarray) -> None:
         if len(y):

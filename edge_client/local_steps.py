@@ -47,6 +47,18 @@ class LocalModel:
         self._evaluated_at: int | None = None
         self._due: np.ndarray | None = None  # a start whose accuracy is to be measured
         self._tensor_sizes = [int(np.prod(shape)) for _, shape in trainer.layout]
+        # Each round's closed-form solve replaces the whole model trained here (a linear
+        # head on a frozen body, head_resolve = "every"): an upload would count for nothing,
+        # the station's next model being the solve whatever the steps made of it (the
+        # statistics, sent as samples arrive, are what counts).  Set by HeadStatsPath.attach.
+        self.head_solved = False
+
+    @property
+    def spares_sgd(self) -> bool:
+        """A solved head that no merge keeps (``mix = 1``, FedGS): its SGD steps would be
+        spent too.  SAFL's annealed merge keeps them: the device's own model, the one it
+        deploys, is personal (0.917 device-local against the solve's 0.876, lab fleet)."""
+        return self.head_solved and self.config.mix >= 1.0
 
     def start(self, zbar: np.ndarray, t: int) -> np.ndarray:
         """The annealed merge of the aggregate with the local model, while that is fresh.
@@ -105,6 +117,8 @@ class LocalModel:
 
     def take(self, steps: LocalSteps) -> np.ndarray:
         """SGD from the start the trainer holds; the trained vector (the trainer holds it)."""
+        if self.spares_sgd:
+            return steps.start
         zbar, mu = steps.model.weights, self.config.prox_mu
         for x, y in steps.batches:
             before = self.trainer.get_flat() if mu else None

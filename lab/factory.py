@@ -257,7 +257,10 @@ class Factory:
     # What the driver reads when it records a round.
 
     def trained(self) -> int:
-        return sum(sim.device.counters["samples_trained"] for sim in self.devices)
+        # A solved head's batches count too: drawn and learnt from through the statistics,
+        # though no SGD step took them (LocalModel.head_solved).
+        return sum(sim.device.counters["samples_trained"] + sim.device.counters["samples_solved"]
+                   for sim in self.devices)
 
     def accuracies(self) -> tuple[list[float], list[float]]:
         """The devices' held-out and prequential accuracies, as their stations know them."""
