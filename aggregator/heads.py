@@ -44,6 +44,7 @@ class HeadLedger:
         self.total = KeptSums(spec.features, spec.classes, gram=spec.kind in GRAM_KINDS)
         self.sends_up = upstream
         self.claimed: dict[str, float] = {}  # samples each participant's sums count, weighted
+        self.seen_then: dict[str, float] = {}  # its seen total at its last admitted claim
         self.solved = 0  # samples the last solve was made from
         self.head: np.ndarray | None = None  # the last solve
         self.newcomer = False  # the last statistics admitted were their sender's first
@@ -74,7 +75,17 @@ class HeadLedger:
         sums = self.spec.claim(msg)
         scored = self._scored(msg, sums.n)
         so_far = self.claimed.get(msg.sender, 0.0)
-        room = float(seen.sum()) - so_far if seen is not None else 0.0
+        seen_now = float(seen.sum()) if seen is not None else 0.0
+        if self.sends_up and seen_now < self.seen_then.get(msg.sender, 0.0):
+            # A device restarted without its counts: they begin again, and so do its sums,
+            # so its claims are bounded anew by what it has seen since (an honest camera's
+            # statistics were clipped 175 times on a line after restarts).  What it claimed
+            # before stays counted.  A liar gains nothing over climbing its counts at the
+            # rate the roster allows.  Not at the cloud: a station resumes from a checkpoint
+            # and may send again what it sent, which the bound there must still catch.
+            so_far = 0.0
+            self.counters["head_stats.rebased"] += 1
+        room = seen_now - so_far if seen is not None else 0.0
         weight = min(1.0, max(room, 0.0) / max(sums.n, 1))
         if weight < 1.0:
             self.counters["clipped.head_stats"] += 1
@@ -83,6 +94,7 @@ class HeadLedger:
             self.total.fold()  # float64 at once: the cloud's sums grow for as long as it runs
         self.newcomer = msg.sender not in self.claimed
         self.claimed[msg.sender] = so_far + weight * sums.n
+        self.seen_then[msg.sender] = seen_now
         self.counters["head_stats"] += 1
         if scored is not None:
             self.scored += weight * scored
@@ -237,6 +249,7 @@ class HeadLedger:
         out = {}
         out.update(grouped("head_kept", self.total.arrays()))
         out.update(grouped("head_claimed", {k: np.array([v]) for k, v in self.claimed.items()}))
+        out.update(grouped("head_seen", {k: np.array([v]) for k, v in self.seen_then.items()}))
         out["head_solved"] = np.array([self.solved], np.int64)
         if self.round_head is not None:
             out["head_round"] = self.round_head
@@ -255,6 +268,7 @@ class HeadLedger:
                                                for k, v in group(arrays, f"head_{part}").items()}
         self.total.restore(kept)
         self.claimed = {k: float(v[0]) for k, v in group(arrays, "head_claimed").items()}
+        self.seen_then = {k: float(v[0]) for k, v in group(arrays, "head_seen").items()}
         self.solved = int(arrays["head_solved"][0])
         self.round_head = np.array(arrays["head_round"]) if "head_round" in arrays else None
         if "head_detector" in arrays:  # sent again: a device may have restarted meanwhile

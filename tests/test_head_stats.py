@@ -451,6 +451,7 @@ def test_a_restarted_station_and_cloud_keep_their_sums(digits):
         np.testing.assert_array_equal(fresh.heads.total.whole().gram,
                                       role.heads.total.whole().gram)
         assert fresh.heads.claimed == role.heads.claimed and fresh.heads.solved == role.heads.solved
+        assert fresh.heads.seen_then == role.heads.seen_then  # what tells a device restarted
         if role is station:  # the round's solve its internal syncs keep
             np.testing.assert_array_equal(fresh.heads.round_head, role.heads.round_head)
 
@@ -675,3 +676,39 @@ def test_a_stations_internal_syncs_keep_the_rounds_solve_where_the_next_replaces
     else:
         assert seats == 0 and stepped > 0 and station.counters["received_updates"] > 0
         assert station.counters["head_kept"] == 0
+
+
+def test_a_device_restarted_without_its_counts_is_not_clipped_and_nothing_counts_twice(digits):
+    """A camera restarted without its state reports seen counts from zero again, and sums
+    of its new frames only: its station bounds those by what it has seen since, not by
+    everything it claimed before (an honest camera's statistics were clipped 175 times on
+    a line after restarts).  What it sent before stays counted, once."""
+    from edge_client.device import Device
+    from edge_client.head_stats import HeadStatsPath
+    from edge_client.trainers import build_trainer
+
+    spec = HeadSpec("ridge", 64, 10, np.full(64, 4.0, np.float32), 200.0)
+    bus, runners, cloud, station, devices, x, y, seen = _head_fleet(digits, spec, sync_period=3)
+    for r in runners:
+        r.start()
+    bus.run_until(lambda: cloud.heads.solved)
+    before = station.heads.claimed["d0"]
+    assert before == 150
+    fresh = Device(devices[0].config, build_trainer("softmax", input_shape=(64,), num_classes=10,
+                                                    lr=0.1, seed=9),
+                   num_classes=10, sample_shape=(64,), rng=np.random.default_rng(9))
+    HeadStatsPath.attach(fresh, spec, 1)
+    runners[2].role = fresh  # the same runner, a new process behind it
+    runners[2].start()
+    later = np.flatnonzero(np.isin(y, (0, 1)))[150:450]
+    for k in range(0, len(later), 50):
+        runners[2].publish(fresh.ingest(x[later[k:k + 50]], y[later[k:k + 50]], 2.0 + k))
+        for _ in range(50):
+            bus.deliver(limit=20)
+    assert station.counters["head_stats.rebased"] == 1
+    assert station.counters["clipped.head_stats"] == 0, dict(station.counters)
+    # its new statistics whole, beside what it had claimed before
+    sent = int(fresh.buffer.samples_seen)
+    assert station.heads.claimed["d0"] == sent
+    n = sum(d.buffer.samples_seen for d in devices[1:]) + before + sent
+    assert station.heads.total.whole().n == n
