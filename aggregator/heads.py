@@ -80,9 +80,9 @@ class HeadLedger:
             # A device restarted without its counts: they begin again, and so do its sums,
             # so its claims are bounded anew by what it has seen since (an honest camera's
             # statistics were clipped 175 times on a line after restarts).  What it claimed
-            # before stays counted.  A liar gains nothing over climbing its counts at the
-            # rate the roster allows.  Not at the cloud: a station resumes from a checkpoint
-            # and may send again what it sent, which the bound there must still catch.
+            # before stays counted.  A liar claims no faster than its counts may climb
+            # back, at the rate the roster allows.  Not at the cloud: a station resumes from
+            # a checkpoint and may send again what it sent, which the bound must still catch.
             so_far = 0.0
             self.counters["head_stats.rebased"] += 1
         room = seen_now - so_far if seen is not None else 0.0
