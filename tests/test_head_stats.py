@@ -712,3 +712,12 @@ def test_a_device_restarted_without_its_counts_is_not_clipped_and_nothing_counts
     assert station.heads.claimed["d0"] == sent
     n = sum(d.buffer.samples_seen for d in devices[1:]) + before + sent
     assert station.heads.total.whole().n == n
+    # after the restart, the bound is what it has seen since: sums of frames its station
+    # never heard it see (its seen counts held back) are weighted down, as before one
+    more = np.flatnonzero(np.isin(y, (4, 5)))[:300]
+    fresh.head.take(x[more], y[more])  # summed, never seen as far as its station knows
+    runners[2].publish(fresh.head._send(station.round, station.iteration))
+    for _ in range(50):
+        bus.deliver(limit=20)
+    assert station.counters["clipped.head_stats"] >= 1
+    assert station.heads.claimed["d0"] <= int(station.stats["d0"].seen_counts.sum())
