@@ -216,17 +216,22 @@ def _restart_broker(server, during=None):
     return fault, restarted
 
 
-def _away_at_the_end(run_dir) -> list[str]:
+def _away_at_the_end(run_dir, caplog) -> list[str]:
     """Devices not there when their station finished: back only for its final presence, or
-    still reconnecting when the launcher stopped them (no 'finished' line)."""
+    still reconnecting when the launcher stopped them (it says so; a device stopped logs
+    its 'finished' line too, so that line alone does not tell)."""
+    stopped = {r.getMessage().split()[0] for r in caplog.records
+               if "after the cloud finished: stopped" in r.getMessage()}
+
     def away(log) -> bool:
         text = log.read_text()
-        return f"device {log.stem} finished" not in text or "while this device was away" in text
+        return f"device {log.stem} finished" not in text or "while this device was away" in text \
+            or log.stem in stopped
     return sorted(log.stem for log in (run_dir / "logs").glob("dev*.log") if away(log))
 
 
 @pytest.mark.parametrize("persistence", [True, False])
-def test_a_broker_restart_is_survived(tmp_path, digits, honest, persistence, capsys):
+def test_a_broker_restart_is_survived(tmp_path, digits, honest, persistence, capsys, caplog):
     spec = _spec(digits)
     server = _broker(tmp_path, spec, persistence=persistence)
     fault, restarted = _restart_broker(server)
@@ -243,13 +248,14 @@ def test_a_broker_restart_is_survived(tmp_path, digits, honest, persistence, cap
         _finished(rows, spec, honest, f"broker restart, persistence {persistence}",
                   within=0.04)
     assert restarted
-    assert _away_at_the_end(tmp_path / "run") == []  # every device was back for the rest
+    assert _away_at_the_end(tmp_path / "run", caplog) == []  # all back for the rest
     # The restart fires the stations' Last Wills too: without the grace 2 of 4 runs closed
     # a round without one.
     _every_station_fused(tmp_path)
 
 
-def test_a_device_reconnecting_slower_than_the_fleet_runs_misses_its_end(tmp_path, digits):
+def test_a_device_reconnecting_slower_than_the_fleet_runs_misses_its_end(tmp_path, digits,
+                                                                      caplog):
     """The accuracy flake of the test above, on demand: two devices whose first reconnect
     waits 15-30 s miss every round the fleet runs after the restart (under 5 s here)."""
     spec = _spec(digits)
@@ -266,7 +272,9 @@ def test_a_device_reconnecting_slower_than_the_fleet_runs_misses_its_end(tmp_pat
                 commands={d: patient for d in slow})
     finally:
         server.stop()
-    assert restarted and _away_at_the_end(tmp_path / "run") == sorted(slow)
+    # (back within the launcher's 30 s, for the final presence, or stopped still reconnecting
+    # where a loaded machine held them longer: seen once in a parallel make test)
+    assert restarted and _away_at_the_end(tmp_path / "run", caplog) == sorted(slow)
 
 
 def test_a_broker_restarts_on_a_port_no_ephemeral_socket_can_be_handed(tmp_path):
