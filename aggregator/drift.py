@@ -128,7 +128,7 @@ class DriftWatch:
         """A report's counts since ``device`` started; ``window``: the roster's window its
         seen counts grow in (:meth:`Roster.window`), over which they may grow
         ``per_iteration`` a window's iteration: scores, which are of labelled samples, may too."""
-        if self.off or scored <= 0 or not self._detectors():
+        if self.off or scored <= 0 or not self.ready():
             return
         last_scored, last_hits = self._counts.get(device, (0, 0))
         if scored < last_scored or hits < last_hits:
@@ -151,8 +151,9 @@ class DriftWatch:
             camera.feed(spread(new, right))
             self._said(device, was, camera)
 
-    def _detectors(self) -> bool:
-        """Whether river's ADWIN is here, imported on the first call."""
+    def ready(self) -> bool:
+        """Whether river's ADWIN is here, imported on the first call (a station service
+        calls it at start, so that its first scores do not wait on the import)."""
         if self._adwin is None:
             self._adwin = _adwin()
             if self._adwin is None:  # installed, yet it would not import
@@ -194,7 +195,7 @@ class DriftWatch:
 
     def restore(self, counts: Mapping[str, list[int]], levels: Mapping[str, float]) -> None:
         self._counts = {d: (int(c[0]), int(c[1])) for d, c in counts.items()}
-        if not levels or self.off or not self._detectors():
+        if not levels or self.off or not self.ready():
             return
         for d, level in levels.items():
             camera = self._cameras.setdefault(d, _Camera(self._adwin()))

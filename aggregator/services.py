@@ -127,6 +127,7 @@ class StationService:
                             num_classes=self.model.num_classes,
                             rng=np.random.default_rng(cfg.seed))
         attach_heads(role, head_spec(self.model))  # before its checkpoint is read
+        role.roster.drift.ready()  # river (0.8 s) before it serves, not at its first scores
         if cfg.central_dp_noise:
             keep_privacy_ledger(role.dp, self.service.state_dir)
         transport = role_transport(self.broker, fleet=cfg.fleet, role=m.Participant.STATION,
