@@ -83,6 +83,8 @@ class StationCheckpoint(RoleCheckpoint):
     consumed_before: int = 0  # of the rounds already uploaded
     upload_samples: int | None  # of the upload the cloud has not answered yet
     seen_at: dict[str, int]
+    # what each device had counted before it restarted (trust.SeenTotals)
+    seen_carried: dict[str, int] = dataclasses.field(default_factory=dict)
     windows: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # Roster.window
     trained_updates: dict[str, int] = dataclasses.field(default_factory=dict)
     # drift.py: each device's prequential counts fed, and the levels flagged devices fell from

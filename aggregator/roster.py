@@ -146,17 +146,19 @@ class Roster:
     def state(self) -> dict[str, Any]:
         """The checkpoint's share in the document: when each device last reported, what its
         report grew from (a restart mid-iteration must not hand out a fresh allowance) and
-        how many admitted updates its trained shape rests on."""
-        return {"seen_at": dict(self.seen_at),
+        how many admitted updates its trained shape rests on, and what each had counted
+        before it restarted (:class:`~aggregator.trust.SeenTotals`)."""
+        return {"seen_at": dict(self.seen_at), "seen_carried": dict(self.totals.carried),
                 "windows": {d: list(w) for d, w in self._window.items()},
                 "trained_updates": dict(self.trained_updates), **self.drift.state()}
 
     def restore(self, arrays: Mapping[str, np.ndarray], seen_at: Mapping[str, int],
                 windows: Mapping[str, list[int]], trained_updates: Mapping[str, int],
                 drift_counts: Mapping[str, list[int]],
-                drift_levels: Mapping[str, float]) -> None:
+                drift_levels: Mapping[str, float], seen_carried: Mapping[str, int]) -> None:
         """Back to :meth:`arrays` and :meth:`state`, for the roster's devices only."""
         cfg = self.config
+        self.totals.restore({d: c for d, c in seen_carried.items() if d in cfg.devices})
         self.drift.restore({d: c for d, c in drift_counts.items() if d in cfg.devices},
                            {d: v for d, v in drift_levels.items() if d in cfg.devices})
         seen, nxt = group(arrays, "seen"), group(arrays, "next")

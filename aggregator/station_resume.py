@@ -78,7 +78,7 @@ class StationResume:
         self.weights = np.array(arrays["weights"]) if "weights" in arrays else None
         self.p_real = np.array(arrays["p_real"]) if "p_real" in arrays else None
         self.roster.restore(arrays, meta.seen_at, meta.windows, meta.trained_updates,
-                            meta.drift_counts, meta.drift_levels)
+                            meta.drift_counts, meta.drift_levels, meta.seen_carried)
         self.state = StationState(meta.state)
         self.round, self.iteration = meta.round, meta.iteration
         self.external.restore(meta.consumed, meta.consumed_before)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter, deque
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -121,21 +122,37 @@ def claimed_total(counts: np.ndarray) -> int:
 
 
 class SeenTotals:
-    """Each device's accepted seen total, kept sorted: the median of the others' bounds
+    """Each device's accepted seen total in all, kept sorted: the median of the others' bounds
     every new claim, and a station is asked it on every report (a thousand waiting
     devices' hellos, 500 a second).  Summing every device's histogram on each report made
     a report cost 250 us at 1,000 devices and 950 us at 4,000: past a core's worth of
-    hellos."""
+    hellos.
+
+    A device restarted without its state counts anew from zero.  What it had counted
+    before is ``carried`` into its total in all: else its restart drags down the median
+    the rest of its roster is bounded by (on a line of two cameras, each report of the one
+    that kept running was clipped against the restarted one's few frames).  A device that
+    feigns restarts carries no more than its claims could grow by anyway."""
 
     def __init__(self) -> None:
-        self.of: dict[str, int] = {}
+        self.of: dict[str, int] = {}  # in all: carried and current
+        self.current: dict[str, int] = {}
+        self.carried: dict[str, int] = {}
         self._sorted: list[int] = []
 
     def set(self, device: str, total: int) -> None:
+        before = self.current.get(device)
+        if before is not None and total < before:
+            self.carried[device] = self.carried.get(device, 0) + before
+        self.current[device] = total
         if device in self.of:
             del self._sorted[bisect.bisect_left(self._sorted, self.of[device])]
-        self.of[device] = total
-        bisect.insort(self._sorted, total)
+        self.of[device] = self.carried.get(device, 0) + total
+        bisect.insort(self._sorted, self.of[device])
+
+    def restore(self, carried: Mapping[str, int]) -> None:
+        """What each device carried, kept by a checkpoint (before :meth:`set`)."""
+        self.carried = {d: int(c) for d, c in carried.items()}
 
     def median_without(self, device: str) -> float | None:
         """The median total of every device but ``device`` (None: no other)."""

@@ -76,15 +76,19 @@ def test_norm_guard_clips_onto_its_bound_and_refuses_beyond_the_hard_bound():
 
 def test_the_roster_median_of_the_others_totals_is_kept_as_reports_come(rng):
     """The median of every other device's accepted total, kept as reports replace each
-    other (ties, repeats, a device's first report), equals numpy's over the others."""
+    other (ties, repeats, a device's first report, a restart's fall), equals numpy's over
+    the others' totals in all."""
     from aggregator.trust import SeenTotals
 
-    totals, truth = SeenTotals(), {}
+    totals, truth, last, carried = SeenTotals(), {}, {}, {}
     assert totals.median_without("d0") is None
     for _ in range(3000):
         device, total = f"d{rng.integers(40)}", int(rng.integers(0, 30))
         totals.set(device, total)
-        truth[device] = total
+        if total < last.get(device, 0):  # restarted: what it had counted is carried
+            carried[device] = carried.get(device, 0) + last[device]
+        last[device] = total
+        truth[device] = carried.get(device, 0) + total
         asked = f"d{rng.integers(45)}"  # now and then one that never reported
         others = [t for d, t in truth.items() if d != asked]
         want = float(np.median(others)) if others else None
@@ -652,3 +656,45 @@ def test_a_station_waiting_for_its_roster_for_minutes_says_so_as_a_warning_and_w
     assert st.roster.joining(10.0 + JOIN_PATIENCE_S - 0.1)[0] == logging.INFO
     level, text = st.roster.joining(10.0 + JOIN_PATIENCE_S)  # exactly on the bound
     assert level == logging.WARNING and "file descriptors" in text and "docs/deploy.md" in text
+
+
+def _grow(st, iterations, step, devices):
+    """``devices`` report ``step`` more of each class every iteration, as honest cameras do."""
+    for _ in range(iterations):
+        st.iteration += 1
+        for d in devices:
+            seen = st.stats[d].seen_counts + step
+            st.handle(_stats(d, seen=tuple(int(s) for s in seen)), 1.0)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_camera_restarting_does_not_clip_the_rest_of_its_line(n):
+    """A camera restarted without its state counts anew from zero.  Its restart must not
+    drag down the median its roster's other claims are bounded by: on a line of two
+    cameras, each report of the one that kept running was clipped against the restarted
+    one's few frames (52 clips in 26 minutes).  What it saw before still counts."""
+    st = _station(n=n)
+    _start(st)  # 1,000 each
+    everyone = st.config.devices
+    _grow(st, 10, 500, everyone)  # 11,000 each, an allowance's half an iteration
+    restarted = everyone[1:]  # all but d0 (one camera of two, two of three)
+    for d in restarted:
+        st.handle(_stats(d, seen=(3, 2)), 1.0)
+    _grow(st, 5, 500, everyone)
+    assert st.counters["clipped.seen_counts"] == 0, dict(st.counters)
+    assert claimed_total(st.stats["d0"].seen_counts) == 16_000
+    # Kept across the station's own restart: a checkpoint, then the line goes on.
+    arrays, meta = st.snapshot()
+    back = _station(n=n)
+    back.restore(arrays, meta)
+    _grow(back, 3, 500, everyone)
+    assert back.counters["clipped.seen_counts"] == 0
+    # A liar's claim is bounded by the others' counts in all, as before any restart: ten
+    # times their median, and its own growth.
+    growth = back.config.max_seen_rate * back.config.local_steps
+    back.iteration += 100
+    back.handle(_stats("d0", seen=(10**9, 0)), 1.0)
+    kept = claimed_total(back.stats["d0"].seen_counts)
+    assert back.counters["clipped.seen_counts"] == 1
+    assert kept <= back.config.seen_share * (11_000 + 8 * 1000 + 5)
+    assert kept <= 19_000 + 100 * growth
