@@ -21,6 +21,7 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import MessageError
+from edge_client.head_sends import Counted, SendLog
 from edge_client.head_stats import GRAM_KINDS, HeadSpec
 from edge_client.novelty import BINS, Detector, solve_detector, threshold_of
 from edge_client.topics import CLOUD_ID
@@ -28,7 +29,7 @@ from edge_client.topics import CLOUD_ID
 from .checkpoint import group, grouped
 from .kept_sums import KeptSums
 
-__all__ = ["HeadLedger", "attach_heads", "came_online", "fused_head", "refused"]
+__all__ = ["HeadLedger", "attach_heads", "came_online", "fused_head", "refused", "sent_again"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,10 @@ class HeadLedger:
         self.sends_up = upstream
         self.claimed: dict[str, float] = {}  # samples each participant's sums count, weighted
         self.seen_then: dict[str, float] = {}  # its seen total at its last admitted claim
+        # Each participant's sends counted once, whoever restarts (head_sends.py); and, at a
+        # station, its own sends upstream, stamped and kept for a cloud that resumed.
+        self.counted = Counted()
+        self.sends = SendLog()
         self.solved = 0  # samples the last solve was made from
         self.head: np.ndarray | None = None  # the last solve
         self.newcomer = False  # the last statistics admitted were their sender's first
@@ -71,7 +76,11 @@ class HeadLedger:
         """Add ``msg``'s sums, checked (:class:`MessageError`, nothing added, where they
         contradict their counts).  ``seen``: the sender's label counts as the trust layer
         keeps them; statistics of more samples in all than that are weighted down to it
-        (``clipped.head_stats``), as a claim at its bound is."""
+        (``clipped.head_stats``), as a claim at its bound is.  Sent again after a restart
+        and counted already: dropped (``head_stats.duplicate``)."""
+        if self.counted.already(msg):
+            self.counters["head_stats.duplicate"] += 1
+            return
         sums = self.spec.claim(msg)
         scored = self._scored(msg, sums.n)
         so_far = self.claimed.get(msg.sender, 0.0)
@@ -95,6 +104,7 @@ class HeadLedger:
         self.newcomer = msg.sender not in self.claimed
         self.claimed[msg.sender] = so_far + weight * sums.n
         self.seen_then[msg.sender] = seen_now
+        self.counted.note(msg)
         self.counters["head_stats"] += 1
         if scored is not None:
             self.scored += weight * scored
@@ -142,12 +152,11 @@ class HeadLedger:
         counts_first = seen()
         scored = np.floor(self.scored).astype(np.int64)  # a weighted-down claim, rounded down
         self.scored[:] = 0
-        return [counts_first, m.HeadStats(fleet=self.fleet, sender=counts_first.sender,
-                                          round=round_, iteration=iteration,
-                                          station=counts_first.sender, gram=gram,
-                                          cross=cross, counts=counts,
-                                          novelty=scored if scored.any() else scored[:0],
-                                          novelty_of=self.detector_of if scored.any() else 0)]
+        return [counts_first, self.sends.stamp(m.HeadStats(
+            fleet=self.fleet, sender=counts_first.sender, round=round_, iteration=iteration,
+            station=counts_first.sender, gram=gram, cross=cross, counts=counts,
+            novelty=scored if scored.any() else scored[:0],
+            novelty_of=self.detector_of if scored.any() else 0))]
 
     def solve(self, *, again: bool) -> np.ndarray | None:
         """The head from every admitted statistic, where there are any and a solve is due:
@@ -226,6 +235,7 @@ class HeadLedger:
         """What a station's round starts from: the cloud's model ``msg``, or where the cloud
         solved no head yet (its ``head_samples``), this factory's head where there is one;
         the detector and threshold it carries are kept for the devices (:meth:`relay`)."""
+        self.sends.heard(msg.round, msg.iteration)  # what the cloud surely holds, let go
         weights = np.array(msg.weights)
         if not msg.head_samples:
             weights = self.latest(weights)
@@ -250,6 +260,9 @@ class HeadLedger:
         out.update(grouped("head_kept", self.total.arrays()))
         out.update(grouped("head_claimed", {k: np.array([v]) for k, v in self.claimed.items()}))
         out.update(grouped("head_seen", {k: np.array([v]) for k, v in self.seen_then.items()}))
+        out.update(grouped("head_through", {k: np.array(v, np.int64)
+                                            for k, v in self.counted.through.items()}))
+        out["head_sent"] = np.array([self.sends.epoch, self.sends.upto], np.int64)
         out["head_solved"] = np.array([self.solved], np.int64)
         if self.round_head is not None:
             out["head_round"] = self.round_head
@@ -269,6 +282,10 @@ class HeadLedger:
         self.total.restore(kept)
         self.claimed = {k: float(v[0]) for k, v in group(arrays, "head_claimed").items()}
         self.seen_then = {k: float(v[0]) for k, v in group(arrays, "head_seen").items()}
+        self.counted.through = {k: (int(v[0]), int(v[1]))
+                                for k, v in group(arrays, "head_through").items()}
+        if "head_sent" in arrays:  # the same epoch: its count goes on where the cloud has it
+            self.sends = SendLog(*(int(v) for v in arrays["head_sent"]))
         self.solved = int(arrays["head_solved"][0])
         self.round_head = np.array(arrays["head_round"]) if "head_round" in arrays else None
         if "head_detector" in arrays:  # sent again: a device may have restarted meanwhile
@@ -289,6 +306,12 @@ def came_online(heads: HeadLedger | None) -> None:
     """A device came online: it may have restarted, so the detector goes again."""
     if heads is not None:
         heads.resend = heads.detector is not None
+
+
+def sent_again(heads: HeadLedger | None, presence: m.Presence) -> list[m.Message]:
+    """The cloud (re)appeared: a station's statistics of the last rounds again, since it
+    may have resumed from a checkpoint without them (it counts each once)."""
+    return list(heads.sends.kept) if heads is not None and presence.online else []
 
 
 def fused_head(heads: HeadLedger | None, weights: np.ndarray) -> np.ndarray:

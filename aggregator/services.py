@@ -163,9 +163,10 @@ class StationService:
              **role.roster.accuracy_summary(), **role.privacy_summary(),
              **{k: v for k, v in role.stragglers.reply_figures().items() if v is not None}}),
             labels={"fleet": cfg.fleet, "station": cfg.station_id})
-        # Round boundaries: the upload that ends a round, the model that begins one.
+        # Round boundaries: the upload that ends a round, the model that begins one; and its
+        # statistics sent upstream between them, so that a restart does not send them again.
         checkpoint = _checkpointing(role, self.service.state_dir, cfg.station_id, lambda msg: (
-            isinstance(msg, m.StationUpdate) or isinstance(msg, m.StationModel)
+            isinstance(msg, (m.StationUpdate, m.HeadStats)) or isinstance(msg, m.StationModel)
             and msg.iteration % cfg.sync_period == 0))
         runner = RoleRunner(role, transport)
         runner.observers.extend([*checkpoint, note_start])

@@ -28,7 +28,7 @@ from .central_dp import CentralDP
 from .config import StationConfig
 from .external_sync import ExternalSync
 from .fusion import Fold, fold_for
-from .heads import HeadLedger, came_online, fused_head, refused
+from .heads import HeadLedger, came_online, fused_head, refused, sent_again
 from .internal_sync import InternalSync
 from .roster import Roster
 from .seating import Seating
@@ -234,8 +234,9 @@ class Station(StationResume, RoleBase[StationState]):
         return [self.external.stats()]
 
     def _on_presence(self, msg: m.Presence, now: float) -> list[m.Message]:
-        if msg.role == m.Participant.CLOUD:  # our counts, an unanswered upload; or gone
-            return self.external.cloud_presence(msg, self.id, self.state == _S.JOINING)
+        if msg.role == m.Participant.CLOUD:  # counts, an unanswered upload, sums; or gone
+            return [*self.external.cloud_presence(msg, self.id, self.state == _S.JOINING),
+                    *sent_again(self.heads, msg)]
         if msg.role != m.Participant.DEVICE or msg.sender not in self.config.devices:
             return []
         if msg.online:  # after a Last Will (a broker restart fires them all): selectable again
@@ -389,9 +390,9 @@ class Station(StationResume, RoleBase[StationState]):
     def _external_sync(self, new: StationState) -> list[m.Message]:
         """The synchronisation period is over: upload ``w^m`` and wait for the cloud."""
         self.state = new
-        owed = self.heads.upstream(self.external.stats, self.round, self.iteration) \
-            if self.heads else []
-        return [*owed, self.external.upload(self._model(), self.round, self.iteration)]
+        up = self.heads.upstream(self.external.stats, self.round, self.iteration) if self.heads \
+            else []
+        return [*up, self.external.upload(self._model(), self.round, self.iteration)]
 
     def _model_message(self, final: bool = False) -> m.StationModel:
         return m.StationModel(fleet=self.config.fleet, sender=self.id, round=self.round,

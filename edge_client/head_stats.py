@@ -31,6 +31,7 @@ import numpy as np
 from . import messages as m
 from .body import BODY_MANIFEST, body_manifest
 from .errors import ConfigError, MessageError
+from .head_sends import SendLog
 from .head_solves import NCM_SCALE, head_vector, solve_lda, solve_ncm, solve_ridge
 from .head_sums import (
     GRAM_KINDS,
@@ -156,6 +157,7 @@ class HeadStatsPath:
         self._labels: list[np.ndarray] = []
         self.models = 0
         self.sent = 0  # samples sent so far
+        self.sends = SendLog()  # each send stamped, and kept until its station surely has it
         self.personal: Any = None  # the device's own sums too (personal_head.py), where asked
         # Over a broker the first send waits for the station's presence: MQTT drops a
         # publish no one has subscribed to, and a send is not repeated.
@@ -215,16 +217,19 @@ class HeadStatsPath:
     def due(self, model: m.StationModel) -> list[m.Message]:
         """The increment, where there is one and this model is the ``every``-th since the
         last send, or the increment is at least everything sent before it or as many rows
-        as a factor carries; after the first, never fewer than :data:`MIN_SEND` samples."""
+        as a factor carries; after the first, never fewer than :data:`MIN_SEND` samples.
+        First, where the station's model went back (it resumed from its checkpoint), the
+        sends it may have lost, again (``head_sends.py``)."""
         self.models += 1
         if self.novelty is not None:
             self.novelty.receive(model)
+        again: list[m.Message] = [*self.sends.heard(model.round, model.iteration)]  # resumed
         held = self._held()
         full = self._may_factor() and held >= factor_rows(self.spec.features, sending=True)
         if held == 0 or (self.models < self.every and held < self.sent and not full) or (
                 self.sent and held < self.MIN_SEND):
-            return []
-        return self._send(model.round, model.iteration)
+            return again
+        return again + self._send(model.round, model.iteration)
 
     def first(self, station_online: bool) -> list[m.Message]:
         """What the device holds before it has sent anything, for its station's first solve:
@@ -253,10 +258,10 @@ class HeadStatsPath:
         self.models, self.sent = 0, self.sent + int(counts.sum())
         scored, scored_by = self.novelty.taken() if self.novelty is not None \
             else (np.zeros(0, np.int64), 0)
-        return [m.HeadStats(fleet=self.fleet, sender=self.device, round=round_,
-                            iteration=iteration, station=self.station, gram=gram,
-                            cross=cross, counts=counts, novelty=scored, novelty_of=scored_by,
-                            factor=whole[0], factor_labels=whole[1])]
+        return [self.sends.stamp(m.HeadStats(
+            fleet=self.fleet, sender=self.device, round=round_, iteration=iteration,
+            station=self.station, gram=gram, cross=cross, counts=counts, novelty=scored,
+            novelty_of=scored_by, factor=whole[0], factor_labels=whole[1]))]
 
     def _factored(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The staged rows ``A`` as a factor of their Gram, where they are all the increment

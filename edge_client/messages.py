@@ -281,6 +281,11 @@ class HeadStats(Message):
     # solved from ``novelty_of`` samples, each scored before it joined these sums.
     novelty: np.ndarray = field(default_factory=_no(np.int64), metadata=OPTIONAL)
     novelty_of: int = field(default=0, metadata=OPTIONAL)
+    # The sender's running count of samples sent, these included, in its ``epoch`` (random,
+    # anew at a restart without state): a receiver counts each send once (head_sends.py).
+    # 0: not stamped (a sender before them).
+    upto: int = field(default=0, metadata=OPTIONAL)
+    epoch: int = field(default=0, metadata=OPTIONAL)
     _vectors = (("gram", np.float32), ("cross", np.float32), ("counts", np.int64),
                 ("novelty", np.int64), ("factor", np.float32), ("factor_labels", np.float32))
 

@@ -387,6 +387,7 @@ def run_load(folder: Path, devices: int, stations: int = 1, *, workers: int = 0,
                                  broker_nofile=broker_nofile, station=station,
                                  first_worker=drop, profile=profile, head=head)
     sids = list(device_ids(1, stations))
+    rosters = device_ids(devices, stations)
     began = time.monotonic()
     try:
         while True:
@@ -395,11 +396,14 @@ def run_load(folder: Path, devices: int, stations: int = 1, *, workers: int = 0,
                 raise RuntimeError(f"died: {dead}: " + "; ".join(
                     fleet.log(n)[-1500:] for n in dead))
             first = _snapshot(fleet, folder, sids, devices)
-            if all(_iterations(first["status"], s) >= warmup for s in sids):
+            # Every device joined too: a station goes on with the devices it has, and a body
+            # fleet's thousand cameras join for longer than three iterations take.
+            if all(_iterations(first["status"], s) >= warmup
+                   and _online(first["status"], s) == len(rosters[s]) for s in sids):
                 break
             if time.monotonic() - began > start_timeout:
-                raise RuntimeError(f"stations not past {warmup} iterations in "
-                                   f"{start_timeout:.0f} s: {first['status']}")
+                raise RuntimeError(f"stations not past {warmup} iterations with every device "
+                                   f"online in {start_timeout:.0f} s: {first['status']}")
             time.sleep(2.0)
         figures["start_s"] = round(first["t"] - began, 1)
         end = first["t"] + seconds
@@ -407,7 +411,7 @@ def run_load(folder: Path, devices: int, stations: int = 1, *, workers: int = 0,
             time.sleep(1.0)
             fleet.sample()
         last = _snapshot(fleet, folder, sids, devices)
-        roster = len(device_ids(devices, stations)[sids[0]])
+        roster = len(rosters[sids[0]])
         figures["faults"] = [inject(fleet, folder, sids, f, roster, broker_nofile)
                              for f in faults]
     finally:

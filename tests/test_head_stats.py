@@ -721,3 +721,65 @@ def test_a_device_restarted_without_its_counts_is_not_clipped_and_nothing_counts
         bus.deliver(limit=20)
     assert station.counters["clipped.head_stats"] >= 1
     assert station.heads.claimed["d0"] <= int(station.stats["d0"].seen_counts.sum())
+
+
+def test_a_station_resumed_from_its_checkpoint_loses_no_statistics_and_counts_none_twice(
+        digits):
+    """A station resumes from the checkpoint of its round's start: the statistics it
+    admitted after that died with it, though the broker had acknowledged them to their
+    devices.  When its model goes back, its devices send again what they sent in the last
+    rounds, and it counts each send once by its sender's running count: its sums after
+    the restart are those of every sample its devices sent, once."""
+    from aggregator.checkpoint import StationCheckpoint
+    from edge_client import messages as m
+
+    spec = HeadSpec("ridge", 64, 10, np.full(64, 4.0, np.float32), 200.0)
+    bus, runners, cloud, station, devices, x, y, _ = _head_fleet(digits, spec, sync_period=3)
+    for r in runners:
+        r.start()
+    bus.run_until(lambda: cloud.heads.solved)
+    arrays, meta = station.snapshot()  # the checkpoint it will resume from, as written
+    arrays = {k: np.array(v) for k, v in arrays.items()}  # (the sums are added in place)
+    at_checkpoint = station.heads.total.whole().n
+    sent = lambda: sum(d.head.sent for d in devices)  # noqa: E731
+    for k, dev in enumerate(devices):  # more labelled frames, sent and admitted
+        later = np.flatnonzero(np.isin(y, (2 * k, 2 * k + 1)))[150:230]
+        runners[2 + k].publish(dev.ingest(x[later], y[later], 10.0))
+    bus.run_until(lambda: sent() == at_checkpoint + 4 * 80 == station.heads.total.whole().n)
+    before = station.heads.total.whole()
+    # kill -9, and a new process from the checkpoint: its devices hear it go and come back
+    fresh = _head_fleet(digits, spec, sync_period=3)[3]
+    fresh.restore(arrays, StationCheckpoint.from_doc(dataclasses.asdict(meta)))
+    runners[1].role = fresh
+    runners[1].publish([m.Presence(fleet="t", sender="s", round=0, iteration=0, role="station",
+                                   online=online) for online in (False, True)])
+    runners[1].start()
+    bus.run_until(lambda: fresh.heads.total.whole().n >= before.n)
+    for _ in range(200):  # and the rest in flight
+        bus.deliver(limit=20)
+    after = fresh.heads.total.whole()
+    assert after.n == before.n == sent()
+    np.testing.assert_allclose(after.gram, before.gram, rtol=1e-5, atol=1e-3)
+    assert fresh.counters["head_stats.duplicate"] >= 1  # what its checkpoint held, once
+    assert fresh.counters["clipped.head_stats"] == 0
+
+
+def test_a_station_sends_the_cloud_its_last_rounds_statistics_again_and_they_count_once(digits):
+    """The cloud (re)appearing may have resumed from a checkpoint without its stations'
+    last statistics: each station sends them again, and the cloud counts a send once."""
+    from edge_client import messages as m
+
+    spec = HeadSpec("ridge", 64, 10, np.full(64, 4.0, np.float32), 200.0)
+    bus, runners, cloud, station, *_ = _head_fleet(digits, spec, sync_period=3)
+    for r in runners:
+        r.start()
+    bus.run_until(lambda: cloud.heads.solved)
+    counted = cloud.heads.total.whole().n
+    out = station.handle(m.Presence(fleet="t", sender="cloud", round=0, iteration=0,
+                                    role="cloud", online=True), 5.0)
+    again = [msg for msg in out if isinstance(msg, m.HeadStats)]
+    assert again and all(msg.epoch == station.heads.sends.epoch for msg in again)
+    for msg in out:
+        cloud.handle(msg, 5.0)
+    assert cloud.counters["head_stats.duplicate"] == len(again)
+    assert cloud.heads.total.whole().n == counted
