@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -92,6 +93,34 @@ class StatsCheck:
         return dataclasses.replace(msg, seen_counts=counts)
 
 
+class LateModels:
+    """When the current model goes out again for devices that joined late or came back.
+    A broker restart fires every Last Will and a thousand devices come back within
+    seconds; one broadcast reaches them all, so it goes at most once an ``interval``
+    however many come in it (one a device put 1,000 x 51 MB through a thousand-camera
+    station's broker), and once more after it for those it came before."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self.due_at: float | None = None  # a broadcast owed to joiners since the last
+        self._last = -math.inf
+
+    def joined(self, now: float) -> bool:
+        """A device joined: True where the model goes out now, else it is owed."""
+        if now >= self._last + self.interval:
+            self._last, self.due_at = now, None
+            return True
+        self.due_at = self._last + self.interval
+        return False
+
+    def due(self, now: float) -> bool:
+        """Whether the owed broadcast goes out now."""
+        if self.due_at is None or now < self.due_at:
+            return False
+        self._last, self.due_at = now, None
+        return True
+
+
 class Roster:
     """A station's devices as it knows them: their latest checked stats, who is offline."""
 
@@ -108,6 +137,7 @@ class Roster:
         self.trained: dict[str, np.ndarray] = {}  # next batches its admitted updates had
         self.trained_updates: Counter[str] = Counter()
         self.drift = DriftWatch(counters, clip)
+        self.late = LateModels()
 
     def checked(self, msg: m.DeviceStats, iteration: int) -> m.DeviceStats | None:
         """``msg`` as the station would keep it at ``iteration``, or None: refused."""

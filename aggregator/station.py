@@ -139,7 +139,12 @@ class Station(StationResume, RoleBase[StationState]):
         return self.dp.summary(self.roster.epsilon_local())
 
     def tick(self, now: float) -> list[m.Message]:
-        """Close the iteration at its deadline; repeat the join until the cloud answers."""
+        """Close the iteration at its deadline; repeat the join until the cloud answers;
+        the model for devices that joined since its last broadcast for late joiners."""
+        late = self.roster.late.due(now) and self.weights is not None
+        return ([self._model_message()] if late else []) + self._tick(now)
+
+    def _tick(self, now: float) -> list[m.Message]:
         if self.state == _S.JOINING and self._limiter.allow(self.id, "joining"):
             level, waiting = self.roster.joining(now)  # a warning once it waits for minutes
             log.log(level, "station %s joining: %s", self.id, waiting)
@@ -162,6 +167,8 @@ class Station(StationResume, RoleBase[StationState]):
         return []
 
     def wakeup(self) -> float | None:
+        if self.roster.late.due_at is not None:
+            return self.roster.late.due_at  # (early: a tick before a deadline changes nothing)
         if self.state in (_S.COLLECTING, _S.GATHERING):
             return self.deadline
         if self.state == _S.WAITING and self.weights is None:
@@ -221,9 +228,10 @@ class Station(StationResume, RoleBase[StationState]):
         self.roster.accept(msg, self.iteration)
         out: list[m.Message] = []
         if joined and self.weights is not None:
-            # A late joiner gets the current model; it is selectable from now on.
+            # A late joiner gets the current model (Roster.late: one broadcast a second for
+            # all of them); it is selectable from now on.
             self.counters["late_joins"] += 1
-            out.append(self._model_message())
+            out += [self._model_message()] if self.roster.late.joined(now) else []
         return out + self._end_gathering(now)
 
     def _devices_reported(self, msg: m.DeviceStats, now: float) -> list[m.Message]:

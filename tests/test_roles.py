@@ -967,3 +967,26 @@ def test_a_service_ended_by_its_federation_says_final_one_stopped_does_not(tmp_p
             stop.event.set()
         serve(RoleRunner(dev, bus), bus, stop=stop, done=lambda d=done: d, linger=0.0)
         assert bus.final is final
+
+
+def test_devices_coming_back_together_get_one_model_broadcast_a_second():
+    """A broker restart fires every Last Will, and a thousand devices come back within
+    seconds: one broadcast reaches them all, so the model goes out at most once a second
+    however many come back (one a device put 1,000 x 51 MB through a thousand-camera
+    station's broker), and once more for those that came after it."""
+    st = _station(n=40, min_devices=2)
+    st.handle(_stats("d0"), 0.0)
+    st.handle(_stats("d1"), 0.0)
+    st.handle(m.GlobalModel(fleet="t", sender="cloud", round=0, iteration=0,
+                            weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
+    models = lambda out: sum(isinstance(x, m.StationModel) for x in out)  # noqa: E731
+    sent = [models(st.handle(_stats(f"d{k}"), 1.0 + k / 100)) for k in range(2, 40)]
+    assert sent[0] == 1 and sum(sent) == 1 and st.counters["late_joins"] == 38
+    assert st.wakeup() == pytest.approx(2.02)  # a second after the first, at 1.02
+    assert models(st.tick(1.9)) == 0
+    assert models(st.tick(2.02)) == 1  # for those after the first broadcast
+    assert models(st.tick(3.5)) == 0  # and no more while none come
+    for k in range(5):  # back after their Last Wills
+        st.handle(m.Presence(fleet="t", sender=f"d{k}", round=0, iteration=0, role="dev",
+                             online=False), 4.0)
+    assert sum(models(st.handle(_stats(f"d{k}"), 5.0)) for k in range(5)) == 1
