@@ -140,21 +140,19 @@ class Station(StationResume, RoleBase[StationState]):
 
     def tick(self, now: float) -> list[m.Message]:
         """Close the iteration at its deadline; repeat the join until the cloud answers;
-        the model for devices that joined since its last broadcast for late joiners."""
+        the model once more for devices that joined since the last (``Roster.late``)."""
         late = self.roster.late.due(now) and self.weights is not None
-        return ([self._model_message()] if late else []) + self._tick(now)
-
-    def _tick(self, now: float) -> list[m.Message]:
+        out: list[m.Message] = [self._model_message()] if late else []
         if self.state == _S.JOINING and self._limiter.allow(self.id, "joining"):
             level, waiting = self.roster.joining(now)  # a warning once it waits for minutes
             log.log(level, "station %s joining: %s", self.id, waiting)
         if self.state == _S.WAITING and self.weights is None:
-            return self.external.hello(now)
+            return out + self.external.hello(now)
         if self.state == _S.GATHERING and now >= self.deadline:
             self.counters["iterations_without_data"] += 1
             log.warning("station %s: iteration %d closes untrained, %d devices online < quorum "
                         "%d", self.id, self.iteration, self.roster.online, self.config.min_quorum)
-            return self._close_iteration(now)
+            return out + self._close_iteration(now)
         if self.state == _S.COLLECTING and now >= self.deadline:
             absent = self.sync.missing()
             self.counters["replies_missed"] += absent
@@ -163,8 +161,8 @@ class Station(StationResume, RoleBase[StationState]):
                 self.counters["stragglers_benched"] += benched
             log.info("station %s: iteration %d deadline passed, %d of %d replies missing",
                      self.id, self.iteration, absent, len(self.members))
-            return self._close_iteration(now)
-        return []
+            return out + self._close_iteration(now)
+        return out
 
     def wakeup(self) -> float | None:
         if self.roster.late.due_at is not None:
@@ -228,8 +226,7 @@ class Station(StationResume, RoleBase[StationState]):
         self.roster.accept(msg, self.iteration)
         out: list[m.Message] = []
         if joined and self.weights is not None:
-            # A late joiner gets the current model (Roster.late: one broadcast a second for
-            # all of them); it is selectable from now on.
+            # A late joiner gets the current model (once a second: Roster.late), and a seat.
             self.counters["late_joins"] += 1
             out += [self._model_message()] if self.roster.late.joined(now) else []
         return out + self._end_gathering(now)
@@ -309,7 +306,8 @@ class Station(StationResume, RoleBase[StationState]):
         self.p_real = np.array(msg.p_real)  # and w^m, or where the cloud solved no head, ours
         self.weights = np.array(msg.weights) if self.heads is None else self.heads.round_began(msg)
         self.round, self.iteration = msg.round, msg.iteration
-        self._new_round()
+        self.seating.new_round()
+        self.dp.new_round()
         if msg.final:
             self.state = new
             return [self._model_message(final=True)]
@@ -331,9 +329,10 @@ class Station(StationResume, RoleBase[StationState]):
         ready = self.roster.ready() if ready is None else ready
         new = self.next_state(self._iteration_event(ready))
         if new == _S.GATHERING:
-            self._collect(())
+            self.sync.begin((), self._new_fold(0))
             return self._gather(now, len(ready))
-        self._collect(self._pick(ready, cfg.super_node_size))
+        members = self._pick(ready, cfg.super_node_size)
+        self.sync.begin(members, self._new_fold(len(members)))  # with its fold
         self.seating.seated(self.members)
         log.debug("station %s: iteration %d super node %s", self.id, self.iteration, self.members)
         self.deadline = self.stragglers.begin(now)
@@ -363,14 +362,6 @@ class Station(StationResume, RoleBase[StationState]):
         """Up to ``want`` of the ``ready`` devices for a super node (seating.py)."""
         return self.seating.pick(ready, want, stats=self.stats, target=self._target,
                                  benched=self.stragglers.benched, iteration=self.iteration)
-
-    def _new_round(self) -> None:
-        self.seating.new_round()
-        self.dp.new_round()
-
-    def _collect(self, members: tuple[str, ...]) -> None:
-        """A new super node (or none), with its fold."""
-        self.sync.begin(members, self._new_fold(len(members)))
 
     def _new_fold(self, size: int) -> Fold:
         """The fusion rule's fold, or with central DP a noised mean of clipped steps from
