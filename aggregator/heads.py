@@ -13,6 +13,7 @@ counted under ``rejected.<reason>`` and change nothing.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import MessageError
+from edge_client.fields import MAX_INT
 from edge_client.head_sends import Counted, SendLog
 from edge_client.head_stats import GRAM_KINDS, HeadSpec
 from edge_client.novelty import BINS, Detector, solve_detector, threshold_of
@@ -50,6 +52,7 @@ class HeadLedger:
         # station, its own sends upstream, stamped and kept for a cloud that resumed.
         self.counted = Counted()
         self.sends = SendLog()
+        self.started = 1 + secrets.randbelow(MAX_INT - 1)  # this process's (never checkpointed)
         self.solved = 0  # samples the last solve was made from
         self.head: np.ndarray | None = None  # the last solve
         self.newcomer = False  # the last statistics admitted were their sender's first
@@ -205,8 +208,10 @@ class HeadLedger:
         self.detector, self.resend = np.array(msg.novelty), True
 
     def novelty_out(self) -> dict[str, Any]:
-        """The detector (where it is due) and threshold, as a model message's fields."""
-        out: dict[str, Any] = {"novelty_threshold": self.threshold}
+        """The detector (where it is due), threshold and, at a station, its process's draw
+        (``StationModel.started``), as a model message's fields."""
+        out: dict[str, Any] = {"novelty_threshold": self.threshold,
+                               **({"started": self.started} if self.sends_up else {})}
         if self.resend and self.detector is not None:
             out["novelty"], self.resend = self.detector, False
         return out

@@ -35,6 +35,7 @@ class SendLog:
         self.upto = upto  # samples sent in this epoch
         self.kept: list[m.HeadStats] = []
         self._heard: tuple[int, int] | None = None  # the receiver's latest (round, iteration)
+        self._started = 0  # its process's draw (StationModel.started)
 
     def stamp(self, msg: m.HeadStats) -> m.HeadStats:
         """``msg`` with its place in the count, kept until its receiver surely holds it."""
@@ -43,15 +44,18 @@ class SendLog:
         self.kept.append(out)
         return out
 
-    def heard(self, round_: int, iteration: int) -> list[m.HeadStats]:
-        """The receiver's model of ``round_`` and ``iteration`` came: the sends to repeat,
-        every one kept where it went back (it resumed from its checkpoint, which may lack
-        them), else none; sends older than :data:`KEEP_ROUNDS` rounds are let go."""
+    def heard(self, round_: int, iteration: int, started: int = 0) -> list[m.HeadStats]:
+        """The receiver's model of ``round_`` and ``iteration`` came, from its process that
+        drew ``started`` (0: not told): the sends to repeat, every one kept where it went
+        back or its process changed (it resumed from its checkpoint, which may lack them;
+        killed in a round's first iteration, it comes back at the same one), else none;
+        sends older than :data:`KEEP_ROUNDS` rounds are let go."""
         now = (round_, iteration)
-        rewound = self._heard is not None and now < self._heard
-        self._heard = now
+        again = self._heard is not None and now < self._heard \
+            or bool(started and self._started and started != self._started)
+        self._heard, self._started = now, started or self._started
         self.kept = [k for k in self.kept if k.round + self.KEEP_ROUNDS >= round_]
-        return list(self.kept) if rewound else []
+        return list(self.kept) if again else []
 
 
 class Counted:

@@ -223,7 +223,8 @@ class HeadStatsPath:
         self.models += 1
         if self.novelty is not None:
             self.novelty.receive(model)
-        again: list[m.Message] = [*self.sends.heard(model.round, model.iteration)]  # resumed
+        again: list[m.Message] = [*self.sends.heard(model.round, model.iteration,
+                                                    model.started)]  # its station restarted
         held = self._held()
         full = self._may_factor() and held >= factor_rows(self.spec.features, sending=True)
         if held == 0 or (self.models < self.every and held < self.sent and not full) or (

@@ -209,6 +209,10 @@ class StationModel(Message):
     # The cloud's catalogue, relayed (edge_client/catalogue.py): () where none came yet.
     products: ProductNames = field(default=ProductNames(()), metadata=OPTIONAL)
     retired: ProductNames = field(default=ProductNames(()), metadata=OPTIONAL)
+    # Drawn at random as the station's process started (a fleet that sums head statistics):
+    # where it changes, the station restarted, and its devices send their statistics of its
+    # last rounds again (head_sends.py).  0: not told.
+    started: int = field(default=0, metadata=OPTIONAL)
     _vectors = _WEIGHTS + _NOVELTY
 
 

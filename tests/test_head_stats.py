@@ -783,3 +783,29 @@ def test_a_station_sends_the_cloud_its_last_rounds_statistics_again_and_they_cou
         cloud.handle(msg, 5.0)
     assert cloud.counters["head_stats.duplicate"] == len(again)
     assert cloud.heads.total.whole().n == counted
+
+
+def test_a_station_back_at_the_same_iteration_gets_the_last_sends_again():
+    """Killed in a round's first iteration, a station resumes at the very iteration its
+    devices last heard: its new process's draw (``StationModel.started``), not the
+    iteration, tells them to send their statistics of its last rounds again.  A model
+    repeated by the same process (for a late joiner) repeats nothing; sends older than
+    two rounds are let go."""
+    from edge_client import messages as m
+    from edge_client.head_sends import SendLog
+
+    def send(round_, n):
+        return m.HeadStats(fleet="t", sender="d0", round=round_, iteration=5 * round_,
+                           station="s", gram=np.zeros(0, np.float32),
+                           cross=np.zeros(0, np.float32), counts=np.array([n, 0]))
+
+    sends = SendLog()
+    old, last = sends.stamp(send(1, 20)), sends.stamp(send(3, 30))
+    assert (old.upto, last.upto) == (20, 50) and old.epoch == last.epoch == sends.epoch
+    assert sends.heard(3, 15, started=7) == []
+    assert sends.heard(3, 15, started=7) == []  # the same process, the same model again
+    assert sends.heard(3, 15, started=9) == [old, last]  # a new process at that iteration
+    assert sends.heard(3, 16, started=9) == []
+    assert sends.heard(3, 15, started=9) == [old, last]  # went back: resumed
+    assert sends.heard(4, 20, started=9) == []
+    assert sends.heard(4, 20, started=11) == [last]  # round 1's send is past keeping
