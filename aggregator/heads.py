@@ -13,7 +13,6 @@ counted under ``rejected.<reason>`` and change nothing.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +21,7 @@ import numpy as np
 
 from edge_client import messages as m
 from edge_client.errors import MessageError
-from edge_client.fields import MAX_INT
-from edge_client.head_sends import Counted, SendLog
+from edge_client.head_sends import Counted, SendLog, draw
 from edge_client.head_stats import GRAM_KINDS, HeadSpec
 from edge_client.novelty import BINS, Detector, solve_detector, threshold_of
 from edge_client.topics import CLOUD_ID
@@ -52,7 +50,7 @@ class HeadLedger:
         # station, its own sends upstream, stamped and kept for a cloud that resumed.
         self.counted = Counted()
         self.sends = SendLog()
-        self.started = 1 + secrets.randbelow(MAX_INT - 1)  # this process's (never checkpointed)
+        self.started = draw()  # this process's (never checkpointed)
         self.solved = 0  # samples the last solve was made from
         self.head: np.ndarray | None = None  # the last solve
         self.newcomer = False  # the last statistics admitted were their sender's first

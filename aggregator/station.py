@@ -165,13 +165,10 @@ class Station(StationResume, RoleBase[StationState]):
         return out
 
     def wakeup(self) -> float | None:
-        if self.roster.late.due_at is not None:
-            return self.roster.late.due_at  # (early: a tick before a deadline changes nothing)
-        if self.state in (_S.COLLECTING, _S.GATHERING):
-            return self.deadline
-        if self.state == _S.WAITING and self.weights is None:
-            return self.external.next_hello
-        return None
+        due = self.deadline if self.state in (_S.COLLECTING, _S.GATHERING) else \
+            self.external.next_hello if self.state == _S.WAITING and self.weights is None else None
+        late = self.roster.late.due_at  # whichever comes first
+        return due if late is None else late if due is None else min(due, late)
 
     def _handle(self, message: m.Message, now: float) -> list[m.Message]:
         if message.fleet != self.config.fleet:

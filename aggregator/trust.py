@@ -136,16 +136,14 @@ class SeenTotals:
 
     def __init__(self) -> None:
         self.of: dict[str, int] = {}  # in all: carried and current
-        self.current: dict[str, int] = {}
         self.carried: dict[str, int] = {}
         self._sorted: list[int] = []
 
     def set(self, device: str, total: int) -> None:
-        before = self.current.get(device)
-        if before is not None and total < before:
-            self.carried[device] = self.carried.get(device, 0) + before
-        self.current[device] = total
         if device in self.of:
+            carried = self.carried.get(device, 0)
+            if total < (before := self.of[device] - carried):  # it counts anew
+                self.carried[device] = carried + before
             del self._sorted[bisect.bisect_left(self._sorted, self.of[device])]
         self.of[device] = self.carried.get(device, 0) + total
         bisect.insort(self._sorted, self.of[device])

@@ -20,7 +20,12 @@ import secrets
 from . import messages as m
 from .fields import MAX_INT
 
-__all__ = ["SendLog", "Counted"]
+__all__ = ["SendLog", "Counted", "draw"]
+
+
+def draw() -> int:
+    """A random epoch or process mark, within what a frame's integer field carries."""
+    return 1 + secrets.randbelow(MAX_INT - 1)
 
 
 class SendLog:
@@ -31,7 +36,7 @@ class SendLog:
     KEEP_ROUNDS = 2
 
     def __init__(self, epoch: int = 0, upto: int = 0) -> None:
-        self.epoch = epoch or 1 + secrets.randbelow(MAX_INT - 1)
+        self.epoch = epoch or draw()
         self.upto = upto  # samples sent in this epoch
         self.kept: list[m.HeadStats] = []
         self._heard: tuple[int, int] | None = None  # the receiver's latest (round, iteration)

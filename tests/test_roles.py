@@ -990,3 +990,19 @@ def test_devices_coming_back_together_get_one_model_broadcast_a_second():
         st.handle(m.Presence(fleet="t", sender=f"d{k}", round=0, iteration=0, role="dev",
                              online=False), 4.0)
     assert sum(models(st.handle(_stats(f"d{k}"), 5.0)) for k in range(5)) == 1
+
+
+def test_a_late_joiners_owed_model_does_not_put_off_the_iteration_deadline():
+    """The station wakes for whichever comes first: its deadline or the model it owes late
+    joiners (the virtual clock jumps to ``wakeup``, a service sleeps until it)."""
+    st = _station(n=6, min_devices=2, iteration_timeout=0.5)
+    st.handle(_stats("d0"), 0.0)
+    st.handle(_stats("d1"), 0.0)
+    st.handle(m.GlobalModel(fleet="t", sender="cloud", round=0, iteration=0,
+                            weights=np.zeros(4), p_real=[0.5, 0.5]), 0.0)
+    st.handle(_stats("d2"), 0.1)
+    st.handle(_stats("d3"), 0.2)  # owed at 1.1
+    assert st.roster.late.due_at == pytest.approx(1.1) and st.deadline <= 0.5
+    assert st.wakeup() == st.deadline
+    st.tick(st.deadline)  # the next iteration's deadline is later than what is owed
+    assert st.wakeup() == pytest.approx(min(st.deadline, 1.1))
