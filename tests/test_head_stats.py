@@ -809,3 +809,26 @@ def test_a_station_back_at_the_same_iteration_gets_the_last_sends_again():
     assert sends.heard(3, 15, started=9) == [old, last]  # went back: resumed
     assert sends.heard(4, 20, started=9) == []
     assert sends.heard(4, 20, started=11) == [last]  # round 1's send is past keeping
+
+
+def test_a_send_at_the_count_already_counted_is_dropped_and_one_past_it_is_counted():
+    """The receiver's side, at its bound: a send whose running count equals the last one
+    counted in its epoch is a repeat; one sample past it is new; another epoch (a sender
+    restarted without its state) counts from zero; an unstamped send is always counted."""
+    from edge_client import messages as m
+    from edge_client.head_sends import Counted
+
+    def send(upto, epoch=5, sender="d0"):
+        return m.HeadStats(fleet="t", sender=sender, round=0, iteration=0, station="s",
+                           gram=np.zeros(0, np.float32), cross=np.zeros(0, np.float32),
+                           counts=np.array([1, 0]), upto=upto, epoch=epoch)
+
+    counted = Counted()
+    counted.note(send(40))
+    assert counted.already(send(40)) and counted.already(send(1))
+    assert not counted.already(send(41))
+    assert not counted.already(send(40, epoch=6))  # restarted: a new count
+    assert not counted.already(send(40, sender="d1"))  # another sender's count is its own
+    assert not counted.already(send(0, epoch=0))  # a sender before stamps
+    counted.note(send(0, epoch=0))
+    assert counted.through["d0"] == (5, 40)  # an unstamped send moves nothing
